@@ -1,0 +1,78 @@
+#!/usr/bin/env python3
+"""One entry point for a fresh clone: set up the environment, then run a task.
+
+    python3 dev.py demo [ARGS]   the main job on the embedded defaults (`hicache demo`)
+    python3 dev.py test [ARGS]   the test suite (pytest)
+    python3 dev.py lint          ruff and mypy, as CI runs them
+
+Set-up is idempotent: a virtual environment in `.venv/`, the CPU build of torch
+(`pip install torch==2.13.0`), then this package with its dev extras. A stamp file holds the
+hash of `pyproject.toml`, so later runs skip the install until the dependencies change.
+Only the standard library is used here: this must run before anything is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+STAMP = VENV / ".hicache-installed"
+TORCH_SPEC = "torch==2.13.0"
+
+
+def _venv_python() -> Path:
+    return VENV / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def _wanted_stamp() -> str:
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    return f"{TORCH_SPEC} {digest}"
+
+
+def _run(cmd: list[str | Path]) -> None:
+    print("+", " ".join(str(c) for c in cmd), flush=True)
+    subprocess.run([str(c) for c in cmd], check=True, cwd=ROOT)
+
+
+def ensure_env() -> Path:
+    python = _venv_python()
+    if not python.exists():
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    if STAMP.exists() and STAMP.read_text() == _wanted_stamp():
+        return python
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    _run([*pip, TORCH_SPEC])
+    _run([*pip, "-e", f"{ROOT}[dev]"])
+    STAMP.write_text(_wanted_stamp())
+    return python
+
+
+def main(argv: list[str]) -> int:
+    if not argv or argv[0] not in {"demo", "test", "lint", "setup"}:
+        print(__doc__, file=sys.stderr)
+        return 2
+    task, rest = argv[0], argv[1:]
+    python = ensure_env()
+    if task == "setup":
+        return 0
+    if task == "demo":
+        cmd = [python, "-m", "hicache", "demo", *rest]
+    elif task == "test":
+        cmd = [python, "-m", "pytest", *rest]
+    else:
+        code = subprocess.run([str(python), "-m", "ruff", "check", "."], cwd=ROOT).returncode
+        code |= subprocess.run([str(python), "-m", "ruff", "format", "--check", "."],
+                               cwd=ROOT).returncode
+        code |= subprocess.run([str(python), "-m", "mypy"], cwd=ROOT).returncode
+        return code
+    return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,1 @@
+"""The `hicache` command line."""

@@ -1,0 +1,128 @@
+"""`hicache` command line: argument parsing and dispatch only; each command's work lives in
+the package it belongs to. Errors from hicache print as one clear message and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from hicache.errors import HicacheError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    layout = sub.add_parser("layout", help="print a model's cache layout")
+    layout.add_argument("path", type=Path, help="config.json, or a YAML layer list or deployment")
+    layout.add_argument("--json", action="store_true", help="one JSON object (a stable contract)")
+    layout.add_argument("--start-layer", type=int, default=None)
+    layout.add_argument("--end-layer", type=int, default=None)
+
+    config = sub.add_parser("config", help="validate, show or describe deployment files")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    validate = config_sub.add_parser("validate", help="check a deployment file")
+    validate.add_argument("file", type=Path)
+    show = config_sub.add_parser("show", help="the effective config with each value's source")
+    show.add_argument("file", type=Path)
+    show.add_argument("--json", action="store_true")
+    config_sub.add_parser("schema", help="the deployment JSON Schema")
+
+    demo = sub.add_parser("demo", help="the main job on the embedded defaults")
+    demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "layout":
+            return cmd_layout(args)
+        if args.command == "config":
+            return cmd_config(args)
+        return cmd_demo(args)
+    except HicacheError as exc:
+        print(f"hicache: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ignore[no-untyped-def]
+    from hicache.config import load_deployment
+    from hicache.model import LayerMap, load_layout
+
+    if path.suffix in {".yaml", ".yml"}:
+        import yaml
+
+        try:
+            is_deployment = isinstance(data := yaml.safe_load(path.read_text()), dict) and (
+                "model" in data
+            )
+        except (OSError, yaml.YAMLError):
+            is_deployment = False
+        if is_deployment:
+            loaded = load_deployment(path)
+            layout = loaded.layout()
+            model = loaded.deployment.model
+            return LayerMap(
+                layout,
+                model.start_layer if start is None else start,
+                model.end_layer if end is None else end,
+            )
+    return LayerMap(load_layout(path), start or 0, end)
+
+
+def cmd_layout(args: argparse.Namespace) -> int:
+    from hicache.model.render import layout_json, layout_table
+
+    layer_map = _layer_map_for(args.path, args.start_layer, args.end_layer)
+    print(json.dumps(layout_json(layer_map)) if args.json else layout_table(layer_map))
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    from hicache.config import Deployment, load_deployment
+
+    if args.config_command == "schema":
+        print(json.dumps(Deployment.model_json_schema(), indent=2))
+        return 0
+    loaded = load_deployment(args.file)
+    layer_map = loaded.layer_map()
+    if args.config_command == "validate":
+        print(
+            f"{args.file}: ok ({layer_map.model_type}, {layer_map.layout.num_layers} layers, "
+            f"{len(layer_map.groups)} cache groups)"
+        )
+        return 0
+    rows = loaded.effective()
+    if args.json:
+        print(json.dumps([{"key": k, "value": v, "source": s} for k, v, s in rows]))
+        return 0
+    print(format_effective(rows))
+    return 0
+
+
+def format_effective(rows: list[tuple[str, object, str]]) -> str:
+    width = max(len(k) for k, _, _ in rows)
+    lines = []
+    for key, value, source in rows:
+        shown = json.dumps(value) if not isinstance(value, str) else value
+        lines.append(f"{key:<{width}}  {shown:<40}  # {source}")
+    return "\n".join(lines)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hicache.config import load_deployment
+    from hicache.model.render import layout_table
+
+    loaded = load_deployment(args.config)
+    print(f"== deployment {args.config}")
+    print(format_effective(loaded.effective()))
+    print()
+    print("== layout")
+    print(layout_table(loaded.layer_map()))
+    return 0

@@ -1,0 +1,122 @@
+"""The deployment schema: one pydantic model for everything a hicache process is told.
+
+Nested sections, `extra="forbid"` everywhere, units in field names, sizes as `"64GiB"`
+strings or byte counts, and strategies chosen by `Literal` names. `Deployment` is frozen once
+loaded; `loader.load_deployment` builds it from YAML plus `HICACHE_*` environment overrides.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SecretStr,
+    model_validator,
+)
+
+from hicache.config.errors import register_tags
+from hicache.config.sizes import format_bytes, parse_bytes
+from hicache.model.explicit import LayerEntry
+
+ByteSize = Annotated[
+    int,
+    BeforeValidator(parse_bytes),
+    PlainSerializer(format_bytes, return_type=str, when_used="json"),
+    Field(json_schema_extra={"examples": ["256MiB", 4096]}),
+]
+Dtype = Literal["bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(Section):
+    """The model whose KV hicache moves: a Hugging Face config.json, or an explicit list."""
+
+    config_path: Path | None = Field(
+        default=None, description="config.json of the checkpoint; relative to the YAML file"
+    )
+    model_type: str = Field(default="explicit", description="name for an explicit layer list")
+    layers: list[LayerEntry] | None = Field(default=None, description="explicit layer list")
+    dtype: Dtype = Field(default="bfloat16", description="KV cache dtype (fp8 stored as uint8)")
+    page_size_tokens: int = Field(default=16, ge=1, le=4096)
+    start_layer: int = Field(default=0, ge=0, description="first layer of this pipeline stage")
+    end_layer: int | None = Field(default=None, ge=1, description="end (exclusive) of the stage")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSection:
+        if (self.config_path is None) == (self.layers is None):
+            raise ValueError("give exactly one of config_path (a config.json) or layers")
+        return self
+
+
+class DeviceSection(Section):
+    """L1: the engine's pool. The demo allocates one of `pool_capacity_bytes` itself."""
+
+    kind: Literal["cpu", "cuda"] = "cpu"
+    index: int = Field(default=0, ge=0)
+    pool_capacity_bytes: ByteSize = Field(default=parse_bytes("64MiB"), gt=0)
+
+
+class HostSection(Section):
+    """L2: one preallocated, prefaulted host buffer per cache group, pinned when CUDA is used."""
+
+    capacity_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
+    layout: Literal["layer_first", "page_first"] = "layer_first"
+    pin_memory: Literal["auto", "always", "never"] = "auto"
+    pin_chunk_bytes: ByteSize = Field(default=parse_bytes("64GiB"), gt=0, le=parse_bytes("64GiB"))
+    prefault: bool = True
+
+
+class FileStorage(Section):
+    """L3 on a local directory: one object per page, atomic writes, survives restarts."""
+
+    kind: Literal["file"] = "file"
+    path: Path = Path(".hicache/l3")
+    capacity_bytes: ByteSize = Field(default=parse_bytes("1GiB"), gt=0)
+
+
+class NoStorage(Section):
+    """No L3: pages evicted from L2 are dropped."""
+
+    kind: Literal["none"]
+
+
+register_tags("file", "none")
+StorageSection = Annotated[FileStorage | NoStorage, Field(discriminator="kind")]
+
+
+class SchedulerSection(Section):
+    queue_depth: int = Field(default=64, ge=1, le=65536, description="ops waiting, at most")
+    inflight_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
+    op_timeout_s: float = Field(default=30.0, gt=0)
+    move_policy: Literal["hybrid", "full_attention_only"] = Field(
+        default="hybrid",
+        description="hybrid: every group moves what it needs; full_attention_only: the plain "
+        "is_full_attention_layer filter, for engines that recompute the rest",
+    )
+    counter_ring_size: int = Field(default=3, ge=1, le=64, description="loads in flight at once")
+
+
+class ServiceSection(Section):
+    socket_path: Path = Path(".hicache/engine.sock")
+    http_host: str = "127.0.0.1"
+    http_port: int = Field(default=9400, ge=0, le=65535)
+    token: SecretStr | None = Field(default=None, description="required when exposed beyond loopback")
+    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+
+
+class Deployment(Section):
+    model: ModelSection
+    device: DeviceSection = DeviceSection()
+    host: HostSection = HostSection()
+    storage: StorageSection = FileStorage()
+    scheduler: SchedulerSection = SchedulerSection()
+    service: ServiceSection = ServiceSection()

@@ -1,0 +1,230 @@
+"""Rules for softmax-attention families: full, sliding-window, chunked and KV-sharing layers.
+
+llama, mistral, ministral, qwen2/qwen3 (+moe), smollm3, mimo, glm4 (+moe), gemma2, gemma3,
+gemma3n, gemma4, cohere2, gpt_oss, llama4, exaone4, olmo3, minimax_m2.
+"""
+
+from __future__ import annotations
+
+from hicache.model.families import family
+from hicache.model.families.common import (
+    ConfigView,
+    attention,
+    every_nth,
+    full,
+    layers_from_types,
+    sliding,
+)
+from hicache.model.specs import CacheKind, LayerSpec
+
+FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
+
+
+def _full_or_sliding(cfg: ConfigView, types: list[str]) -> list[LayerSpec]:
+    return layers_from_types(
+        cfg, types, {FULL: lambda: (full(cfg),), SLIDING: lambda: (sliding(cfg),)}
+    )
+
+
+@family("llama", "glm", "glm4", "glm4_moe", "granite", "granitemoe", "olmo2", "phi3")
+def all_full(cfg: ConfigView) -> list[LayerSpec]:
+    """Every layer full attention; sliding fields, if any, are not used by these models."""
+    return _full_or_sliding(cfg, cfg.layer_types() or [FULL] * cfg.num_layers)
+
+
+@family("mistral", "ministral")
+def mistral(cfg: ConfigView) -> list[LayerSpec]:
+    """Mistral applies `sliding_window` (default 4096) to every layer; null means full."""
+    cfg = cfg.with_defaults({"sliding_window": 4096, "num_key_value_heads": 8})
+    types = cfg.layer_types()
+    if types is None:
+        types = [SLIDING if cfg.get("sliding_window") is not None else FULL] * cfg.num_layers
+    return _full_or_sliding(cfg, types)
+
+
+@family("qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "smollm3", "mimo")
+def qwen(cfg: ConfigView) -> list[LayerSpec]:
+    """Sliding only when `use_sliding_window`, and then only for layers >= max_window_layers."""
+    cfg = cfg.with_defaults({"use_sliding_window": False, "max_window_layers": 28})
+    types = cfg.layer_types()
+    if types is None:
+        use = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
+        first = cfg.int("max_window_layers", minimum=0)
+        types = [SLIDING if use and i >= first else FULL for i in range(cfg.num_layers)]
+    return _full_or_sliding(cfg, types)
+
+
+@family("gemma2")
+def gemma2(cfg: ConfigView) -> list[LayerSpec]:
+    """Alternating: even layers sliding (window 4096 by default), odd layers full."""
+    cfg = cfg.with_defaults({"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4})
+    return _full_or_sliding(cfg, cfg.layer_types() or every_nth(cfg.num_layers, 2, FULL, SLIDING))
+
+
+@family("gemma3", "gemma3_text")
+def gemma3(cfg: ConfigView) -> list[LayerSpec]:
+    """Every `sliding_window_pattern`-th layer (default 6) is full; the rest slide (4096)."""
+    cfg = cfg.with_defaults(
+        {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4,
+         "sliding_window_pattern": 6}
+    )
+    types = cfg.layer_types() or every_nth(
+        cfg.num_layers, cfg.int("sliding_window_pattern"), FULL, SLIDING
+    )
+    return _full_or_sliding(cfg, types)
+
+
+@family("cohere2")
+def cohere2(cfg: ConfigView) -> list[LayerSpec]:
+    """Every `sliding_window_pattern`-th layer (default 4) is full; the rest slide (4096)."""
+    cfg = cfg.with_defaults({"sliding_window": 4096, "sliding_window_pattern": 4})
+    types = cfg.layer_types() or every_nth(
+        cfg.num_layers, cfg.int("sliding_window_pattern"), FULL, SLIDING
+    )
+    return _full_or_sliding(cfg, types)
+
+
+@family("olmo3")
+def olmo3(cfg: ConfigView) -> list[LayerSpec]:
+    """Every 4th layer full, the rest sliding (window 4096 by default)."""
+    cfg = cfg.with_defaults({"sliding_window": 4096})
+    return _full_or_sliding(cfg, cfg.layer_types() or every_nth(cfg.num_layers, 4, FULL, SLIDING))
+
+
+@family("gpt_oss")
+def gpt_oss(cfg: ConfigView) -> list[LayerSpec]:
+    """Alternating sliding (window 128) and full, starting with sliding."""
+    cfg = cfg.with_defaults({"head_dim": 64, "sliding_window": 128, "num_key_value_heads": 8})
+    return _full_or_sliding(cfg, cfg.layer_types() or every_nth(cfg.num_layers, 2, FULL, SLIDING))
+
+
+@family("exaone4")
+def exaone4(cfg: ConfigView) -> list[LayerSpec]:
+    """`sliding_window_pattern` is an int n (every n-th layer full) or a string like 'LLLG'
+    repeated over the layers (L local/sliding, G global/full). No sliding_window: all full."""
+    cfg = cfg.with_defaults({"sliding_window": 4096, "sliding_window_pattern": 4})
+    types = cfg.layer_types()
+    if types is None:
+        n, pattern = cfg.num_layers, cfg.get("sliding_window_pattern")
+        if cfg.get("sliding_window") is None:
+            types = [FULL] * n
+        elif isinstance(pattern, str) and pattern and set(pattern) <= {"L", "G"}:
+            types = [SLIDING if pattern[i % len(pattern)] == "L" else FULL for i in range(n)]
+        elif isinstance(pattern, int) and not isinstance(pattern, bool) and pattern >= 1:
+            types = every_nth(n, pattern, FULL, SLIDING)
+        else:
+            raise cfg.error(
+                f"field 'sliding_window_pattern' is {pattern!r}; allowed: a positive integer "
+                "or a string of 'L' and 'G' such as 'LLLG'"
+            )
+    return _full_or_sliding(cfg, types)
+
+
+@family("llama4", "llama4_text")
+def llama4(cfg: ConfigView) -> list[LayerSpec]:
+    """RoPE layers use chunked attention (`attention_chunk_size`); every
+    `no_rope_layer_interval`-th layer (default 4) is a NoPE layer with full attention.
+    `no_rope_layers[i]` is 1 for a RoPE (chunked) layer; an empty list means the default."""
+    cfg = cfg.with_defaults(
+        {"head_dim": 128, "num_key_value_heads": 8, "attention_chunk_size": 8192,
+         "no_rope_layer_interval": 4}
+    )
+    n = cfg.num_layers
+    types = cfg.layer_types()
+    if types is None:
+        use_rope = cfg.int_list("no_rope_layers") or every_nth(
+            n, cfg.int("no_rope_layer_interval"), 0, 1
+        )
+        cfg.per_layer("no_rope_layers", n, use_rope)
+        chunked = cfg.get("attention_chunk_size") is not None
+        types = [CHUNKED if rope and chunked else FULL for rope in use_rope]
+    return layers_from_types(
+        cfg,
+        types,
+        {
+            FULL: lambda: (full(cfg),),
+            CHUNKED: lambda: (
+                attention(cfg, CacheKind.CHUNKED, chunk=cfg.int("attention_chunk_size")),
+            ),
+        },
+    )
+
+
+@family("minimax_m2")
+def minimax_m2(cfg: ConfigView) -> list[LayerSpec]:
+    """MiniMax-M2 dropped lightning attention: every layer is full softmax attention
+    (an `attn_type_list`, when present, must then be all 1)."""
+    types = cfg.int_list("attn_type_list")
+    if types is not None and any(t != 1 for t in types):
+        raise cfg.error(
+            f"attn_type_list {types!r} has linear layers (0); minimax_m2 allows only 1 (full); "
+            "use model_type 'minimax' for hybrid lightning-attention checkpoints"
+        )
+    return _full_or_sliding(cfg, [FULL] * cfg.num_layers)
+
+
+def _kv_shared(cfg: ConfigView, types: list[str], layers: list[LayerSpec]) -> list[LayerSpec]:
+    """Gemma 3n / 4 KV sharing: the last `num_kv_shared_layers` layers own no KV and read the
+    KV of the last earlier, non-shared layer of the same attention type."""
+    shared = cfg.int("num_kv_shared_layers", minimum=0)
+    first_shared = len(types) - shared
+    if shared == 0:
+        return layers
+    if first_shared <= 0:
+        raise cfg.error(
+            f"num_kv_shared_layers is {shared} with {len(types)} layers; allowed: 0..{len(types) - 1}"
+        )
+    out = list(layers[:first_shared])
+    prefix = types[:first_shared]
+    for layer_id in range(first_shared, len(types)):
+        kind = types[layer_id]
+        if kind not in prefix:
+            raise cfg.error(
+                f"layer {layer_id} is a KV-sharing {kind} layer but no earlier layer has that type"
+            )
+        source = len(prefix) - 1 - prefix[::-1].index(kind)
+        out.append(LayerSpec(layer_id, (), reuses=source))
+    return out
+
+
+@family("gemma3n", "gemma3n_text")
+def gemma3n(cfg: ConfigView) -> list[LayerSpec]:
+    """Every 5th layer full, the rest sliding (window 512); the last 15 layers share KV."""
+    cfg = cfg.with_defaults(
+        {"head_dim": 256, "sliding_window": 512, "num_key_value_heads": 2,
+         "num_kv_shared_layers": 15}
+    )
+    types = cfg.layer_types() or every_nth(cfg.num_layers, 5, FULL, SLIDING)
+    return _kv_shared(cfg, types, _full_or_sliding(cfg, types))
+
+
+@family("gemma4", "gemma4_text")
+def gemma4(cfg: ConfigView) -> list[LayerSpec]:
+    """Sliding layers use `num_key_value_heads` x `head_dim`; full layers use
+    `num_global_key_value_heads` x `global_head_dim`, with K doubling as V when
+    `attention_k_eq_v`. Every 6th layer full by default; tail layers may share KV."""
+    cfg = cfg.with_defaults(
+        {"head_dim": 256, "global_head_dim": 512, "sliding_window": 1024,
+         "sliding_window_pattern": 6, "num_kv_shared_layers": 0, "attention_k_eq_v": False}
+    )
+    types = cfg.layer_types() or every_nth(
+        cfg.num_layers, cfg.int("sliding_window_pattern"), FULL, SLIDING
+    )
+    global_heads = cfg.opt_int("num_global_key_value_heads") or cfg.kv_heads
+    layers = layers_from_types(
+        cfg,
+        types,
+        {
+            SLIDING: lambda: (sliding(cfg),),
+            FULL: lambda: (
+                attention(
+                    cfg,
+                    CacheKind.FULL,
+                    kv_heads=global_heads,
+                    head_dim=cfg.int("global_head_dim"),
+                    k_is_v=bool(cfg.get("attention_k_eq_v")),
+                ),
+            ),
+        },
+    )
+    return _kv_shared(cfg, types, layers)

@@ -1,0 +1,30 @@
+"""Rules for MLA families: DeepSeek-V2/V3 (Kimi-K2) and the DSA sparse families
+DeepSeek-V3.2 and GLM-5 (`glm_moe_dsa`).
+
+MLA caches one latent per token: `kv_lora_rank + qk_rope_head_dim` wide (576 for V3).
+DeepSeek Sparse Attention keeps the MLA latent plus an indexer key per token
+(`index_head_dim`, 128), and no indexer value. MTP layers (`num_nextn_predict_layers`) are
+not decoder layers of the main model and are not in the layout.
+"""
+
+from __future__ import annotations
+
+from hicache.model.families import family
+from hicache.model.families.common import ConfigView, mla
+from hicache.model.specs import CacheKind, IndexSpec, LayerSpec
+
+_MLA_DEFAULTS = {"kv_lora_rank": 512, "qk_rope_head_dim": 64}
+
+
+@family("deepseek_v3", "deepseek_v2", "kimi_k2")
+def deepseek_mla(cfg: ConfigView) -> list[LayerSpec]:
+    cfg = cfg.with_defaults(_MLA_DEFAULTS)
+    spec = mla(cfg)
+    return [LayerSpec(i, (spec,)) for i in range(cfg.num_layers)]
+
+
+@family("deepseek_v32", "glm_moe_dsa")
+def deepseek_sparse(cfg: ConfigView) -> list[LayerSpec]:
+    cfg = cfg.with_defaults({**_MLA_DEFAULTS, "index_head_dim": 128})
+    spec = mla(cfg, CacheKind.SPARSE, IndexSpec(head_dim=cfg.int("index_head_dim")))
+    return [LayerSpec(i, (spec,)) for i in range(cfg.num_layers)]

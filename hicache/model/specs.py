@@ -1,0 +1,147 @@
+"""Typed records of what each layer caches: `CacheKind`, `CacheSpec`, `LayerSpec`.
+
+Built once by a family rule (hf_config / explicit) and never mutated. A `CacheSpec` is the
+geometry of one cache a layer owns; layers with equal specs share a cache group. Token caches
+(full / sliding / chunked / sparse) hold per-token tensors; state caches (linear / mamba /
+conv) hold one fixed-size snapshot per request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class CacheKind(StrEnum):
+    FULL = "full"
+    SLIDING = "sliding"
+    CHUNKED = "chunked"
+    SPARSE = "sparse"
+    LINEAR = "linear"
+    MAMBA = "mamba"
+    CONV = "conv"
+
+    @property
+    def is_token_cache(self) -> bool:
+        """True for caches that grow with the sequence (paged by tokens)."""
+        return self in _TOKEN_KINDS
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self]
+
+
+_TOKEN_KINDS = frozenset({CacheKind.FULL, CacheKind.SLIDING, CacheKind.CHUNKED, CacheKind.SPARSE})
+_DESCRIPTIONS = {
+    CacheKind.FULL: "full-attention",
+    CacheKind.SLIDING: "sliding-window",
+    CacheKind.CHUNKED: "chunked-attention",
+    CacheKind.SPARSE: "sparse-attention",
+    CacheKind.LINEAR: "linear-attention",
+    CacheKind.MAMBA: "mamba",
+    CacheKind.CONV: "short-conv",
+}
+
+
+class KvFormat(StrEnum):
+    MHA = "mha"  # separate K and V per KV head
+    MLA = "mla"  # one compressed latent per token (kv_lora_rank + rope dims)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSpec:
+    """The side cache a sparse-attention layer keeps for its top-k indexer."""
+
+    head_dim: int
+    has_v: bool = False  # index K only (DeepSeek-V3.2 style) or index K+V
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSpec:
+    """One cache's kind and geometry. Equal specs share a group (and a pool)."""
+
+    kind: CacheKind
+    kv_format: KvFormat | None = None
+    num_kv_heads: int | None = None
+    head_dim: int | None = None  # K head dim; the latent width for MLA
+    v_head_dim: int | None = None  # None: no separate V (MLA latent, or K doubles as V)
+    window_tokens: int | None = None
+    chunk_tokens: int | None = None
+    index: IndexSpec | None = None
+    # state caches: named tensor shapes of one request's snapshot, e.g. ("ssm", (128, 64, 128))
+    state_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=())
+
+    def token_tensors(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """Per-token tensors of a token cache, as (name, shape of one token)."""
+        if not self.kind.is_token_cache:
+            return ()
+        assert self.num_kv_heads is not None and self.head_dim is not None
+        if self.kv_format is KvFormat.MLA:
+            out: list[tuple[str, tuple[int, ...]]] = [("kv", (1, self.head_dim))]
+        else:
+            out = [("k", (self.num_kv_heads, self.head_dim))]
+            if self.v_head_dim is not None:
+                out.append(("v", (self.num_kv_heads, self.v_head_dim)))
+        if self.index is not None:
+            out.append(("index_k", (1, self.index.head_dim)))
+            if self.index.has_v:
+                out.append(("index_v", (1, self.index.head_dim)))
+        return tuple(out)
+
+    def describe(self) -> str:
+        """Human words for error messages: 'sliding-window layer (window 1024)'."""
+        extra = ""
+        if self.window_tokens is not None:
+            extra = f" (window {self.window_tokens})"
+        elif self.chunk_tokens is not None:
+            extra = f" (chunk {self.chunk_tokens})"
+        elif self.kv_format is KvFormat.MLA:
+            extra = " (MLA)"
+        return f"{self.kind.description} layer{extra}"
+
+    def to_json(self) -> dict[str, object]:
+        out: dict[str, object] = {"kind": self.kind.value}
+        if self.kind.is_token_cache:
+            out |= {
+                "kv_format": self.kv_format.value if self.kv_format else None,
+                "kv_heads": self.num_kv_heads,
+                "head_dim": self.head_dim,
+                "v_head_dim": self.v_head_dim,
+            }
+        if self.window_tokens is not None:
+            out["window_tokens"] = self.window_tokens
+        if self.chunk_tokens is not None:
+            out["chunk_tokens"] = self.chunk_tokens
+        if self.index is not None:
+            out["index"] = {"head_dim": self.index.head_dim, "has_v": self.index.has_v}
+        if self.state_shapes:
+            out["state_shapes"] = {name: list(shape) for name, shape in self.state_shapes}
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class LayerSpec:
+    """One decoder layer: the caches it owns (0, 1 or 2), or the layer whose KV it reads."""
+
+    layer_id: int
+    caches: tuple[CacheSpec, ...] = ()
+    reuses: int | None = None
+
+    @property
+    def kinds(self) -> tuple[CacheKind, ...]:
+        return tuple(sorted((c.kind for c in self.caches), key=lambda k: k.value))
+
+    def cache_of(self, kind: CacheKind) -> CacheSpec | None:
+        for cache in self.caches:
+            if cache.kind is kind:
+                return cache
+        return None
+
+    def describe(self) -> str:
+        if self.reuses is not None:
+            return f"a KV-sharing layer that reads layer {self.reuses}'s cache"
+        if not self.caches:
+            return "a layer with no cache (MLP/MoE only)"
+        parts = [c.describe() for c in self.caches]
+        article = "an" if parts[0][0] in "aeiou" else "a"
+        return f"{article} " + " plus ".join(parts)
