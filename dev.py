@@ -67,8 +67,9 @@ def main(argv: list[str]) -> int:
         cmd = [python, "-m", "pytest", *rest]
     else:
         code = subprocess.run([str(python), "-m", "ruff", "check", "."], cwd=ROOT).returncode
-        code |= subprocess.run([str(python), "-m", "ruff", "format", "--check", "."],
-                               cwd=ROOT).returncode
+        code |= subprocess.run(
+            [str(python), "-m", "ruff", "format", "--check", "."], cwd=ROOT
+        ).returncode
         code |= subprocess.run([str(python), "-m", "mypy"], cwd=ROOT).returncode
         return code
     return subprocess.run([str(c) for c in cmd], cwd=ROOT).returncode

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.errors import HicacheError
@@ -106,7 +107,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_effective(rows: list[tuple[str, object, str]]) -> str:
+def format_effective(rows: Sequence[tuple[str, object, str]]) -> str:
     width = max(len(k) for k, _, _ in rows)
     lines = []
     for key, value, source in rows:

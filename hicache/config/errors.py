@@ -78,7 +78,9 @@ def format_validation_error(
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             allowed = allowed_keys(root, loc[:-1]) if root is not None else []
-            message = "unknown key" + (f"; allowed keys here: {', '.join(allowed)}" if allowed else "")
+            message = "unknown key" + (
+                f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
+            )
             lines.append(f"{source}: {key}: {message}{origin}")
             continue
         got = err.get("input")

@@ -74,7 +74,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
     for name, raw in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
             continue
-        parts = name[len(ENV_PREFIX):].lower().split("__")
+        parts = name[len(ENV_PREFIX) :].lower().split("__")
         if not all(parts):
             raise ConfigError(
                 f"environment variable {name}: empty key part; write levels as "

@@ -109,7 +109,9 @@ class ServiceSection(Section):
     socket_path: Path = Path(".hicache/engine.sock")
     http_host: str = "127.0.0.1"
     http_port: int = Field(default=9400, ge=0, le=65535)
-    token: SecretStr | None = Field(default=None, description="required when exposed beyond loopback")
+    token: SecretStr | None = Field(
+        default=None, description="required when exposed beyond loopback"
+    )
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
 
 

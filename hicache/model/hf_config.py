@@ -80,7 +80,7 @@ def _generic(cfg: ConfigView) -> list[LayerSpec]:
                 "full_attention": lambda: (full(cfg),),
                 "sliding_attention": lambda: (sliding(cfg),),
                 "chunked_attention": lambda: (
-                    attention(cfg, CacheKind.CHUNKED, chunk=cfg.int("attention_chunk_size")),
+                    attention(cfg, CacheKind.CHUNKED, chunk=cfg.req_int("attention_chunk_size")),
                 ),
             },
         )

@@ -184,8 +184,10 @@ class LayerMap:
         return any(c.index is not None and c.index.has_v for c in self.layer(layer_id).caches)
 
     def is_mla_layer(self, layer_id: int) -> bool:
-        return any(c.kv_format is not None and c.kv_format.value == "mla"
-                   for c in self.layer(layer_id).caches)
+        return any(
+            c.kv_format is not None and c.kv_format.value == "mla"
+            for c in self.layer(layer_id).caches
+        )
 
     def is_kv_shared_layer(self, layer_id: int) -> bool:
         return self.layer(layer_id).reuses is not None

@@ -68,7 +68,12 @@ def layout_json(layer_map: LayerMap) -> dict[str, Any]:
         "layers": layers,
         "full_attention_layer_ids": in_stage,
         "groups": [
-            {"name": g.name, "kind": g.kind.value, "layer_ids": list(g.layer_ids), **g.spec.to_json()}
+            {
+                "name": g.name,
+                "kind": g.kind.value,
+                "layer_ids": list(g.layer_ids),
+                **g.spec.to_json(),
+            }
             for g in layer_map.groups
         ],
         "pattern": pattern_line([layout.layers[i] for i in layer_map.stage_layer_ids]),
@@ -123,9 +128,7 @@ def layout_table(layer_map: LayerMap) -> str:
         detail = layer.describe() if layer.caches or layer.reuses is not None else "no cache"
         local = "" if row["local_id"] is None else str(row["local_id"])
         kinds = "+".join(row["kinds"]) or "-"
-        lines.append(
-            f"{row['id']:>4}  {kinds:<14} {row['group'] or '-':<12} {local:>5}  {detail}"
-        )
+        lines.append(f"{row['id']:>4}  {kinds:<14} {row['group'] or '-':<12} {local:>5}  {detail}")
     lines.append("")
     lines.append("groups:")
     for g in data["groups"]:

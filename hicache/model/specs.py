@@ -75,7 +75,8 @@ class CacheSpec:
         """Per-token tensors of a token cache, as (name, shape of one token)."""
         if not self.kind.is_token_cache:
             return ()
-        assert self.num_kv_heads is not None and self.head_dim is not None
+        assert self.num_kv_heads is not None
+        assert self.head_dim is not None
         if self.kv_format is KvFormat.MLA:
             out: list[tuple[str, tuple[int, ...]]] = [("kv", (1, self.head_dim))]
         else:

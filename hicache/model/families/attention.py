@@ -49,7 +49,7 @@ def qwen(cfg: ConfigView) -> list[LayerSpec]:
     types = cfg.layer_types()
     if types is None:
         use = bool(cfg.get("use_sliding_window")) and cfg.get("sliding_window") is not None
-        first = cfg.int("max_window_layers", minimum=0)
+        first = cfg.req_int("max_window_layers", minimum=0)
         types = [SLIDING if use and i >= first else FULL for i in range(cfg.num_layers)]
     return _full_or_sliding(cfg, types)
 
@@ -65,11 +65,15 @@ def gemma2(cfg: ConfigView) -> list[LayerSpec]:
 def gemma3(cfg: ConfigView) -> list[LayerSpec]:
     """Every `sliding_window_pattern`-th layer (default 6) is full; the rest slide (4096)."""
     cfg = cfg.with_defaults(
-        {"head_dim": 256, "sliding_window": 4096, "num_key_value_heads": 4,
-         "sliding_window_pattern": 6}
+        {
+            "head_dim": 256,
+            "sliding_window": 4096,
+            "num_key_value_heads": 4,
+            "sliding_window_pattern": 6,
+        }
     )
     types = cfg.layer_types() or every_nth(
-        cfg.num_layers, cfg.int("sliding_window_pattern"), FULL, SLIDING
+        cfg.num_layers, cfg.req_int("sliding_window_pattern"), FULL, SLIDING
     )
     return _full_or_sliding(cfg, types)
 
@@ -79,7 +83,7 @@ def cohere2(cfg: ConfigView) -> list[LayerSpec]:
     """Every `sliding_window_pattern`-th layer (default 4) is full; the rest slide (4096)."""
     cfg = cfg.with_defaults({"sliding_window": 4096, "sliding_window_pattern": 4})
     types = cfg.layer_types() or every_nth(
-        cfg.num_layers, cfg.int("sliding_window_pattern"), FULL, SLIDING
+        cfg.num_layers, cfg.req_int("sliding_window_pattern"), FULL, SLIDING
     )
     return _full_or_sliding(cfg, types)
 
@@ -126,14 +130,18 @@ def llama4(cfg: ConfigView) -> list[LayerSpec]:
     `no_rope_layer_interval`-th layer (default 4) is a NoPE layer with full attention.
     `no_rope_layers[i]` is 1 for a RoPE (chunked) layer; an empty list means the default."""
     cfg = cfg.with_defaults(
-        {"head_dim": 128, "num_key_value_heads": 8, "attention_chunk_size": 8192,
-         "no_rope_layer_interval": 4}
+        {
+            "head_dim": 128,
+            "num_key_value_heads": 8,
+            "attention_chunk_size": 8192,
+            "no_rope_layer_interval": 4,
+        }
     )
     n = cfg.num_layers
     types = cfg.layer_types()
     if types is None:
         use_rope = cfg.int_list("no_rope_layers") or every_nth(
-            n, cfg.int("no_rope_layer_interval"), 0, 1
+            n, cfg.req_int("no_rope_layer_interval"), 0, 1
         )
         cfg.per_layer("no_rope_layers", n, use_rope)
         chunked = cfg.get("attention_chunk_size") is not None
@@ -144,7 +152,7 @@ def llama4(cfg: ConfigView) -> list[LayerSpec]:
         {
             FULL: lambda: (full(cfg),),
             CHUNKED: lambda: (
-                attention(cfg, CacheKind.CHUNKED, chunk=cfg.int("attention_chunk_size")),
+                attention(cfg, CacheKind.CHUNKED, chunk=cfg.req_int("attention_chunk_size")),
             ),
         },
     )
@@ -166,13 +174,14 @@ def minimax_m2(cfg: ConfigView) -> list[LayerSpec]:
 def _kv_shared(cfg: ConfigView, types: list[str], layers: list[LayerSpec]) -> list[LayerSpec]:
     """Gemma 3n / 4 KV sharing: the last `num_kv_shared_layers` layers own no KV and read the
     KV of the last earlier, non-shared layer of the same attention type."""
-    shared = cfg.int("num_kv_shared_layers", minimum=0)
+    shared = cfg.req_int("num_kv_shared_layers", minimum=0)
     first_shared = len(types) - shared
     if shared == 0:
         return layers
     if first_shared <= 0:
         raise cfg.error(
-            f"num_kv_shared_layers is {shared} with {len(types)} layers; allowed: 0..{len(types) - 1}"
+            f"num_kv_shared_layers is {shared} with {len(types)} layers; "
+            f"allowed: 0..{len(types) - 1}"
         )
     out = list(layers[:first_shared])
     prefix = types[:first_shared]
@@ -191,8 +200,12 @@ def _kv_shared(cfg: ConfigView, types: list[str], layers: list[LayerSpec]) -> li
 def gemma3n(cfg: ConfigView) -> list[LayerSpec]:
     """Every 5th layer full, the rest sliding (window 512); the last 15 layers share KV."""
     cfg = cfg.with_defaults(
-        {"head_dim": 256, "sliding_window": 512, "num_key_value_heads": 2,
-         "num_kv_shared_layers": 15}
+        {
+            "head_dim": 256,
+            "sliding_window": 512,
+            "num_key_value_heads": 2,
+            "num_kv_shared_layers": 15,
+        }
     )
     types = cfg.layer_types() or every_nth(cfg.num_layers, 5, FULL, SLIDING)
     return _kv_shared(cfg, types, _full_or_sliding(cfg, types))
@@ -204,11 +217,17 @@ def gemma4(cfg: ConfigView) -> list[LayerSpec]:
     `num_global_key_value_heads` x `global_head_dim`, with K doubling as V when
     `attention_k_eq_v`. Every 6th layer full by default; tail layers may share KV."""
     cfg = cfg.with_defaults(
-        {"head_dim": 256, "global_head_dim": 512, "sliding_window": 1024,
-         "sliding_window_pattern": 6, "num_kv_shared_layers": 0, "attention_k_eq_v": False}
+        {
+            "head_dim": 256,
+            "global_head_dim": 512,
+            "sliding_window": 1024,
+            "sliding_window_pattern": 6,
+            "num_kv_shared_layers": 0,
+            "attention_k_eq_v": False,
+        }
     )
     types = cfg.layer_types() or every_nth(
-        cfg.num_layers, cfg.int("sliding_window_pattern"), FULL, SLIDING
+        cfg.num_layers, cfg.req_int("sliding_window_pattern"), FULL, SLIDING
     )
     global_heads = cfg.opt_int("num_global_key_value_heads") or cfg.kv_heads
     layers = layers_from_types(
@@ -221,7 +240,7 @@ def gemma4(cfg: ConfigView) -> list[LayerSpec]:
                     cfg,
                     CacheKind.FULL,
                     kv_heads=global_heads,
-                    head_dim=cfg.int("global_head_dim"),
+                    head_dim=cfg.req_int("global_head_dim"),
                     k_is_v=bool(cfg.get("attention_k_eq_v")),
                 ),
             ),

@@ -44,7 +44,7 @@ class ConfigView:
     def has(self, key: str) -> bool:
         return self.data.get(key) is not None
 
-    def int(self, key: str, *, minimum: int = 1) -> int:
+    def req_int(self, key: str, *, minimum: int = 1) -> int:
         value = self.get(key)
         if value is None:
             raise self.error(f"field {key!r} is missing; an integer >= {minimum} is required")
@@ -55,7 +55,7 @@ class ConfigView:
     def opt_int(self, key: str, *, minimum: int = 1) -> int | None:
         if self.get(key) is None:
             return None
-        return self.int(key, minimum=minimum)
+        return self.req_int(key, minimum=minimum)
 
     def int_list(self, key: str) -> list[int] | None:
         value = self.get(key)
@@ -77,23 +77,23 @@ class ConfigView:
 
     @property
     def num_layers(self) -> int:
-        return self.int("num_hidden_layers")
+        return self.req_int("num_hidden_layers")
 
     @property
     def num_heads(self) -> int:
-        return self.int("num_attention_heads")
+        return self.req_int("num_attention_heads")
 
     @property
     def kv_heads(self) -> int:
         if self.get("num_key_value_heads") is None:
             return self.num_heads
-        return self.int("num_key_value_heads")
+        return self.req_int("num_key_value_heads")
 
     @property
     def head_dim(self) -> int:
         if self.get("head_dim") is None:
-            return self.int("hidden_size") // self.num_heads
-        return self.int("head_dim")
+            return self.req_int("hidden_size") // self.num_heads
+        return self.req_int("head_dim")
 
     def per_layer(self, key: str, length: int, values: Sequence[Any]) -> None:
         if len(values) != length:
@@ -140,11 +140,13 @@ def full(cfg: ConfigView) -> CacheSpec:
 
 
 def sliding(cfg: ConfigView, window_key: str = "sliding_window") -> CacheSpec:
-    return attention(cfg, CacheKind.SLIDING, window=cfg.int(window_key))
+    return attention(cfg, CacheKind.SLIDING, window=cfg.req_int(window_key))
 
 
-def mla(cfg: ConfigView, kind: CacheKind = CacheKind.FULL, index: IndexSpec | None = None) -> CacheSpec:
-    latent = cfg.int("kv_lora_rank") + cfg.int("qk_rope_head_dim", minimum=0)
+def mla(
+    cfg: ConfigView, kind: CacheKind = CacheKind.FULL, index: IndexSpec | None = None
+) -> CacheSpec:
+    latent = cfg.req_int("kv_lora_rank") + cfg.req_int("qk_rope_head_dim", minimum=0)
     return CacheSpec(
         kind=kind, kv_format=KvFormat.MLA, num_kv_heads=1, head_dim=latent, index=index
     )
@@ -169,12 +171,12 @@ def mamba2(
 
 def gated_delta_net(cfg: ConfigView) -> CacheSpec:
     """Qwen3-Next / Qwen3.5 linear attention: a causal conv over q,k,v plus a delta-rule state."""
-    k_heads, v_heads = cfg.int("linear_num_key_heads"), cfg.int("linear_num_value_heads")
-    k_dim, v_dim = cfg.int("linear_key_head_dim"), cfg.int("linear_value_head_dim")
+    k_heads, v_heads = cfg.req_int("linear_num_key_heads"), cfg.req_int("linear_num_value_heads")
+    k_dim, v_dim = cfg.req_int("linear_key_head_dim"), cfg.req_int("linear_value_head_dim")
     conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
     return state(
         CacheKind.LINEAR,
-        ("conv", (conv_dim, cfg.int("linear_conv_kernel_dim") - 1)),
+        ("conv", (conv_dim, cfg.req_int("linear_conv_kernel_dim") - 1)),
         ("recurrent", (v_heads, k_dim, v_dim)),
     )
 

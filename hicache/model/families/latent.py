@@ -26,5 +26,5 @@ def deepseek_mla(cfg: ConfigView) -> list[LayerSpec]:
 @family("deepseek_v32", "glm_moe_dsa")
 def deepseek_sparse(cfg: ConfigView) -> list[LayerSpec]:
     cfg = cfg.with_defaults({**_MLA_DEFAULTS, "index_head_dim": 128})
-    spec = mla(cfg, CacheKind.SPARSE, IndexSpec(head_dim=cfg.int("index_head_dim")))
+    spec = mla(cfg, CacheKind.SPARSE, IndexSpec(head_dim=cfg.req_int("index_head_dim")))
     return [LayerSpec(i, (spec,)) for i in range(cfg.num_layers)]

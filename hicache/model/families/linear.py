@@ -26,12 +26,18 @@ FULL, LINEAR = "full_attention", "linear_attention"
 def qwen3_next(cfg: ConfigView) -> list[LayerSpec]:
     """Every `full_attention_interval`-th layer (default 4) full; the rest gated delta net."""
     cfg = cfg.with_defaults(
-        {"head_dim": 256, "full_attention_interval": 4, "linear_conv_kernel_dim": 4,
-         "linear_key_head_dim": 128, "linear_value_head_dim": 128,
-         "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+        {
+            "head_dim": 256,
+            "full_attention_interval": 4,
+            "linear_conv_kernel_dim": 4,
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32,
+        }
     )
     types = cfg.layer_types() or every_nth(
-        cfg.num_layers, cfg.int("full_attention_interval"), FULL, LINEAR
+        cfg.num_layers, cfg.req_int("full_attention_interval"), FULL, LINEAR
     )
     return layers_from_types(
         cfg, types, {FULL: lambda: (full(cfg),), LINEAR: lambda: (gated_delta_net(cfg),)}
@@ -82,8 +88,8 @@ def kimi_linear(cfg: ConfigView) -> list[LayerSpec]:
             "linear_attn_config.full_attn_layers and kda_layers must be disjoint 1-based layer "
             f"numbers in 1..{n}"
         )
-    heads, dim = sub.int("num_heads"), sub.int("head_dim")
-    kernel = sub.int("short_conv_kernel_size")
+    heads, dim = sub.req_int("num_heads"), sub.req_int("head_dim")
+    kernel = sub.req_int("short_conv_kernel_size")
     kda = state(
         CacheKind.LINEAR,
         ("conv_q", (heads * dim, kernel - 1)),
@@ -107,5 +113,7 @@ def lfm2(cfg: ConfigView) -> list[LayerSpec]:
     if types is None:
         idxs = set(cfg.int_list("full_attn_idxs") or [])
         types = [FULL if i in idxs else "conv" for i in range(cfg.num_layers)]
-    conv = state(CacheKind.CONV, ("conv", (cfg.int("hidden_size"), cfg.int("conv_L_cache"))))
+    conv = state(
+        CacheKind.CONV, ("conv", (cfg.req_int("hidden_size"), cfg.req_int("conv_L_cache")))
+    )
     return layers_from_types(cfg, types, {FULL: lambda: (full(cfg),), "conv": lambda: (conv,)})

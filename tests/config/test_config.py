@@ -1,0 +1,195 @@
+"""Deployment config: every file in configs/, environment overrides, sources, and messages."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hicache.config import Deployment, format_bytes, load_deployment, parse_bytes
+from hicache.errors import ConfigError
+from tests.conftest import CONFIGS
+
+
+@pytest.mark.parametrize("path", sorted(CONFIGS.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_loads_with_its_layout(path: Path) -> None:
+    loaded = load_deployment(path, env={})
+    layer_map = loaded.layer_map()
+    assert layer_map.groups
+    assert (
+        loaded.deployment.model.config_path is None or loaded.deployment.model.config_path.exists()
+    )
+
+
+def test_default_config_is_cpu_with_small_host_tier_and_file_l3() -> None:
+    d = load_deployment(CONFIGS / "default.yaml", env={}).deployment
+    assert d.device.kind == "cpu"
+    assert 64 * 2**20 <= d.host.capacity_bytes <= 1024 * 2**20
+    assert d.storage.kind == "file"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    (tmp_path / "model.json").write_text(
+        json.dumps(
+            {
+                "model_type": "gpt_oss",
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "head_dim": 64,
+                "sliding_window": 128,
+            }
+        )
+    )
+    path = tmp_path / "deploy.yaml"
+    path.write_text(text)
+    return path
+
+
+BASE = "model:\n  config_path: model.json\n"
+
+
+def test_env_overrides_and_sources(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "host:\n  capacity_bytes: 128MiB\n")
+    loaded = load_deployment(
+        path,
+        env={
+            "HICACHE_SCHEDULER__QUEUE_DEPTH": "8",
+            "HICACHE_HOST__LAYOUT": "page_first",
+            "PATH": "/bin",
+        },
+    )
+    d = loaded.deployment
+    assert d.scheduler.queue_depth == 8
+    assert d.host.layout == "page_first"
+    assert d.host.capacity_bytes == 128 * 2**20
+    assert d.model.config_path == tmp_path / "model.json"  # relative to the YAML file
+    sources = {key: source for key, _, source in loaded.effective()}
+    assert sources["scheduler.queue_depth"] == "environment"
+    assert sources["host.capacity_bytes"] == "file"
+    assert sources["host.prefault"] == "default"
+    values = {key: value for key, value, _ in loaded.effective()}
+    assert values["host.capacity_bytes"] == "128MiB"
+
+
+def test_secret_token_is_redacted(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "service:\n  token: hunter2\n")
+    loaded = load_deployment(path, env={})
+    assert loaded.deployment.service.token is not None
+    assert loaded.deployment.service.token.get_secret_value() == "hunter2"
+    assert "hunter2" not in json.dumps(loaded.effective())
+
+
+@pytest.mark.parametrize(
+    ("text", "env", "pattern"),
+    [
+        (
+            BASE + "host:\n  capasity_bytes: 1GiB\n",
+            {},
+            r"{f}: host\.capasity_bytes: unknown key; allowed keys here: capacity_bytes, layout, "
+            r"pin_chunk_bytes, pin_memory, prefault$",
+        ),
+        (
+            BASE + "host:\n  capacity_bytes: 12 parsecs\n",
+            {},
+            r"{f}: host\.capacity_bytes: '12 parsecs' is not a size; allowed: a byte count such as "
+            r"4096, or a number with B, KB, MB, GB, TB, KiB, MiB, GiB or TiB \(got '12 parsecs'\)$",
+        ),
+        (
+            BASE + "host:\n  layout: sideways\n",
+            {},
+            r"{f}: host\.layout: Input should be 'layer_first' or 'page_first' \(got 'sideways'\)$",
+        ),
+        (
+            BASE,
+            {"HICACHE_SCHEDULER__QUEUE_DEPTH": "0"},
+            r"{f}: scheduler\.queue_depth: Input should be greater than or equal to 1 "
+            r"\(got 0, from environment variable HICACHE_SCHEDULER__QUEUE_DEPTH\)$",
+        ),
+        (
+            BASE,
+            {"HICACHE_SCHEDULER__COLOUR": "red"},
+            r"{f}: scheduler\.colour: unknown key; allowed keys here: counter_ring_size, "
+            r"inflight_bytes, move_policy, op_timeout_s, queue_depth, from environment variable "
+            r"HICACHE_SCHEDULER__COLOUR$",
+        ),
+        (
+            BASE + "storage:\n  kind: tape\n",
+            {},
+            r"{f}: storage: Input tag 'tape' found using 'kind' does not match any of the expected "
+            r"tags: 'file', 'none'",
+        ),
+        ("device:\n  kind: cpu\n", {}, r"{f}: model: Field required"),
+        (
+            "model:\n  config_path: model.json\n  layers: []\n",
+            {},
+            r"{f}: model: give exactly one of config_path \(a config\.json\) or layers$",
+        ),
+        ("- a\n- b\n", {}, r"{f}: the top level is list; a mapping of sections$"),
+        ("model: [unclosed\n", {}, r"{f}: not valid YAML: "),
+    ],
+)
+def test_errors_name_file_key_value_and_allowed(
+    tmp_path: Path, text: str, env: dict[str, str], pattern: str
+) -> None:
+    path = write(tmp_path, text)
+    with pytest.raises(ConfigError, match="^" + pattern.replace("{f}", str(path))):
+        load_deployment(path, env=env)
+
+
+def test_missing_file_and_bad_env_key(tmp_path: Path) -> None:
+    with pytest.raises(
+        ConfigError, match=r"^cannot read config file '/nonexistent\.yaml': No such file"
+    ):
+        load_deployment(Path("/nonexistent.yaml"), env={})
+    path = write(tmp_path, BASE)
+    with pytest.raises(
+        ConfigError, match=r"^environment variable HICACHE_HOST____X: empty key part"
+    ):
+        load_deployment(path, env={"HICACHE_HOST____X": "1"})
+
+
+def test_layout_errors_surface_as_config_errors(tmp_path: Path) -> None:
+    path = write(tmp_path, "model:\n  config_path: missing.json\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: model: cannot read model config "):
+        load_deployment(path, env={}).layer_map()
+    path = write(tmp_path, BASE + "  start_layer: 3\n  end_layer: 9\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{path}: model\.start_layer/end_layer: pipeline stage "
+        r"3\.\.9 is not a layer range of gpt_oss",
+    ):
+        load_deployment(path, env={}).layer_map()
+
+
+def test_explicit_layers_inside_deployment(tmp_path: Path) -> None:
+    path = tmp_path / "d.yaml"
+    path.write_text(
+        "model:\n  model_type: tiny\n  layers:\n"
+        "    - {repeat: 3, kind: full, kv_heads: 2, head_dim: 32}\n"
+    )
+    layout = load_deployment(path, env={}).layout()
+    assert (layout.model_type, layout.num_layers) == ("tiny", 3)
+
+
+def test_sizes_round_trip() -> None:
+    assert parse_bytes("64GiB") == 64 * 2**30
+    assert parse_bytes("1.5 KB") == 1500
+    assert parse_bytes(4096) == 4096
+    assert format_bytes(parse_bytes("256MiB")) == "256MiB"
+    for bad in ("-1", "1.5B", True, "GiB", -3):
+        with pytest.raises(ValueError, match=r"not a|negative"):
+            parse_bytes(bad)
+
+
+def test_schema_has_every_section() -> None:
+    schema = Deployment.model_json_schema()
+    assert set(schema["properties"]) == {
+        "model",
+        "device",
+        "host",
+        "storage",
+        "scheduler",
+        "service",
+    }
