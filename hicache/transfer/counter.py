@@ -1,0 +1,127 @@
+"""The layer-done counter: per in-flight load, which layers have landed.
+
+Indices are stage-local layer positions (`LayerMap.stage_index`: global id - start_layer), so a
+counter covers every layer of the stage, holes included. Lifecycle of one load's counter:
+`CounterRing.acquire` -> `submitted(i, signal)` for every layer, in walk order, before the
+handle reaches the consumer -> the consumer's `wait_layer(i)` -> `CounterRing.release`.
+`wait_layer` on a layer that was never submitted, or after release, is a protocol error
+(`CounterMisuseError`): on CUDA a wait on an unrecorded event is silently a no-op, which is
+exactly the bug this guards against. `NOOP_COUNTER` serves when nothing loads, so callers
+never write `if counter is not None`.
+"""
+
+from __future__ import annotations
+
+import abc
+import threading
+
+from hicache.errors import CounterMisuseError
+from hicache.transfer.backend import LayerSignal
+
+
+class LayerDoneCounter(abc.ABC):
+    @abc.abstractmethod
+    def wait_layer(self, index: int) -> None:
+        """Return when layer `index` (stage-local) of this load may be read (CPU: has
+        landed; CUDA: the caller's stream is ordered after it)."""
+
+
+class NoopCounter(LayerDoneCounter):
+    def wait_layer(self, index: int) -> None:
+        return None
+
+
+NOOP_COUNTER = NoopCounter()
+
+
+class LoadCounter(LayerDoneCounter):
+    def __init__(self, ring: CounterRing, slot: int, load_id: int, num_layers: int):
+        self.ring = ring
+        self.slot = slot
+        self.load_id = load_id
+        self.num_layers = num_layers
+        self._signals: list[LayerSignal | None] = [None] * num_layers
+        self._released = False
+        self._lock = threading.Lock()
+
+    def submitted(self, index: int, signal: LayerSignal) -> None:
+        self._check_index(index)
+        with self._lock:
+            if self._released:
+                raise CounterMisuseError(
+                    f"load {self.load_id}: layer {index} submitted after the counter was released"
+                )
+            if self._signals[index] is not None:
+                raise CounterMisuseError(f"load {self.load_id}: layer {index} submitted twice")
+            self._signals[index] = signal
+
+    def wait_layer(self, index: int) -> None:
+        self._check_index(index)
+        with self._lock:
+            if self._released:
+                raise CounterMisuseError(
+                    f"load {self.load_id}'s counter was released (slot {self.slot} of the ring "
+                    "may serve another load now); wait on layers before the handle is done"
+                )
+            signal = self._signals[index]
+        if signal is None:
+            raise CounterMisuseError(
+                f"load {self.load_id}: layer {index} was never submitted; every layer of a load "
+                "is submitted before its handle is returned, so this wait would not be ordered "
+                "after any copy"
+            )
+        signal.wait()
+
+    def all_submitted(self) -> bool:
+        return all(s is not None for s in self._signals)
+
+    def _check_index(self, index: int) -> None:
+        if not isinstance(index, int) or not 0 <= index < self.num_layers:
+            raise CounterMisuseError(
+                f"load {self.load_id}: layer index {index!r} is outside 0..{self.num_layers - 1} "
+                "(stage-local indices; convert with LayerMap.stage_index)"
+            )
+
+
+class CounterRing:
+    """A fixed number of counter slots: at most `size` loads in flight at once. The
+    invariant — a slot serves one load at a time — is checked on every acquire and release."""
+
+    def __init__(self, size: int):
+        if size < 1:
+            raise CounterMisuseError(f"a counter ring needs at least 1 slot; got {size}")
+        self.size = size
+        self._slots: list[LoadCounter | None] = [None] * size
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def acquire(self, load_id: int, num_layers: int) -> LoadCounter:
+        with self._lock:
+            for step in range(self.size):
+                slot = (self._next + step) % self.size
+                if self._slots[slot] is None:
+                    counter = LoadCounter(self, slot, load_id, num_layers)
+                    self._slots[slot] = counter
+                    self._next = (slot + 1) % self.size
+                    return counter
+            busy = [c.load_id for c in self._slots if c is not None]
+        raise CounterMisuseError(
+            f"counter ring of {self.size} slots is full (loads {busy} in flight); finish one "
+            "before starting another, or raise scheduler.counter_ring_size"
+        )
+
+    def release(self, counter: LoadCounter) -> None:
+        with self._lock:
+            if self._slots[counter.slot] is not counter:
+                raise CounterMisuseError(
+                    f"load {counter.load_id}'s counter is not in slot {counter.slot}; "
+                    "it was released already"
+                )
+            with counter._lock:
+                counter._released = True
+            self._slots[counter.slot] = None
+
+    @property
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(c is not None for c in self._slots)

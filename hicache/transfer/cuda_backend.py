@@ -1,0 +1,233 @@
+"""`CudaCopyBackend`: page copies on dedicated CUDA streams, completion by events.
+
+Lifecycle: created at start with a load stream (higher priority) and a backup stream, one
+device staging buffer per stream, and a completion thread. Per layer, `submit` enqueues on the
+direction's stream — after the producer's fence for backups — and records an event; the
+consumer's `wait()` makes its current stream wait on that event (no host sync); the completion
+thread waits the events in order and reports `done`. Page-granular moves are batched: a run
+of host pages is one `cudaMemcpyAsync` into staging, and the device side is one gather
+(`index_select`) or scatter (`index_copy_`) kernel, never one memcpy per page per layer for
+layer_first. page_first host rows are strided: one copy per run of pages per row.
+Host buffers are pinned: small ones by torch's pinned allocator, large ones registered with
+`cudaHostRegister` in chunks of at most `pin_chunk_bytes` (a single 512 GiB registration fails).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+from hicache.errors import TransferError
+from hicache.transfer.backend import (
+    CopyBackend,
+    Direction,
+    DoneCallback,
+    Fence,
+    LayerSignal,
+    RowCopy,
+)
+from hicache.transfer.rows import Rows
+
+_Pending = tuple["torch.cuda.Event", DoneCallback]
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+class CudaEventSignal(LayerSignal):
+    __slots__ = ("event",)
+
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+    def wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+    def is_done(self) -> bool:
+        return bool(self.event.query())  # type: ignore[no-untyped-call]
+
+
+class CudaFence(Fence):
+    def __init__(self, event: torch.cuda.Event):
+        self.event = event
+
+
+class CudaCopyBackend(CopyBackend):
+    pins_host_memory = True
+
+    def __init__(
+        self,
+        device: int | str | torch.device = 0,
+        staging_bytes: int = 256 * 2**20,
+        pin_chunk_bytes: int = 64 * 2**30,
+    ):
+        if not torch.cuda.is_available():
+            raise TransferError("device.kind is cuda but torch sees no CUDA device")
+        self.device = torch.device("cuda", torch.device(device).index or 0)
+        self.pin_chunk_bytes = pin_chunk_bytes
+        # lower numbers are higher priority; out-of-range values clamp to the highest
+        self.load_stream = torch.cuda.Stream(self.device, priority=-1)  # type: ignore[no-untyped-call]
+        self.backup_stream = torch.cuda.Stream(self.device, priority=0)  # type: ignore[no-untyped-call]
+        self._staging = {
+            Direction.LOAD: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device),
+            Direction.BACKUP: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device),
+        }
+        self._registered: list[tuple[int, int]] = []
+        self._uploaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()  # None: stop
+        self._closed = False
+        self._thread = threading.Thread(target=self._complete, name="hicache-cuda-complete")
+        self._thread.start()
+
+    # ---- host memory ------------------------------------------------------------------
+
+    def alloc_host(self, nbytes: int) -> torch.Tensor:
+        if nbytes <= self.pin_chunk_bytes:
+            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            buffer.zero_()
+            return buffer
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        buffer.zero_()  # prefault before registering
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        base = buffer.data_ptr()
+        for offset in range(0, nbytes, self.pin_chunk_bytes):
+            size = min(self.pin_chunk_bytes, nbytes - offset)
+            status = cudart.cudaHostRegister(base + offset, size, 0)
+            if int(status) != 0:
+                raise TransferError(
+                    f"cudaHostRegister of {size} bytes at offset {offset} failed with status "
+                    f"{int(status)}; check the memlock limit (ulimit -l)"
+                )
+            self._registered.append((base + offset, size))
+        return buffer
+
+    def index_device(self, side: Literal["device", "host"]) -> torch.device:
+        # Index sets are built on the CPU; device-side ones are uploaded on the copy stream
+        # itself (`_device_index`), so they are ordered with the kernels that read them and
+        # never wait on the engine's stream.
+        return torch.device("cpu")
+
+    def _device_index(self, rows: Rows) -> torch.Tensor:
+        assert rows.index is not None
+        key = id(rows.index)
+        hit = self._uploaded.get(key)
+        if hit is not None and hit[0] is rows.index:
+            return hit[1]
+        uploaded = rows.index.pin_memory().to(self.device, non_blocking=True)
+        if len(self._uploaded) >= 256:
+            self._uploaded.pop(next(iter(self._uploaded)))
+        self._uploaded[key] = (rows.index, uploaded)
+        return uploaded
+
+    def producer_fence(self) -> Fence:
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(torch.cuda.current_stream(self.device))
+        return CudaFence(event)
+
+    # ---- copies -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        direction: Direction,
+        copies: Sequence[RowCopy],
+        done: DoneCallback,
+        after: Fence | None = None,
+    ) -> LayerSignal:
+        if self._closed:
+            raise TransferError("the CUDA copy backend is closed; no new copies are accepted")
+        stream = self.load_stream if direction is Direction.LOAD else self.backup_stream
+        staging = self._staging[direction]
+        with torch.cuda.stream(stream):
+            if isinstance(after, CudaFence):
+                stream.wait_event(after.event)
+            for c in copies:
+                if direction is Direction.LOAD:
+                    self._load_rows(c, staging)
+                else:
+                    self._backup_rows(c, staging)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        self._pending.put((event, done))
+        return CudaEventSignal(event)
+
+    @staticmethod
+    def _stage_view(staging: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
+        if rows * row_bytes > staging.numel():
+            raise TransferError(
+                f"one layer's copy of {rows * row_bytes} bytes exceeds the staging buffer "
+                f"({staging.numel()} bytes); submit fewer pages per op"
+            )
+        return staging[: rows * row_bytes].view(rows, row_bytes)
+
+    def _load_rows(self, c: RowCopy, staging: torch.Tensor) -> None:
+        """host rows -> device rows: runs H2D into staging, then one device scatter."""
+        n, row = c.src_rows.count, c.src.shape[1]
+        if c.src_rows.is_run and c.dst_rows.is_run:
+            c.dst_rows.slice(c.dst).copy_(c.src_rows.slice(c.src), non_blocking=True)
+            return
+        stage = self._stage_view(staging, n, row)
+        _host_runs_to(stage, c.src, c.src_rows, to_device=True)
+        if c.dst_rows.is_run:
+            c.dst_rows.slice(c.dst).copy_(stage)
+        else:
+            c.dst.index_copy_(0, self._device_index(c.dst_rows), stage)
+
+    def _backup_rows(self, c: RowCopy, staging: torch.Tensor) -> None:
+        """device rows -> host rows: one device gather into staging, then runs D2H."""
+        n, row = c.src_rows.count, c.src.shape[1]
+        if c.src_rows.is_run and c.dst_rows.is_run:
+            c.dst_rows.slice(c.dst).copy_(c.src_rows.slice(c.src), non_blocking=True)
+            return
+        stage = self._stage_view(staging, n, row)
+        if c.src_rows.is_run:
+            stage.copy_(c.src_rows.slice(c.src))
+        else:
+            torch.index_select(c.src, 0, self._device_index(c.src_rows), out=stage)
+        _host_runs_to(stage, c.dst, c.dst_rows, to_device=False)
+
+    def _complete(self) -> None:
+        while True:
+            item = self._pending.get()
+            if item is None:
+                return
+            event, done = item
+            error: BaseException | None = None
+            try:
+                event.synchronize()
+            except Exception as exc:  # reported to the op through `done`
+                error = exc
+            done(error)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pending.put(None)
+        self._thread.join()
+        torch.cuda.synchronize(self.device)
+        cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+        for ptr, _ in self._registered:
+            cudart.cudaHostUnregister(ptr)
+        self._registered.clear()
+
+
+def _host_runs_to(stage: torch.Tensor, host: torch.Tensor, rows: Rows, *, to_device: bool) -> None:
+    """Copy between contiguous staging rows and host rows, one async copy per run of pages
+    (per page-row when the host view is strided, as page_first is)."""
+    contiguous = host.stride(0) == host.shape[1]
+    for pos, first, length in rows.runs():
+        pieces = (
+            [(pos, first, length)]
+            if contiguous
+            else [(pos + k, first + k, 1) for k in range(length)]
+        )
+        for p, f, n in pieces:
+            if to_device:
+                stage[p : p + n].copy_(host[f : f + n], non_blocking=True)
+            else:
+                host[f : f + n].copy_(stage[p : p + n], non_blocking=True)

@@ -1,0 +1,109 @@
+"""From pools and page lists to per-layer copies.
+
+A `GroupMove` pairs device pages with host pages of one cache group (device_pages[i] <->
+host_pages[i]); its index sets are built once per op and shared by every layer. `layer_copies`
+gives one layer's `RowCopy`s (one per tensor: K, V, latent, index K/V, conv, ssm, ...), so side
+caches such as a sparse layer's index K always travel with the KV.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from hicache.errors import TransferError
+from hicache.memory import DevicePool, HostPool
+from hicache.transfer.backend import CopyBackend, Direction, RowCopy
+from hicache.transfer.rows import Rows
+
+
+@dataclass(frozen=True, slots=True)
+class GroupMove:
+    device: DevicePool
+    host: HostPool
+    device_rows: Rows
+    host_rows: Rows
+
+    @classmethod
+    def build(
+        cls,
+        backend: CopyBackend,
+        device: DevicePool,
+        host: HostPool,
+        device_pages: Sequence[int],
+        host_pages: Sequence[int],
+    ) -> GroupMove:
+        name = device.geometry.name
+        if len(device_pages) != len(host_pages):
+            raise TransferError(
+                f"group {name!r}: {len(device_pages)} device pages but {len(host_pages)} host "
+                "pages; a move pairs them one to one"
+            )
+        for label, pages, limit in (
+            ("device", device_pages, device.num_pages),
+            ("host", host_pages, host.num_pages),
+        ):
+            bad = [p for p in pages if not 0 <= p < limit]
+            if bad:
+                raise TransferError(
+                    f"group {name!r}: {label} page {bad[0]} is outside 0..{limit - 1}"
+                )
+            if len(set(pages)) != len(pages):
+                raise TransferError(f"group {name!r}: a {label} page is listed twice")
+        return cls(
+            device,
+            host,
+            backend.rows(device_pages, "device"),
+            backend.rows(host_pages, "host"),
+        )
+
+    @property
+    def num_pages(self) -> int:
+        return self.device_rows.count
+
+    def layer_copies(self, direction: Direction, local_id: int) -> list[RowCopy]:
+        out = []
+        for name, _ in self.device.geometry.tensors:
+            dev, host = self.device.rows(local_id, name), self.host.rows(local_id, name)
+            if direction is Direction.LOAD:
+                out.append(RowCopy(host, self.host_rows, dev, self.device_rows))
+            else:
+                out.append(RowCopy(dev, self.device_rows, host, self.host_rows))
+        return out
+
+    def layer_bytes(self) -> int:
+        return self.num_pages * self.device.geometry.page_bytes_per_layer
+
+
+def copy_layers_blocking(
+    backend: CopyBackend,
+    direction: Direction,
+    moves: Sequence[tuple[GroupMove, Sequence[int]]],
+) -> None:
+    """Copy the given local layers of each move and wait for all of them (no scheduler):
+    for embedded callers that need a plain synchronous copy, and for benchmarks."""
+    errors: list[BaseException] = []
+    remaining = sum(len(layers) for _, layers in moves)
+    finished = threading.Event()
+    lock = threading.Lock()
+    if remaining == 0:
+        return
+
+    def done(error: BaseException | None) -> None:
+        nonlocal remaining
+        with lock:
+            if error is not None:
+                errors.append(error)
+            remaining -= 1
+            if remaining == 0:
+                finished.set()
+
+    for move, layers in moves:
+        for local_id in layers:
+            backend.submit(direction, move.layer_copies(direction, local_id), done)
+    finished.wait()
+    if errors:
+        raise TransferError(f"{len(errors)} layer copies failed; first: {errors[0]!r}") from errors[
+            0
+        ]

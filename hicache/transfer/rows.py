@@ -1,0 +1,114 @@
+"""Page rows and the CPU row-copy kernels.
+
+`Rows` names which rows of a `[pages, row_bytes]` view an op touches: a contiguous run
+(start, count) or an index tensor. Runs matter for speed: measured on this CPU (2 cores,
+Llama-8B layer rows, see docs/design.md), torch's `index_select(out=)` gathers at 0.9-1.0 of
+memcpy at >= 16-token pages, numpy's row assignment scatters at ~1.0, while torch's
+`index_copy_` scatter reaches only ~0.5. So: a run on the destination is one gather, a run on
+the source is one scatter, and two index sets go through a preallocated staging buffer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    count: int
+    start: int | None  # a run start..start+count, or None when `index` lists the rows
+    index: torch.Tensor | None
+
+    @classmethod
+    def of(cls, ids: Sequence[int], device: torch.device | str = "cpu") -> Rows:
+        count = len(ids)
+        if count and all(ids[i] == ids[0] + i for i in range(count)):
+            return cls(count, ids[0], None)
+        return cls(count, None, torch.tensor(list(ids), dtype=torch.int64, device=device))
+
+    @property
+    def is_run(self) -> bool:
+        return self.start is not None
+
+    def slice(self, view: torch.Tensor) -> torch.Tensor:
+        assert self.start is not None
+        return view[self.start : self.start + self.count]
+
+    def ids(self) -> list[int]:
+        if self.start is not None:
+            return list(range(self.start, self.start + self.count))
+        assert self.index is not None
+        return [int(i) for i in self.index.tolist()]
+
+    def runs(self) -> list[tuple[int, int, int]]:
+        """(position in this set, first row, length) of each consecutive run."""
+        ids = self.ids()
+        out: list[tuple[int, int, int]] = []
+        pos = 0
+        while pos < len(ids):
+            end = pos + 1
+            while end < len(ids) and ids[end] == ids[end - 1] + 1:
+                end += 1
+            out.append((pos, ids[pos], end - pos))
+            pos = end
+        return out
+
+
+_WIDE = (torch.int64, torch.int32, torch.int16)
+
+
+def _try_view(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    try:
+        return t.view(dtype)
+    except RuntimeError:
+        return None
+
+
+def widen(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both uint8 row views as the widest integer element both allow (fewer, larger items)."""
+    for dtype in _WIDE:
+        wa, wb = _try_view(a, dtype), _try_view(b, dtype)
+        if wa is not None and wb is not None:
+            return wa, wb
+    return a, b
+
+
+def copy_rows_cpu(
+    src: torch.Tensor, src_rows: Rows, dst: torch.Tensor, dst_rows: Rows, staging: torch.Tensor
+) -> None:
+    """dst[dst_rows[i]] = src[src_rows[i]] for every i; views are `[pages, row_bytes]` uint8."""
+    if src_rows.count != dst_rows.count:
+        raise ValueError(f"{src_rows.count} source rows but {dst_rows.count} destination rows")
+    if src_rows.count == 0:
+        return
+    src, dst = widen(src, dst)
+    if dst_rows.is_run:
+        out = dst_rows.slice(dst)
+        if src_rows.is_run:
+            out.copy_(src_rows.slice(src))
+        else:
+            assert src_rows.index is not None
+            torch.index_select(src, 0, src_rows.index, out=out)
+        return
+    assert dst_rows.index is not None
+    dst_index = dst_rows.index.numpy()
+    if src_rows.is_run:
+        dst.numpy()[dst_index] = src_rows.slice(src).numpy()
+        return
+    # two index sets: gather into staging, scatter from it, a staging-full at a time
+    assert src_rows.index is not None
+    row_bytes = src.shape[1] * src.element_size()
+    per_round = staging.numel() // row_bytes
+    if per_round == 0:  # a row larger than the staging buffer: copy row by row
+        for s, d in zip(src_rows.index.tolist(), dst_index.tolist(), strict=True):
+            dst[d].copy_(src[s])
+        return
+    stage = staging[: per_round * row_bytes].view(per_round, row_bytes).view(src.dtype)
+    for lo in range(0, src_rows.count, per_round):
+        hi = min(lo + per_round, src_rows.count)
+        part = stage[: hi - lo]
+        torch.index_select(src, 0, src_rows.index[lo:hi], out=part)
+        dst.numpy()[dst_index[lo:hi]] = part.numpy()

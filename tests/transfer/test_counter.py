@@ -1,0 +1,134 @@
+"""The layer-done counter and its ring: release on completion, protocol errors, failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hicache.errors import CounterMisuseError, TransferError
+from hicache.memory import DevicePool, GroupGeometry, HostPool
+from hicache.model import CacheGroup, CacheKind, CacheSpec, KvFormat
+from hicache.transfer import (
+    NOOP_COUNTER,
+    READY,
+    CounterRing,
+    CpuCopyBackend,
+    Direction,
+    GroupMove,
+    RowCopy,
+    Rows,
+    copy_layers_blocking,
+)
+from hicache.transfer.cpu_backend import EventSignal
+
+
+def test_wait_returns_when_the_layer_lands_not_before() -> None:
+    ring = CounterRing(2)
+    counter = ring.acquire(load_id=1, num_layers=3)
+    signals = [EventSignal() for _ in range(3)]
+    for i, s in enumerate(signals):
+        counter.submitted(i, s)
+    released = threading.Event()
+
+    def consumer() -> None:
+        counter.wait_layer(1)
+        released.set()
+
+    thread = threading.Thread(target=consumer)
+    thread.start()
+    signals[0].set()
+    assert not released.wait(0.05)  # layer 0 done; the consumer waits for layer 1
+    signals[1].set()
+    assert released.wait(5)
+    thread.join()
+    ring.release(counter)
+
+
+def test_protocol_errors() -> None:
+    ring = CounterRing(2)
+    a = ring.acquire(7, 4)
+    with pytest.raises(
+        CounterMisuseError, match=r"^load 7: layer 2 was never submitted; every layer "
+    ):
+        a.wait_layer(2)
+    with pytest.raises(
+        CounterMisuseError, match=r"^load 7: layer index 4 is outside 0\.\.3 \(stage-local "
+    ):
+        a.wait_layer(4)
+    a.submitted(0, READY)
+    with pytest.raises(CounterMisuseError, match=r"^load 7: layer 0 submitted twice$"):
+        a.submitted(0, READY)
+    b = ring.acquire(8, 1)
+    with pytest.raises(
+        CounterMisuseError,
+        match=r"^counter ring of 2 slots is full \(loads \[7, 8\] in "
+        r"flight\); finish one before starting another, or raise "
+        r"scheduler\.counter_ring_size$",
+    ):
+        ring.acquire(9, 1)
+    ring.release(a)
+    with pytest.raises(
+        CounterMisuseError, match=r"^load 7's counter was released \(slot 0 of the ring "
+    ):
+        a.wait_layer(0)
+    with pytest.raises(
+        CounterMisuseError, match=r"^load 7's counter is not in slot 0; it was released already$"
+    ):
+        ring.release(a)
+    c = ring.acquire(9, 1)  # the freed slot serves again
+    assert c.slot == 0
+    assert ring.in_flight == 2
+    ring.release(b)
+    ring.release(c)
+    NOOP_COUNTER.wait_layer(123)  # never blocks, never raises
+
+
+def test_failed_copy_reports_through_done_and_worker_survives() -> None:
+    backend = CpuCopyBackend()
+    try:
+        src = torch.zeros(4, 8, dtype=torch.uint8)
+        dst = torch.zeros(4, 8, dtype=torch.uint8)
+        bad = RowCopy(src, Rows.of([0, 1]), dst, Rows.of([2]))  # mismatched counts
+        errors: list[BaseException | None] = []
+        signal = backend.submit(Direction.LOAD, [bad], errors.append)
+        signal.wait()
+        deadline = time.monotonic() + 5
+        while not errors and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert isinstance(errors[0], ValueError)
+        assert "2 source rows but 1 destination rows" in str(errors[0])
+        src.fill_(3)
+        ok: list[BaseException | None] = []
+        backend.submit(
+            Direction.LOAD, [RowCopy(src, Rows.of([0]), dst, Rows.of([3]))], ok.append
+        ).wait()
+        assert int(dst[3].min()) == 3
+    finally:
+        backend.close()
+    with pytest.raises(
+        TransferError, match=r"^the CPU copy backend is closed; no new copies are accepted$"
+    ):
+        backend.submit(Direction.LOAD, [], lambda e: None)
+
+
+def test_group_move_validates_pages() -> None:
+    backend = CpuCopyBackend()
+    try:
+        spec = CacheSpec(CacheKind.FULL, KvFormat.MHA, num_kv_heads=1, head_dim=4, v_head_dim=4)
+        g = GroupGeometry(CacheGroup("full", spec, (0,)), torch.float16, 2)
+        device = DevicePool.allocate(g, 4)
+        host = HostPool(g, 3, "layer_first", backend.alloc_host(3 * g.page_bytes))
+        with pytest.raises(
+            TransferError, match=r"^group 'full': 2 device pages but 1 host pages; "
+        ):
+            GroupMove.build(backend, device, host, [0, 1], [0])
+        with pytest.raises(TransferError, match=r"^group 'full': host page 3 is outside 0\.\.2$"):
+            GroupMove.build(backend, device, host, [0], [3])
+        with pytest.raises(TransferError, match=r"^group 'full': a device page is listed twice$"):
+            GroupMove.build(backend, device, host, [1, 1], [0, 1])
+        copy_layers_blocking(backend, Direction.LOAD, [])
+    finally:
+        backend.close()
