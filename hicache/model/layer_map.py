@@ -104,6 +104,12 @@ class LayerMap:
             )
         return self.layout.layers[layer_id]
 
+    def stage_index(self, layer_id: int) -> int:
+        """The layer's position in this stage (global id - start_layer), after the checks:
+        the index the layer-done counter uses."""
+        self.layer(layer_id)
+        return layer_id - self.start_layer
+
     def slots(self, layer_id: int) -> tuple[LayerSlot, ...]:
         """Every cache the layer owns in this stage, as (group, local id); () if none."""
         self.layer(layer_id)

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from hicache.transfer.backend import (
     READY,
+    CancelToken,
     CopyBackend,
+    CopyCancelled,
     Direction,
     Fence,
     LayerSignal,
@@ -20,7 +22,9 @@ from hicache.transfer.rows import Rows
 __all__ = [
     "NOOP_COUNTER",
     "READY",
+    "CancelToken",
     "CopyBackend",
+    "CopyCancelled",
     "CounterRing",
     "CpuCopyBackend",
     "Direction",

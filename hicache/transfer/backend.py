@@ -38,7 +38,28 @@ class RowCopy:
         return self.src_rows.count * self.src.shape[1]
 
 
-DoneCallback = Callable[[BaseException | None], None]
+WalkDone = Callable[[dict[int, BaseException]], None]  # layer position -> its error
+
+
+class CancelToken:
+    """Set by the scheduler to stop a walk: layers not yet started are skipped (and reported
+    as cancelled); copies already enqueued on a device stream still land."""
+
+    __slots__ = ("_set",)
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def cancel(self) -> None:
+        self._set = True
+
+    @property
+    def cancelled(self) -> bool:
+        return self._set
+
+
+class CopyCancelled(Exception):
+    """A layer's copies were skipped because its walk was cancelled."""
 
 
 class LayerSignal(abc.ABC):
@@ -91,14 +112,17 @@ class CopyBackend(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def submit(
+    def submit_walk(
         self,
         direction: Direction,
-        copies: Sequence[RowCopy],
-        done: DoneCallback,
+        layers: Sequence[Sequence[RowCopy]],
+        done: WalkDone,
         after: Fence | None = None,
-    ) -> LayerSignal:
-        """Enqueue one layer's copies; `done(error)` is called once when they finish."""
+        cancel: CancelToken | None = None,
+    ) -> list[LayerSignal]:
+        """Enqueue a whole walk, layer by layer in order, without blocking; returns one signal
+        per layer (READY for a layer with no copies). `done(errors)` is called once, from any
+        thread, when every layer has finished or failed."""
 
     @abc.abstractmethod
     def close(self) -> None:

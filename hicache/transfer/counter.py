@@ -42,6 +42,7 @@ class LoadCounter(LayerDoneCounter):
         self.num_layers = num_layers
         self._signals: list[LayerSignal | None] = [None] * num_layers
         self._released = False
+        self._completed = False
         self._lock = threading.Lock()
 
     def submitted(self, index: int, signal: LayerSignal) -> None:
@@ -59,9 +60,11 @@ class LoadCounter(LayerDoneCounter):
         self._check_index(index)
         with self._lock:
             if self._released:
+                if self._completed:
+                    return  # every layer landed before the release: nothing to wait for
                 raise CounterMisuseError(
-                    f"load {self.load_id}'s counter was released (slot {self.slot} of the ring "
-                    "may serve another load now); wait on layers before the handle is done"
+                    f"load {self.load_id}'s counter was released before its walk completed "
+                    f"(slot {self.slot} of the ring may serve another load now)"
                 )
             signal = self._signals[index]
         if signal is None:
@@ -119,6 +122,7 @@ class CounterRing:
                 )
             with counter._lock:
                 counter._released = True
+                counter._completed = all(s is not None and s.is_done() for s in counter._signals)
             self._slots[counter.slot] = None
 
     @property

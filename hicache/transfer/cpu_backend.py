@@ -1,8 +1,9 @@
 """`CpuCopyBackend`: the copy API on one worker thread, so the scheduler's loop never blocks.
 
 Lifecycle: created at start (the worker thread starts, with one torch intra-op thread of its
-own); `submit` puts a layer's copies on a FIFO queue and returns a signal; the worker runs
-them in order and sets the signal; `close` lets queued work finish and joins the thread. Not
+own); `submit_walk` puts a whole walk on a FIFO queue in one step and returns a signal per
+layer; the worker runs the layers in order, sets each layer's signal as it lands, and reports
+the walk once; `close` lets queued work finish and joins the thread. Not
 a daemon: the owner must close it (the scheduler does, in its shutdown).
 """
 
@@ -18,16 +19,19 @@ import torch
 from hicache.errors import TransferError
 from hicache.memory.hugepages import advise_hugepages
 from hicache.transfer.backend import (
+    READY,
+    CancelToken,
     CopyBackend,
+    CopyCancelled,
     Direction,
-    DoneCallback,
     Fence,
     LayerSignal,
     RowCopy,
+    WalkDone,
 )
 from hicache.transfer.rows import copy_rows_cpu
 
-_Job = tuple[tuple[RowCopy, ...], DoneCallback, "EventSignal"]
+_Job = tuple[list[tuple[int, Sequence[RowCopy], "EventSignal"]], WalkDone, CancelToken | None]
 
 
 class EventSignal(LayerSignal):
@@ -68,18 +72,27 @@ class CpuCopyBackend(CopyBackend):
     def index_device(self, side: Literal["device", "host"]) -> torch.device:
         return self.device
 
-    def submit(
+    def submit_walk(
         self,
         direction: Direction,
-        copies: Sequence[RowCopy],
-        done: DoneCallback,
+        layers: Sequence[Sequence[RowCopy]],
+        done: WalkDone,
         after: Fence | None = None,
-    ) -> LayerSignal:
+        cancel: CancelToken | None = None,
+    ) -> list[LayerSignal]:
         if self._closed:
             raise TransferError("the CPU copy backend is closed; no new copies are accepted")
-        signal = EventSignal()
-        self._queue.put((tuple(copies), done, signal))
-        return signal
+        signals: list[LayerSignal] = []
+        work: list[tuple[int, Sequence[RowCopy], EventSignal]] = []
+        for position, copies in enumerate(layers):
+            if copies:
+                signal = EventSignal()
+                work.append((position, copies, signal))
+                signals.append(signal)
+            else:
+                signals.append(READY)
+        self._queue.put((work, done, cancel))
+        return signals
 
     def _run(self) -> None:
         torch.set_num_threads(1)
@@ -87,15 +100,22 @@ class CpuCopyBackend(CopyBackend):
             item = self._queue.get()
             if item is None:
                 return
-            copies, done, signal = item
-            error: BaseException | None = None
-            try:
-                for c in copies:
-                    copy_rows_cpu(c.src, c.src_rows, c.dst, c.dst_rows, self._staging)
-            except Exception as exc:  # reported to the op through `done`, never swallowed
-                error = exc
-            signal.set()
-            done(error)
+            work, done, cancel = item
+            errors: dict[int, BaseException] = {}
+            for position, copies, signal in work:
+                try:
+                    if cancel is not None and cancel.cancelled:
+                        raise CopyCancelled(f"layer position {position}: walk cancelled")
+                    self._run_layer(position, copies)
+                except Exception as exc:  # reported to the op through `done`, never swallowed
+                    errors[position] = exc
+                signal.set()
+            done(errors)
+
+    def _run_layer(self, position: int, copies: Sequence[RowCopy]) -> None:
+        """One layer's copies, on the worker thread (the fake backend hooks in here)."""
+        for c in copies:
+            copy_rows_cpu(c.src, c.src_rows, c.dst, c.dst_rows, self._staging)
 
     def close(self) -> None:
         if self._closed:

@@ -1,8 +1,9 @@
 """`CudaCopyBackend`: page copies on dedicated CUDA streams, completion by events.
 
 Lifecycle: created at start with a load stream (higher priority) and a backup stream, one
-device staging buffer per stream, and a completion thread. Per layer, `submit` enqueues on the
-direction's stream — after the producer's fence for backups — and records an event; the
+device staging buffer per stream, and a completion thread. `submit_walk` enqueues every layer
+on the direction's stream — after the producer's fence for backups — recording an event per
+layer; the
 consumer's `wait()` makes its current stream wait on that event (no host sync); the completion
 thread waits the events in order and reports `done`. Page-granular moves are batched: a run
 of host pages is one `cudaMemcpyAsync` into staging, and the device side is one gather
@@ -23,16 +24,19 @@ import torch
 
 from hicache.errors import TransferError
 from hicache.transfer.backend import (
+    READY,
+    CancelToken,
     CopyBackend,
+    CopyCancelled,
     Direction,
-    DoneCallback,
     Fence,
     LayerSignal,
     RowCopy,
+    WalkDone,
 )
 from hicache.transfer.rows import Rows
 
-_Pending = tuple["torch.cuda.Event", DoneCallback]
+_Pending = tuple["torch.cuda.Event | None", dict[int, BaseException], WalkDone]
 
 
 def cuda_available() -> bool:
@@ -131,29 +135,42 @@ class CudaCopyBackend(CopyBackend):
 
     # ---- copies -------------------------------------------------------------------------
 
-    def submit(
+    def submit_walk(
         self,
         direction: Direction,
-        copies: Sequence[RowCopy],
-        done: DoneCallback,
+        layers: Sequence[Sequence[RowCopy]],
+        done: WalkDone,
         after: Fence | None = None,
-    ) -> LayerSignal:
+        cancel: CancelToken | None = None,
+    ) -> list[LayerSignal]:
         if self._closed:
             raise TransferError("the CUDA copy backend is closed; no new copies are accepted")
         stream = self.load_stream if direction is Direction.LOAD else self.backup_stream
         staging = self._staging[direction]
+        signals: list[LayerSignal] = []
+        last: torch.cuda.Event | None = None
+        errors: dict[int, BaseException] = {}
         with torch.cuda.stream(stream):
             if isinstance(after, CudaFence):
                 stream.wait_event(after.event)
-            for c in copies:
-                if direction is Direction.LOAD:
-                    self._load_rows(c, staging)
-                else:
-                    self._backup_rows(c, staging)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record(stream)
-        self._pending.put((event, done))
-        return CudaEventSignal(event)
+            for position, copies in enumerate(layers):
+                if not copies:
+                    signals.append(READY)
+                    continue
+                if cancel is not None and cancel.cancelled:
+                    errors[position] = CopyCancelled(f"layer position {position}: walk cancelled")
+                    signals.append(READY)
+                    continue
+                for c in copies:
+                    if direction is Direction.LOAD:
+                        self._load_rows(c, staging)
+                    else:
+                        self._backup_rows(c, staging)
+                last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                last.record(stream)
+                signals.append(CudaEventSignal(last))
+        self._pending.put((last, errors, done))
+        return signals
 
     @staticmethod
     def _stage_view(staging: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
@@ -195,13 +212,13 @@ class CudaCopyBackend(CopyBackend):
             item = self._pending.get()
             if item is None:
                 return
-            event, done = item
-            error: BaseException | None = None
+            event, errors, done = item
             try:
-                event.synchronize()
+                if event is not None:
+                    event.synchronize()  # events record in order: the last one covers the walk
             except Exception as exc:  # reported to the op through `done`
-                error = exc
-            done(error)
+                errors = {**errors, -1: exc}
+            done(errors)
 
     def close(self) -> None:
         if self._closed:

@@ -51,11 +51,14 @@ class GroupMove:
                 )
             if len(set(pages)) != len(pages):
                 raise TransferError(f"group {name!r}: a {label} page is listed twice")
+        # Enumerate the pairs in host-page order: host pages come from runs, so one side of
+        # every copy is a run (one gather or one scatter); the pairing itself is unchanged.
+        pairs = sorted(zip(host_pages, device_pages, strict=True))
         return cls(
             device,
             host,
-            backend.rows(device_pages, "device"),
-            backend.rows(host_pages, "host"),
+            backend.rows([d for _, d in pairs], "device"),
+            backend.rows([h for h, _ in pairs], "host"),
         )
 
     @property
@@ -81,29 +84,20 @@ def copy_layers_blocking(
     direction: Direction,
     moves: Sequence[tuple[GroupMove, Sequence[int]]],
 ) -> None:
-    """Copy the given local layers of each move and wait for all of them (no scheduler):
+    """Copy the given local layers of each move as one walk and wait for it (no scheduler):
     for embedded callers that need a plain synchronous copy, and for benchmarks."""
-    errors: list[BaseException] = []
-    remaining = sum(len(layers) for _, layers in moves)
-    finished = threading.Event()
-    lock = threading.Lock()
-    if remaining == 0:
+    layers = [move.layer_copies(direction, local_id) for move, ids in moves for local_id in ids]
+    if not layers:
         return
+    finished = threading.Event()
+    failures: dict[int, BaseException] = {}
 
-    def done(error: BaseException | None) -> None:
-        nonlocal remaining
-        with lock:
-            if error is not None:
-                errors.append(error)
-            remaining -= 1
-            if remaining == 0:
-                finished.set()
+    def done(errors: dict[int, BaseException]) -> None:
+        failures.update(errors)
+        finished.set()
 
-    for move, layers in moves:
-        for local_id in layers:
-            backend.submit(direction, move.layer_copies(direction, local_id), done)
+    backend.submit_walk(direction, layers, done)
     finished.wait()
-    if errors:
-        raise TransferError(f"{len(errors)} layer copies failed; first: {errors[0]!r}") from errors[
-            0
-        ]
+    if failures:
+        first = next(iter(failures.values()))
+        raise TransferError(f"{len(failures)} layer copies failed; first: {first!r}") from first

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -14,6 +13,8 @@ from hicache.model import CacheGroup, CacheKind, CacheSpec, KvFormat
 from hicache.transfer import (
     NOOP_COUNTER,
     READY,
+    CancelToken,
+    CopyCancelled,
     CounterRing,
     CpuCopyBackend,
     Direction,
@@ -71,7 +72,8 @@ def test_protocol_errors() -> None:
         ring.acquire(9, 1)
     ring.release(a)
     with pytest.raises(
-        CounterMisuseError, match=r"^load 7's counter was released \(slot 0 of the ring "
+        CounterMisuseError,
+        match=r"^load 7's counter was released before its walk completed \(slot 0 of the ring ",
     ):
         a.wait_layer(0)
     with pytest.raises(
@@ -86,32 +88,62 @@ def test_protocol_errors() -> None:
     NOOP_COUNTER.wait_layer(123)  # never blocks, never raises
 
 
-def test_failed_copy_reports_through_done_and_worker_survives() -> None:
+def test_failed_layer_reports_through_done_and_worker_survives() -> None:
     backend = CpuCopyBackend()
     try:
         src = torch.zeros(4, 8, dtype=torch.uint8)
         dst = torch.zeros(4, 8, dtype=torch.uint8)
-        bad = RowCopy(src, Rows.of([0, 1]), dst, Rows.of([2]))  # mismatched counts
-        errors: list[BaseException | None] = []
-        signal = backend.submit(Direction.LOAD, [bad], errors.append)
-        signal.wait()
-        deadline = time.monotonic() + 5
-        while not errors and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert isinstance(errors[0], ValueError)
-        assert "2 source rows but 1 destination rows" in str(errors[0])
         src.fill_(3)
-        ok: list[BaseException | None] = []
-        backend.submit(
-            Direction.LOAD, [RowCopy(src, Rows.of([0]), dst, Rows.of([3]))], ok.append
-        ).wait()
-        assert int(dst[3].min()) == 3
+        good = RowCopy(src, Rows.of([0]), dst, Rows.of([3]))
+        bad = RowCopy(src, Rows.of([0, 1]), dst, Rows.of([2]))  # mismatched counts
+        reported: list[dict[int, BaseException]] = []
+        finished = threading.Event()
+
+        def done(errors: dict[int, BaseException]) -> None:
+            reported.append(errors)
+            finished.set()
+
+        signals = backend.submit_walk(Direction.LOAD, [[good], [], [bad]], done)
+        assert signals[1] is READY
+        assert finished.wait(5)
+        for s in signals:
+            s.wait()
+        assert list(reported[0]) == [2]
+        assert "2 source rows but 1 destination rows" in str(reported[0][2])
+        assert int(dst[3].min()) == 3  # the good layer landed
+        finished.clear()
+        backend.submit_walk(Direction.LOAD, [[RowCopy(src, Rows.of([1]), dst, Rows.of([0]))]], done)
+        assert finished.wait(5)
+        assert reported[1] == {}
+        assert int(dst[0].min()) == 3
     finally:
         backend.close()
     with pytest.raises(
         TransferError, match=r"^the CPU copy backend is closed; no new copies are accepted$"
     ):
-        backend.submit(Direction.LOAD, [], lambda e: None)
+        backend.submit_walk(Direction.LOAD, [], lambda e: None)
+
+
+def test_cancelled_walk_skips_layers_not_started() -> None:
+    backend = CpuCopyBackend()
+    try:
+        src = torch.ones(2, 8, dtype=torch.uint8)
+        dst = torch.zeros(2, 8, dtype=torch.uint8)
+        token = CancelToken()
+        token.cancel()
+        reported: list[dict[int, BaseException]] = []
+        finished = threading.Event()
+        backend.submit_walk(
+            Direction.LOAD,
+            [[RowCopy(src, Rows.of([0]), dst, Rows.of([1]))]],
+            lambda e: (reported.append(e), finished.set()),
+            cancel=token,
+        )
+        assert finished.wait(5)
+        assert isinstance(reported[0][0], CopyCancelled)
+        assert int(dst.max()) == 0
+    finally:
+        backend.close()
 
 
 def test_group_move_validates_pages() -> None:

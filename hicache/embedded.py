@@ -1,0 +1,114 @@
+"""`EmbeddedCache`: the whole in-process stack for one pipeline stage, built from a deployment
+or from parts: layer map -> geometries -> copy backend -> device pools (the engine's, or our
+own for the demo) -> host tier -> scheduler.
+
+Lifecycle: `EmbeddedCache.build(...)` (or `from_config`) allocates everything at start;
+`async with cache.scheduler.running():` serves ops; `cache.close()` stops the copy backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from hicache.config.loader import LoadedConfig
+from hicache.memory import DevicePool, GroupGeometry, HostTier, torch_dtype
+from hicache.memory.host_pool import HostLayout
+from hicache.model import LayerMap
+from hicache.scheduler import Clock, MovePolicy, Scheduler
+from hicache.transfer import CopyBackend, make_backend
+
+
+@dataclass
+class EmbeddedCache:
+    layer_map: LayerMap
+    geometries: dict[str, GroupGeometry]
+    backend: CopyBackend
+    device_pools: dict[str, DevicePool]
+    host_tier: HostTier
+    scheduler: Scheduler
+
+    @classmethod
+    def build(
+        cls,
+        layer_map: LayerMap,
+        *,
+        dtype: torch.dtype,
+        page_size_tokens: int,
+        host_capacity_bytes: int,
+        device_pages: int | Mapping[str, int] = 64,
+        host_layout: HostLayout = "layer_first",
+        backend: CopyBackend | None = None,
+        device_pools: Mapping[str, DevicePool] | None = None,
+        queue_depth: int = 64,
+        inflight_bytes: int = 256 * 2**20,
+        op_timeout_s: float = 30.0,
+        move_policy: MovePolicy = "hybrid",
+        counter_ring_size: int = 3,
+        clock: Clock | None = None,
+    ) -> EmbeddedCache:
+        geometries = {g.name: GroupGeometry(g, dtype, page_size_tokens) for g in layer_map.groups}
+        backend = backend or make_backend("cpu")
+        try:
+            if device_pools is None:
+                device_pools = {
+                    name: DevicePool.allocate(
+                        geom,
+                        device_pages if isinstance(device_pages, int) else device_pages[name],
+                        backend.device,
+                    )
+                    for name, geom in geometries.items()
+                }
+            host_tier = HostTier.create(
+                list(geometries.values()),
+                host_capacity_bytes,
+                host_layout,
+                backend.alloc_host,
+                pinned=backend.pins_host_memory,
+            )
+            scheduler = Scheduler(
+                layer_map,
+                backend,
+                device_pools,
+                host_tier,
+                page_size_tokens=page_size_tokens,
+                queue_depth=queue_depth,
+                inflight_bytes=inflight_bytes,
+                op_timeout_s=op_timeout_s,
+                move_policy=move_policy,
+                counter_ring_size=counter_ring_size,
+                clock=clock,
+            )
+        except BaseException:
+            backend.close()
+            raise
+        return cls(layer_map, geometries, backend, dict(device_pools), host_tier, scheduler)
+
+    @classmethod
+    def from_config(cls, loaded: LoadedConfig, *, clock: Clock | None = None) -> EmbeddedCache:
+        d = loaded.deployment
+        layer_map = loaded.layer_map()
+        dtype = torch_dtype(d.model.dtype)
+        geometries = [GroupGeometry(g, dtype, d.model.page_size_tokens) for g in layer_map.groups]
+        per_page = sum(g.page_bytes for g in geometries)
+        backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
+        return cls.build(
+            layer_map,
+            dtype=dtype,
+            page_size_tokens=d.model.page_size_tokens,
+            host_capacity_bytes=d.host.capacity_bytes,
+            device_pages=max(1, d.device.pool_capacity_bytes // per_page),
+            host_layout=d.host.layout,
+            backend=backend,
+            queue_depth=d.scheduler.queue_depth,
+            inflight_bytes=d.scheduler.inflight_bytes,
+            op_timeout_s=d.scheduler.op_timeout_s,
+            move_policy=d.scheduler.move_policy,
+            counter_ring_size=d.scheduler.counter_ring_size,
+            clock=clock,
+        )
+
+    def close(self) -> None:
+        self.backend.close()

@@ -1,0 +1,64 @@
+"""`OpHandle`: what a caller holds for one op.
+
+`wait_layer(layer_id)` may be called from any thread (the engine's forward); it converts the
+global id through the layer map (so misuse gets the guard's error), then waits on the
+layer-done counter and records the stall. `await done()` gives the `OpResult`; `cancel()` is
+safe from any thread. A load's handle is returned only after its whole walk was submitted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from hicache.scheduler.ops import OpKind, OpResult, OpState
+
+if TYPE_CHECKING:
+    from hicache.scheduler.scheduler import Scheduler, _Op
+
+
+class OpHandle:
+    def __init__(self, scheduler: Scheduler, op: _Op):
+        self._scheduler = scheduler
+        self._op = op
+
+    @property
+    def op_id(self) -> int:
+        return self._op.op_id
+
+    @property
+    def kind(self) -> OpKind:
+        return self._op.kind
+
+    @property
+    def state(self) -> OpState:
+        return self._op.state
+
+    @property
+    def result(self) -> OpResult | None:
+        fut = self._op.finished
+        return fut.result() if fut.done() else None
+
+    def wait_layer(self, layer_id: int) -> None:
+        index = self._scheduler.layer_map.stage_index(layer_id)
+        started = time.perf_counter()
+        self._op.counter.wait_layer(index)
+        self._scheduler.recorder.waited(index, time.perf_counter() - started)
+
+    async def done(self) -> OpResult:
+        return await asyncio.shield(self._op.finished)
+
+    def cancel(self) -> None:
+        loop = self._scheduler.loop
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            self._scheduler.cancel_op(self._op)
+        else:
+            loop.call_soon_threadsafe(self._scheduler.cancel_op, self._op)
+
+    def __repr__(self) -> str:
+        return f"OpHandle({self.kind.value} #{self.op_id}, {self.state.value})"

@@ -1,0 +1,536 @@
+"""`Scheduler`: the asyncio core that turns ops into layer walks.
+
+Lifecycle:
+    async with Scheduler(...).running() as sched:      # one TaskGroup owns every task
+        handles = await sched.load_step([pages_a, pages_b])   # merged into one walk
+        handle.wait_layer(i)  (engine thread)  /  await handle.done()
+        await sched.backup(pages)                      # ordered after the producer's kernels
+    # leaving: queued ops are cancelled, in-flight walks finish, pins are released
+
+Admission (in the caller's task) validates the request, selects the pages each group moves
+(moves.py), pins host pages (loads) or allocates them (backups) — reserve. The dispatcher
+takes loads before backups, waits for byte budget and a counter slot (backpressure), walks
+the stage's layers through the layer map and submits the whole walk to the copy backend at
+once — submit. The backend reports the walk from its thread; `_walk_done` records outcomes
+and releases pins and budget — complete/abort, in exactly one place (`_finish`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hicache.errors import HicacheError
+from hicache.memory import DevicePool, HostTier
+from hicache.model import LayerMap
+from hicache.scheduler.budget import ByteBudget
+from hicache.scheduler.clock import Clock, MonotonicClock
+from hicache.scheduler.handle import OpHandle
+from hicache.scheduler.moves import MovePolicy, OpRequestError, Selection, select
+from hicache.scheduler.ops import GroupOutcome, GroupPages, OpKind, OpResult, OpState
+from hicache.scheduler.stats import SchedulerStats, StatsRecorder
+from hicache.transfer import (
+    NOOP_COUNTER,
+    CancelToken,
+    CopyBackend,
+    CounterRing,
+    Direction,
+    Fence,
+    GroupMove,
+    LayerDoneCounter,
+    LoadCounter,
+    RowCopy,
+)
+
+
+class SchedulerClosedError(HicacheError, RuntimeError):
+    """The scheduler is not running (not started, or shutting down)."""
+
+
+@dataclass(eq=False)
+class _Op:
+    op_id: int
+    kind: OpKind
+    moves: dict[str, GroupMove]
+    selections: dict[str, tuple[GroupPages, Selection]]
+    host_pages: dict[str, list[int]]  # per group: host page paired with each moved page
+    pinned: dict[str, list[int]]  # host pages still pinned; emptied by the one release
+    allocated: dict[str, list[int]]  # backup: host pages allocated, freed unless acknowledged
+    nbytes: int
+    deadline: float
+    finished: asyncio.Future[OpResult]
+    submitted: asyncio.Future[None]
+    fence: Fence | None = None
+    state: OpState = OpState.QUEUED
+    counter: LayerDoneCounter = NOOP_COUNTER
+    started_at: float = 0.0
+    cancel_requested: bool = False
+    expired: bool = False
+    watchdog: asyncio.Task[None] | None = None
+    in_queue: bool = False
+
+
+@dataclass(eq=False)
+class _Batch:
+    kind: OpKind
+    ops: list[_Op]
+    token: CancelToken = field(default_factory=CancelToken)
+    counter: LoadCounter | None = None
+    nbytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownReport:
+    completed: tuple[int, ...]  # ops that were in flight and finished (any final state)
+    cancelled: tuple[int, ...]  # ops still queued, cancelled unstarted
+
+
+class Scheduler:
+    def __init__(
+        self,
+        layer_map: LayerMap,
+        backend: CopyBackend,
+        device_pools: Mapping[str, DevicePool],
+        host_tier: HostTier,
+        *,
+        page_size_tokens: int,
+        queue_depth: int = 64,
+        inflight_bytes: int = 256 * 2**20,
+        op_timeout_s: float = 30.0,
+        move_policy: MovePolicy = "hybrid",
+        counter_ring_size: int = 3,
+        backup_walks_in_flight: int = 1,
+        clock: Clock | None = None,
+    ):
+        self.layer_map = layer_map
+        self.backend = backend
+        self.device_pools = dict(device_pools)
+        self.host_tier = host_tier
+        self.page_size_tokens = page_size_tokens
+        self.queue_depth = queue_depth
+        self.op_timeout_s = op_timeout_s
+        self.move_policy: MovePolicy = move_policy
+        self.clock: Clock = clock or MonotonicClock()
+        self.recorder = StatsRecorder(len(layer_map.stage_layer_ids))
+        self._budget = ByteBudget(inflight_bytes)
+        self._ring = CounterRing(counter_ring_size)
+        # Walks handed to the backend, per kind. Bounded so the backend's own FIFO never
+        # becomes the real queue: a load must not wait behind every backup already handed over.
+        self._walk_limit = {OpKind.LOAD: counter_ring_size, OpKind.BACKUP: backup_walks_in_flight}
+        self._walks = {OpKind.LOAD: 0, OpKind.BACKUP: 0}
+        self._queues: dict[OpKind, deque[_Batch]] = {OpKind.LOAD: deque(), OpKind.BACKUP: deque()}
+        self._queued_ops = 0
+        self._wake = asyncio.Event()  # something changed: a new op, a freed slot or budget
+        self._space = asyncio.Event()
+        self._space.set()
+        self._in_flight: set[_Batch] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._ids = itertools.count(1)
+        self._tg: asyncio.TaskGroup | None = None
+        self._closing = False
+        self.loop: asyncio.AbstractEventLoop
+        # the walk's shape, computed once: per stage layer, its (group, local id) slots
+        self._walk_slots = [
+            tuple((s.group.name, s.local_id) for s in layer_map.slots(layer_id))
+            for layer_id in layer_map.stage_layer_ids
+        ]
+        missing = {g.name for g in layer_map.groups} - set(self.device_pools)
+        if missing or set(self.device_pools) - set(host_tier.pools):
+            raise OpRequestError(
+                f"device pools {sorted(self.device_pools)} and host pools "
+                f"{sorted(host_tier.pools)} must cover the stage's groups "
+                f"{sorted(g.name for g in layer_map.groups)}"
+            )
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[Scheduler]:
+        self.loop = asyncio.get_running_loop()
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            dispatcher = tg.create_task(self._dispatch(), name="hicache-dispatch")
+            try:
+                yield self
+            finally:
+                self.last_shutdown = await self.shutdown()
+                dispatcher.cancel()
+        self._tg = None
+
+    async def shutdown(self) -> ShutdownReport:
+        """Stop accepting ops, cancel the queued ones, let in-flight walks finish."""
+        self._closing = True
+        cancelled = []
+        for queue in self._queues.values():
+            while queue:
+                batch = queue.popleft()
+                for op in batch.ops:
+                    if op.state is OpState.QUEUED:
+                        self._finish(op, OpState.CANCELLED, error="scheduler shut down")
+                        cancelled.append(op.op_id)
+        self._space.set()
+        self._set_idle()
+        running = [op.op_id for batch in self._in_flight for op in batch.ops]
+        await self._idle.wait()
+        return ShutdownReport(tuple(running), tuple(cancelled))
+
+    # ---- submission -----------------------------------------------------------------------
+
+    async def load(
+        self, groups: Mapping[str, GroupPages], *, deadline_s: float | None = None
+    ) -> OpHandle:
+        return (await self.load_step([groups], deadline_s=deadline_s))[0]
+
+    async def load_step(
+        self, requests: Sequence[Mapping[str, GroupPages]], *, deadline_s: float | None = None
+    ) -> list[OpHandle]:
+        """Loads of one engine step, merged into one walk. Returns once the walk is submitted
+        (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work."""
+        ops = self._admit_all(OpKind.LOAD, requests, deadline_s)
+        await self._enqueue(_Batch(OpKind.LOAD, ops))
+        await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
+        return [OpHandle(self, op) for op in ops]
+
+    async def backup(
+        self, groups: Mapping[str, GroupPages], *, deadline_s: float | None = None
+    ) -> OpHandle:
+        """Copy device pages to newly allocated host pages, ordered after the producer's work
+        so far. The result's outcomes name the host pages (owned by the caller once DONE)."""
+        fence = self.backend.producer_fence()
+        ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s)
+        ops[0].fence = fence
+        await self._enqueue(_Batch(OpKind.BACKUP, ops))
+        return OpHandle(self, ops[0])
+
+    def cancel_op(self, op: _Op) -> None:
+        if op.state is OpState.QUEUED:
+            self._finish(op, OpState.CANCELLED, error="cancelled before it started")
+        elif op.state is OpState.RUNNING:
+            op.cancel_requested = True
+            self._maybe_cancel_walk(op)
+
+    def stats(self) -> SchedulerStats:
+        return self.recorder.snapshot(
+            queued_loads=sum(
+                op.state is OpState.QUEUED for b in self._queues[OpKind.LOAD] for op in b.ops
+            ),
+            queued_backups=sum(
+                op.state is OpState.QUEUED for b in self._queues[OpKind.BACKUP] for op in b.ops
+            ),
+            in_flight_bytes=self._budget.in_flight_bytes,
+            walks=len(self._in_flight),
+        )
+
+    # ---- admission: validate, select, reserve ---------------------------------------------
+
+    def _admit_all(
+        self, kind: OpKind, requests: Sequence[Mapping[str, GroupPages]], deadline_s: float | None
+    ) -> list[_Op]:
+        if self._tg is None or self._closing:
+            raise SchedulerClosedError(
+                "the scheduler is not running; use `async with scheduler.running():`"
+            )
+        ops: list[_Op] = []
+        try:
+            for request in requests:
+                ops.append(self._admit(kind, request, deadline_s))
+        except BaseException:
+            for op in ops:  # all or nothing: undo the ops admitted before the bad one
+                self._release(op, keep_allocation=False)
+            raise
+        return ops
+
+    def _admit(
+        self, kind: OpKind, request: Mapping[str, GroupPages], deadline_s: float | None
+    ) -> _Op:
+        timeout = self.op_timeout_s if deadline_s is None else deadline_s
+        if timeout <= 0:
+            raise OpRequestError(f"deadline_s {timeout!r} must be > 0")
+        if not request:
+            raise OpRequestError(f"a {kind.value} op needs pages of at least one group")
+        selections: dict[str, tuple[GroupPages, Selection]] = {}
+        for name, pages in request.items():
+            group = self.layer_map.group(name)  # raises with the valid groups
+            if kind is OpKind.LOAD and len(pages.host_pages) != len(pages.device_pages):
+                raise OpRequestError(
+                    f"group {name!r}: {len(pages.device_pages)} device pages but "
+                    f"{len(pages.host_pages)} host pages; a load pairs them one to one"
+                )
+            if kind is OpKind.BACKUP and pages.host_pages:
+                raise OpRequestError(
+                    f"group {name!r}: a backup allocates its host pages; pass device pages only"
+                )
+            tokens = pages.num_tokens
+            if tokens is None:
+                tokens = len(pages.device_pages) * self.page_size_tokens
+            selection = select(
+                group,
+                len(pages.device_pages),
+                tokens,
+                self.page_size_tokens,
+                self.move_policy,
+                for_load=kind is OpKind.LOAD,
+            )
+            selections[name] = (pages, selection)
+        op_id = next(self._ids)
+        loop = asyncio.get_running_loop()
+        op = _Op(
+            op_id,
+            kind,
+            {},
+            selections,
+            {},
+            {},
+            {},
+            0,
+            self.clock.now() + timeout,
+            loop.create_future(),
+            loop.create_future(),
+        )
+        try:
+            for name, (pages, selection) in selections.items():
+                if not selection.positions:
+                    continue
+                host = self.host_tier.pool(name)
+                device = self.device_pools[name]
+                dev = [pages.device_pages[i] for i in selection.positions]
+                if kind is OpKind.LOAD:
+                    hosts = [pages.host_pages[i] for i in selection.positions]
+                    for page in hosts:
+                        if not 0 <= page < host.num_pages or not host.allocator.is_allocated(page):
+                            raise OpRequestError(
+                                f"group {name!r}: host page {page} holds nothing (not allocated "
+                                f"in the host pool of {host.num_pages} pages)"
+                            )
+                else:
+                    # a run of host pages, handed to the device pages in ascending order
+                    run = host.allocator.alloc(len(dev))
+                    op.allocated[name] = run
+                    by_rank = {d: run[r] for r, d in enumerate(sorted(dev))}
+                    hosts = [by_rank[d] for d in dev]
+                move = GroupMove.build(self.backend, device, host, dev, hosts)
+                host.allocator.pin(hosts)
+                op.pinned[name] = hosts
+                op.host_pages[name] = hosts
+                op.moves[name] = move
+                op.nbytes += move.layer_bytes() * device.geometry.num_layers
+        except BaseException:
+            self._release(op, keep_allocation=False)
+            raise
+        self.recorder.transition(None, OpState.QUEUED)
+        return op
+
+    async def _enqueue(self, batch: _Batch) -> None:
+        while self._queued_ops >= self.queue_depth and not self._closing:
+            self._space.clear()
+            await self._space.wait()  # backpressure: the queue is bounded
+        if self._closing:
+            for op in batch.ops:
+                self._finish(op, OpState.CANCELLED, error="scheduler shut down")
+            return
+        assert self._tg is not None
+        for op in batch.ops:
+            op.watchdog = self._tg.create_task(self._watch(op), name=f"hicache-deadline-{op.op_id}")
+            op.in_queue = True
+        self._queues[batch.kind].append(batch)
+        self._queued_ops += len(batch.ops)
+        self._idle.clear()
+        self._wake.set()
+
+    # ---- dispatch: order, budget, walk, submit ----------------------------------------------
+
+    async def _dispatch(self) -> None:
+        while True:
+            batch = self._next_ready()
+            if batch is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._launch(batch)
+
+    def _next_ready(self) -> _Batch | None:
+        """The next batch that can start now: loads first. A batch that lacks a walk slot or
+        byte budget stays queued; backups may pass a load only when that load waits for a
+        counter slot (they compete for nothing else it needs)."""
+        for kind in (OpKind.LOAD, OpKind.BACKUP):
+            queue = self._queues[kind]
+            while queue and all(op.state.final for op in queue[0].ops):
+                queue.popleft()  # cancelled or expired while queued
+            if not queue:
+                continue
+            batch = queue[0]
+            nbytes = sum(op.nbytes for op in batch.ops if op.state is OpState.QUEUED)
+            if not self._budget.fits(nbytes):
+                return None
+            if self._walks[kind] >= self._walk_limit[kind]:
+                continue
+            queue.popleft()
+            batch.ops = [op for op in batch.ops if op.state is OpState.QUEUED]
+            for op in batch.ops:
+                op.in_queue = False
+            self._queued_ops -= len(batch.ops)
+            self._space.set()
+            batch.nbytes = nbytes
+            self._budget.take(nbytes)
+            self._walks[kind] += 1
+            self._in_flight.add(batch)
+            return batch
+        return None
+
+    def _launch(self, batch: _Batch) -> None:
+        direction = Direction.LOAD if batch.kind is OpKind.LOAD else Direction.BACKUP
+        layers: list[list[RowCopy]] = []
+        for slots in self._walk_slots:
+            copies: list[RowCopy] = []
+            for group, local_id in slots:
+                for op in batch.ops:
+                    move = op.moves.get(group)
+                    if move is not None:
+                        copies.extend(move.layer_copies(direction, local_id))
+            layers.append(copies)
+        now = self.clock.now()
+        for op in batch.ops:
+            self._set_state(op, OpState.RUNNING)
+            op.started_at = now
+        if len(batch.ops) > 1:
+            self.recorder.merged_walks += 1
+        fence = batch.ops[-1].fence
+        loop = self.loop
+
+        def done(errors: dict[int, BaseException]) -> None:  # backend thread
+            loop.call_soon_threadsafe(self._walk_done, batch, errors)
+
+        if batch.kind is OpKind.LOAD:
+            batch.counter = self._ring.acquire(batch.ops[0].op_id, len(layers))
+        try:
+            signals = self.backend.submit_walk(direction, layers, done, fence, batch.token)
+        except Exception as exc:
+            self._walk_done(batch, {-1: exc})
+            return
+        if batch.counter is not None:
+            for position, signal in enumerate(signals):
+                batch.counter.submitted(position, signal)
+        for op in batch.ops:
+            op.counter = batch.counter or NOOP_COUNTER
+            if not op.submitted.done():
+                op.submitted.set_result(None)
+
+    # ---- completion: outcomes, pins, budget -------------------------------------------------
+
+    def _walk_done(self, batch: _Batch, errors: dict[int, BaseException]) -> None:
+        failed_groups = self._failed_groups(errors)
+        first = next(iter(errors.values()), None)
+        elapsed = self.clock.now()
+        for op in batch.ops:
+            if op.state.final:
+                continue
+            bad = failed_groups if -1 not in errors else set(op.moves)
+            bad = bad & set(op.moves)
+            if op.cancel_requested:
+                state = OpState.EXPIRED if op.expired else OpState.CANCELLED
+                self._finish(op, state, failed=set(op.moves), error=state.value)
+            elif bad:
+                self._finish(
+                    op, OpState.FAILED, failed=bad, error=f"{type(first).__name__}: {first}"
+                )
+            else:
+                self._finish(op, OpState.DONE)
+                self.recorder.moved(op.kind, op.nbytes, elapsed - op.started_at)
+        self._release_walk(batch)
+
+    def _failed_groups(self, errors: dict[int, BaseException]) -> set[str]:
+        return {group for pos in errors if pos >= 0 for group, _ in self._walk_slots[pos]}
+
+    def _release_walk(self, batch: _Batch) -> None:
+        if batch.counter is not None:
+            self._ring.release(batch.counter)
+            batch.counter = None
+        self._walks[batch.kind] -= 1
+        self._budget.release(batch.nbytes)
+        self._in_flight.discard(batch)
+        self._wake.set()
+        self._set_idle()
+
+    def _set_idle(self) -> None:
+        if not self._in_flight and self._queued_ops == 0:
+            self._idle.set()
+
+    def _finish(
+        self, op: _Op, state: OpState, *, failed: set[str] | None = None, error: str = ""
+    ) -> None:
+        """The one place an op ends: outcomes recorded, pins released, waiters woken.
+        A load's groups that landed count as moved even when another group failed; a backup
+        is acknowledged whole or not at all (its host pages are freed unless DONE)."""
+        acknowledged = state is OpState.DONE
+        if failed is None:
+            failed = set() if acknowledged else set(op.moves)
+        if op.kind is OpKind.BACKUP and not acknowledged:
+            failed = set(op.moves)
+        outcomes = {}
+        moved_bytes = 0
+        for name, (pages, selection) in op.selections.items():
+            skipped = tuple(pages.device_pages[i] for i in selection.skipped)
+            chosen = tuple(pages.device_pages[i] for i in selection.positions)
+            if name in failed:
+                outcomes[name] = GroupOutcome(
+                    failed_device_pages=chosen, skipped_device_pages=skipped
+                )
+                continue
+            outcomes[name] = GroupOutcome(
+                moved_device_pages=chosen,
+                host_pages=tuple(op.host_pages.get(name, ())),
+                skipped_device_pages=skipped,
+            )
+            if name in op.moves:
+                move = op.moves[name]
+                moved_bytes += move.layer_bytes() * move.device.geometry.num_layers
+        self._release(op, keep_allocation=acknowledged)
+        if op.in_queue:
+            op.in_queue = False
+            self._queued_ops -= 1
+            self._space.set()
+            self._wake.set()
+        self._set_state(op, state)
+        if op.watchdog is not None and op.watchdog is not asyncio.current_task():
+            op.watchdog.cancel()
+        seconds = self.clock.now() - op.started_at if op.started_at else 0.0
+        result = OpResult(op.op_id, op.kind, state, outcomes, moved_bytes, seconds, error)
+        if not op.finished.done():
+            op.finished.set_result(result)
+        if not op.submitted.done():
+            op.submitted.set_result(None)
+
+    def _release(self, op: _Op, *, keep_allocation: bool) -> None:
+        """Unpin every pinned page (once), and free a backup's pages unless acknowledged."""
+        pinned, op.pinned = op.pinned, {}
+        for name, pages in pinned.items():
+            self.host_tier.pool(name).allocator.unpin(pages)
+        allocated, op.allocated = op.allocated, {}
+        if not keep_allocation:
+            for name, pages in allocated.items():
+                self.host_tier.pool(name).allocator.free(pages)
+
+    def _set_state(self, op: _Op, state: OpState) -> None:
+        self.recorder.transition(op.state, state)
+        op.state = state
+
+    # ---- deadlines and cancellation ---------------------------------------------------------
+
+    async def _watch(self, op: _Op) -> None:
+        await self.clock.sleep(op.deadline - self.clock.now())
+        if op.state is OpState.QUEUED:
+            self._finish(op, OpState.EXPIRED, error="deadline passed while queued")
+        elif op.state is OpState.RUNNING:
+            op.expired = True
+            op.cancel_requested = True
+            self._maybe_cancel_walk(op)
+
+    def _maybe_cancel_walk(self, op: _Op) -> None:
+        for batch in self._in_flight:
+            if op in batch.ops and all(o.cancel_requested for o in batch.ops):
+                batch.token.cancel()
