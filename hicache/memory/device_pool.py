@@ -68,6 +68,7 @@ class DevicePool:
         self._rows = [
             {name: page_rows(t[name], geometry.slots_per_page) for name in names} for t in layers
         ]
+        self._layer_rows = [tuple(r[name] for name in names) for r in self._rows]
 
     @classmethod
     def allocate(
@@ -84,6 +85,10 @@ class DevicePool:
                 tensors[name] = t.zero_()
             layers.append(tensors)
         return cls(geometry, layers)
+
+    def layer_rows(self, local_id: int) -> tuple[torch.Tensor, ...]:
+        """Every tensor's row view of one layer, in the geometry's tensor order."""
+        return self._layer_rows[local_id]
 
     def rows(self, local_id: int, tensor: str) -> torch.Tensor:
         """`[num_pages, row_bytes]` uint8 view of one layer's tensor."""

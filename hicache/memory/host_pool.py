@@ -41,6 +41,7 @@ class HostPool:
             {name: self._make_rows(local_id, name) for name, _ in geometry.tensors}
             for local_id in range(geometry.num_layers)
         ]
+        self._layer_rows = [tuple(r[name] for name, _ in geometry.tensors) for r in self._rows]
 
     def _tensor_offset(self, tensor: str) -> int:
         offset = 0
@@ -59,6 +60,10 @@ class HostPool:
             return self.buffer[start : start + self.num_pages * row].view(self.num_pages, row)
         start = local_id * g.page_bytes_per_layer + self._tensor_offset(tensor)
         return self.buffer.as_strided((self.num_pages, row), (g.page_bytes, 1), start)
+
+    def layer_rows(self, local_id: int) -> tuple[torch.Tensor, ...]:
+        """Every tensor's row view of one layer, in the geometry's tensor order."""
+        return self._layer_rows[local_id]
 
     def rows(self, local_id: int, tensor: str) -> torch.Tensor:
         """`[num_pages, row_bytes]` uint8 view (strided for page_first)."""

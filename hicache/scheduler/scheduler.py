@@ -43,8 +43,8 @@ from hicache.transfer import (
     GroupMove,
     LayerDoneCounter,
     LoadCounter,
-    RowCopy,
 )
+from hicache.transfer.backend import LayerPart
 
 
 class SchedulerClosedError(HicacheError, RuntimeError):
@@ -384,15 +384,16 @@ class Scheduler:
 
     def _launch(self, batch: _Batch) -> None:
         direction = Direction.LOAD if batch.kind is OpKind.LOAD else Direction.BACKUP
-        layers: list[list[RowCopy]] = []
-        for slots in self._walk_slots:
-            copies: list[RowCopy] = []
-            for group, local_id in slots:
-                for op in batch.ops:
-                    move = op.moves.get(group)
-                    if move is not None:
-                        copies.extend(move.layer_copies(direction, local_id))
-            layers.append(copies)
+        ops = batch.ops
+        layers: list[list[LayerPart]] = [
+            [
+                (move, local_id)
+                for group, local_id in slots
+                for op in ops
+                if (move := op.moves.get(group)) is not None
+            ]
+            for slots in self._walk_slots
+        ]
         now = self.clock.now()
         for op in batch.ops:
             self._set_state(op, OpState.RUNNING)
@@ -413,8 +414,7 @@ class Scheduler:
             self._walk_done(batch, {-1: exc})
             return
         if batch.counter is not None:
-            for position, signal in enumerate(signals):
-                batch.counter.submitted(position, signal)
+            batch.counter.submitted(signals)
         for op in batch.ops:
             op.counter = batch.counter or NOOP_COUNTER
             if not op.submitted.done():

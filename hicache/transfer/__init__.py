@@ -11,8 +11,9 @@ from hicache.transfer.backend import (
     CopyCancelled,
     Direction,
     Fence,
-    LayerSignal,
+    LayerPart,
     RowCopy,
+    WalkSignals,
 )
 from hicache.transfer.counter import NOOP_COUNTER, CounterRing, LayerDoneCounter, LoadCounter
 from hicache.transfer.cpu_backend import CpuCopyBackend
@@ -31,10 +32,11 @@ __all__ = [
     "Fence",
     "GroupMove",
     "LayerDoneCounter",
-    "LayerSignal",
+    "LayerPart",
     "LoadCounter",
     "RowCopy",
     "Rows",
+    "WalkSignals",
     "copy_layers_blocking",
     "make_backend",
 ]

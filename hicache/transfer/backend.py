@@ -1,18 +1,20 @@
 """The copy-backend interface: what the scheduler asks of a device, whatever the device is.
 
 Lifecycle: `alloc_host` at start (pinned on CUDA); per op, `rows()` builds the page-index sets
-once; per layer, `submit()` enqueues that layer's copies (never blocking the caller) and
-returns a `LayerSignal` that completes when they land; `close()` drains and stops. The only
+once; per walk, `submit_walk()` enqueues every layer's work in one call (never blocking the
+caller) and returns `WalkSignals` that complete layer by layer; `close()` drains and stops.
+A layer's work is a list of (source, local id) parts that the backend expands into row
+copies on its own thread, so the scheduler's cost per layer is a few tuple appends. The only
 modules that touch `torch.cuda` are this package's CUDA files.
 """
 
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 
@@ -24,14 +26,30 @@ class Direction(StrEnum):
     BACKUP = "backup"  # L1 device -> L2 host
 
 
+RowPair = tuple[torch.Tensor, Rows, torch.Tensor, Rows]  # src, src rows, dst, dst rows
+
+
+class RowSource(Protocol):
+    """Something that expands, on the backend's thread, into the row copies of one layer."""
+
+    def row_pairs(self, direction: Direction, local_id: int) -> Iterable[RowPair]: ...
+
+
+LayerPart = tuple[RowSource, int]  # (source, local layer id): one group of one op, one layer
+
+
 @dataclass(frozen=True, slots=True)
 class RowCopy:
-    """One tensor of one layer: dst[dst_rows] = src[src_rows] (uint8 `[pages, row]` views)."""
+    """A single explicit copy dst[dst_rows] = src[src_rows] of uint8 `[pages, row]` views; a
+    `RowSource` of its own (the local id is ignored), for callers below the scheduler."""
 
     src: torch.Tensor
     src_rows: Rows
     dst: torch.Tensor
     dst_rows: Rows
+
+    def row_pairs(self, direction: Direction, local_id: int) -> Iterable[RowPair]:
+        return ((self.src, self.src_rows, self.dst, self.dst_rows),)
 
     @property
     def nbytes(self) -> int:
@@ -62,29 +80,32 @@ class CopyCancelled(Exception):
     """A layer's copies were skipped because its walk was cancelled."""
 
 
-class LayerSignal(abc.ABC):
-    """Completion of one layer's copies, as the consumer waits on it."""
+class WalkSignals(abc.ABC):
+    """Per-layer completion of one submitted walk, as the consumer waits on it."""
 
     @abc.abstractmethod
-    def wait(self) -> None:
-        """CPU: block until the copies landed. CUDA: make the current stream wait (no host
-        sync)."""
+    def wait(self, position: int) -> None:
+        """CPU: block until layer `position` landed. CUDA: make the current stream wait on it
+        (no host sync)."""
 
     @abc.abstractmethod
-    def is_done(self) -> bool: ...
+    def is_done(self, position: int) -> bool: ...
+
+    def all_done(self, num_layers: int) -> bool:
+        return all(self.is_done(i) for i in range(num_layers))
 
 
-class ReadySignal(LayerSignal):
-    """A layer with nothing to copy: done from the start."""
+class ReadyWalk(WalkSignals):
+    """A walk with nothing to copy: every layer is done from the start."""
 
-    def wait(self) -> None:
+    def wait(self, position: int) -> None:
         return None
 
-    def is_done(self) -> bool:
+    def is_done(self, position: int) -> bool:
         return True
 
 
-READY = ReadySignal()
+READY = ReadyWalk()
 
 
 class Fence:
@@ -115,14 +136,14 @@ class CopyBackend(abc.ABC):
     def submit_walk(
         self,
         direction: Direction,
-        layers: Sequence[Sequence[RowCopy]],
+        layers: Sequence[Sequence[LayerPart]],
         done: WalkDone,
         after: Fence | None = None,
         cancel: CancelToken | None = None,
-    ) -> list[LayerSignal]:
-        """Enqueue a whole walk, layer by layer in order, without blocking; returns one signal
-        per layer (READY for a layer with no copies). `done(errors)` is called once, from any
-        thread, when every layer has finished or failed."""
+    ) -> WalkSignals:
+        """Enqueue a whole walk, layer by layer in order, without blocking; the returned
+        signals complete layer by layer. `done(errors)` is called once, from any thread, when
+        every layer has finished or failed."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -2,7 +2,7 @@
 
 Indices are stage-local layer positions (`LayerMap.stage_index`: global id - start_layer), so a
 counter covers every layer of the stage, holes included. Lifecycle of one load's counter:
-`CounterRing.acquire` -> `submitted(i, signal)` for every layer, in walk order, before the
+`CounterRing.acquire` -> `submitted(walk)` once the whole walk is on the backend, before the
 handle reaches the consumer -> the consumer's `wait_layer(i)` -> `CounterRing.release`.
 `wait_layer` on a layer that was never submitted, or after release, is a protocol error
 (`CounterMisuseError`): on CUDA a wait on an unrecorded event is silently a no-op, which is
@@ -16,7 +16,7 @@ import abc
 import threading
 
 from hicache.errors import CounterMisuseError
-from hicache.transfer.backend import LayerSignal
+from hicache.transfer.backend import WalkSignals
 
 
 class LayerDoneCounter(abc.ABC):
@@ -40,21 +40,21 @@ class LoadCounter(LayerDoneCounter):
         self.slot = slot
         self.load_id = load_id
         self.num_layers = num_layers
-        self._signals: list[LayerSignal | None] = [None] * num_layers
+        self._walk: WalkSignals | None = None
         self._released = False
         self._completed = False
         self._lock = threading.Lock()
 
-    def submitted(self, index: int, signal: LayerSignal) -> None:
-        self._check_index(index)
+    def submitted(self, walk: WalkSignals) -> None:
+        """The load's whole walk is on the backend: every layer has a signal from now on."""
         with self._lock:
             if self._released:
                 raise CounterMisuseError(
-                    f"load {self.load_id}: layer {index} submitted after the counter was released"
+                    f"load {self.load_id}: walk submitted after the counter was released"
                 )
-            if self._signals[index] is not None:
-                raise CounterMisuseError(f"load {self.load_id}: layer {index} submitted twice")
-            self._signals[index] = signal
+            if self._walk is not None:
+                raise CounterMisuseError(f"load {self.load_id}: walk submitted twice")
+            self._walk = walk
 
     def wait_layer(self, index: int) -> None:
         self._check_index(index)
@@ -66,17 +66,14 @@ class LoadCounter(LayerDoneCounter):
                     f"load {self.load_id}'s counter was released before its walk completed "
                     f"(slot {self.slot} of the ring may serve another load now)"
                 )
-            signal = self._signals[index]
-        if signal is None:
+            walk = self._walk
+        if walk is None:
             raise CounterMisuseError(
                 f"load {self.load_id}: layer {index} was never submitted; every layer of a load "
                 "is submitted before its handle is returned, so this wait would not be ordered "
                 "after any copy"
             )
-        signal.wait()
-
-    def all_submitted(self) -> bool:
-        return all(s is not None for s in self._signals)
+        walk.wait(index)
 
     def _check_index(self, index: int) -> None:
         if not isinstance(index, int) or not 0 <= index < self.num_layers:
@@ -122,7 +119,8 @@ class CounterRing:
                 )
             with counter._lock:
                 counter._released = True
-                counter._completed = all(s is not None and s.is_done() for s in counter._signals)
+                walk = counter._walk
+                counter._completed = walk is not None and walk.all_done(counter.num_layers)
             self._slots[counter.slot] = None
 
     @property

@@ -1,9 +1,9 @@
 """`CpuCopyBackend`: the copy API on one worker thread, so the scheduler's loop never blocks.
 
 Lifecycle: created at start (the worker thread starts, with one torch intra-op thread of its
-own); `submit_walk` puts a whole walk on a FIFO queue in one step and returns a signal per
-layer; the worker runs the layers in order, sets each layer's signal as it lands, and reports
-the walk once; `close` lets queued work finish and joins the thread. Not
+own); `submit_walk` puts a whole walk on a FIFO queue in one step and returns its progress;
+the worker runs the layers in order, advancing the progress as each lands, and reports the
+walk once; `close` lets queued work finish and joins the thread. Not
 a daemon: the owner must close it (the scheduler does, in its shutdown).
 """
 
@@ -19,35 +19,43 @@ import torch
 from hicache.errors import TransferError
 from hicache.memory.hugepages import advise_hugepages
 from hicache.transfer.backend import (
-    READY,
     CancelToken,
     CopyBackend,
     CopyCancelled,
     Direction,
     Fence,
-    LayerSignal,
-    RowCopy,
+    LayerPart,
     WalkDone,
+    WalkSignals,
 )
 from hicache.transfer.rows import copy_rows_cpu
 
-_Job = tuple[list[tuple[int, Sequence[RowCopy], "EventSignal"]], WalkDone, CancelToken | None]
+_Job = tuple[Direction, Sequence[Sequence[LayerPart]], WalkDone, CancelToken | None, "WalkProgress"]
 
 
-class EventSignal(LayerSignal):
-    __slots__ = ("_event",)
+class WalkProgress(WalkSignals):
+    """How far the worker has got through one walk: layers run in order, so layer i has
+    landed exactly when `done_upto > i`. One condition per walk, not one event per layer."""
+
+    __slots__ = ("_cond", "done_upto")
 
     def __init__(self) -> None:
-        self._event = threading.Event()
+        self._cond = threading.Condition(threading.Lock())
+        self.done_upto = 0
 
-    def set(self) -> None:
-        self._event.set()
+    def advance(self, upto: int) -> None:
+        with self._cond:
+            self.done_upto = upto
+            self._cond.notify_all()
 
-    def wait(self) -> None:
-        self._event.wait()
+    def wait(self, position: int) -> None:
+        if self.done_upto > position:
+            return
+        with self._cond:
+            self._cond.wait_for(lambda: self.done_upto > position)
 
-    def is_done(self) -> bool:
-        return self._event.is_set()
+    def is_done(self, position: int) -> bool:
+        return self.done_upto > position
 
 
 class CpuCopyBackend(CopyBackend):
@@ -75,24 +83,16 @@ class CpuCopyBackend(CopyBackend):
     def submit_walk(
         self,
         direction: Direction,
-        layers: Sequence[Sequence[RowCopy]],
+        layers: Sequence[Sequence[LayerPart]],
         done: WalkDone,
         after: Fence | None = None,
         cancel: CancelToken | None = None,
-    ) -> list[LayerSignal]:
+    ) -> WalkSignals:
         if self._closed:
             raise TransferError("the CPU copy backend is closed; no new copies are accepted")
-        signals: list[LayerSignal] = []
-        work: list[tuple[int, Sequence[RowCopy], EventSignal]] = []
-        for position, copies in enumerate(layers):
-            if copies:
-                signal = EventSignal()
-                work.append((position, copies, signal))
-                signals.append(signal)
-            else:
-                signals.append(READY)
-        self._queue.put((work, done, cancel))
-        return signals
+        progress = WalkProgress()
+        self._queue.put((direction, layers, done, cancel, progress))
+        return progress
 
     def _run(self) -> None:
         torch.set_num_threads(1)
@@ -100,22 +100,25 @@ class CpuCopyBackend(CopyBackend):
             item = self._queue.get()
             if item is None:
                 return
-            work, done, cancel = item
+            direction, layers, done, cancel, progress = item
             errors: dict[int, BaseException] = {}
-            for position, copies, signal in work:
-                try:
-                    if cancel is not None and cancel.cancelled:
-                        raise CopyCancelled(f"layer position {position}: walk cancelled")
-                    self._run_layer(position, copies)
-                except Exception as exc:  # reported to the op through `done`, never swallowed
-                    errors[position] = exc
-                signal.set()
+            for position, parts in enumerate(layers):
+                if parts:
+                    try:
+                        if cancel is not None and cancel.cancelled:
+                            raise CopyCancelled(f"layer position {position}: walk cancelled")
+                        self._run_layer(direction, position, parts)
+                    except Exception as exc:  # reported through `done`, never swallowed
+                        errors[position] = exc
+                progress.advance(position + 1)
             done(errors)
 
-    def _run_layer(self, position: int, copies: Sequence[RowCopy]) -> None:
+    def _run_layer(self, direction: Direction, position: int, parts: Sequence[LayerPart]) -> None:
         """One layer's copies, on the worker thread (the fake backend hooks in here)."""
-        for c in copies:
-            copy_rows_cpu(c.src, c.src_rows, c.dst, c.dst_rows, self._staging)
+        staging = self._staging
+        for source, local_id in parts:
+            for src, src_rows, dst, dst_rows in source.row_pairs(direction, local_id):
+                copy_rows_cpu(src, src_rows, dst, dst_rows, staging)
 
     def close(self) -> None:
         if self._closed:

@@ -24,15 +24,15 @@ import torch
 
 from hicache.errors import TransferError
 from hicache.transfer.backend import (
-    READY,
     CancelToken,
     CopyBackend,
     CopyCancelled,
     Direction,
     Fence,
-    LayerSignal,
-    RowCopy,
+    LayerPart,
+    RowPair,
     WalkDone,
+    WalkSignals,
 )
 from hicache.transfer.rows import Rows
 
@@ -43,17 +43,22 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-class CudaEventSignal(LayerSignal):
-    __slots__ = ("event",)
+class CudaWalkSignals(WalkSignals):
+    """One event per layer that copied something (None for a layer with nothing to copy)."""
 
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
+    __slots__ = ("events",)
 
-    def wait(self) -> None:
-        torch.cuda.current_stream().wait_event(self.event)
+    def __init__(self, events: list[torch.cuda.Event | None]):
+        self.events = events
 
-    def is_done(self) -> bool:
-        return bool(self.event.query())  # type: ignore[no-untyped-call]
+    def wait(self, position: int) -> None:
+        event = self.events[position]
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def is_done(self, position: int) -> bool:
+        event = self.events[position]
+        return event is None or bool(event.query())  # type: ignore[no-untyped-call]
 
 
 class CudaFence(Fence):
@@ -138,39 +143,40 @@ class CudaCopyBackend(CopyBackend):
     def submit_walk(
         self,
         direction: Direction,
-        layers: Sequence[Sequence[RowCopy]],
+        layers: Sequence[Sequence[LayerPart]],
         done: WalkDone,
         after: Fence | None = None,
         cancel: CancelToken | None = None,
-    ) -> list[LayerSignal]:
+    ) -> WalkSignals:
         if self._closed:
             raise TransferError("the CUDA copy backend is closed; no new copies are accepted")
         stream = self.load_stream if direction is Direction.LOAD else self.backup_stream
         staging = self._staging[direction]
-        signals: list[LayerSignal] = []
+        events: list[torch.cuda.Event | None] = []
         last: torch.cuda.Event | None = None
         errors: dict[int, BaseException] = {}
         with torch.cuda.stream(stream):
             if isinstance(after, CudaFence):
                 stream.wait_event(after.event)
-            for position, copies in enumerate(layers):
-                if not copies:
-                    signals.append(READY)
+            for position, parts in enumerate(layers):
+                if not parts:
+                    events.append(None)
                     continue
                 if cancel is not None and cancel.cancelled:
                     errors[position] = CopyCancelled(f"layer position {position}: walk cancelled")
-                    signals.append(READY)
+                    events.append(None)
                     continue
-                for c in copies:
-                    if direction is Direction.LOAD:
-                        self._load_rows(c, staging)
-                    else:
-                        self._backup_rows(c, staging)
+                for source, local_id in parts:
+                    for pair in source.row_pairs(direction, local_id):
+                        if direction is Direction.LOAD:
+                            self._load_rows(pair, staging)
+                        else:
+                            self._backup_rows(pair, staging)
                 last = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 last.record(stream)
-                signals.append(CudaEventSignal(last))
+                events.append(last)
         self._pending.put((last, errors, done))
-        return signals
+        return CudaWalkSignals(events)
 
     @staticmethod
     def _stage_view(staging: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
@@ -181,31 +187,33 @@ class CudaCopyBackend(CopyBackend):
             )
         return staging[: rows * row_bytes].view(rows, row_bytes)
 
-    def _load_rows(self, c: RowCopy, staging: torch.Tensor) -> None:
+    def _load_rows(self, pair: RowPair, staging: torch.Tensor) -> None:
         """host rows -> device rows: runs H2D into staging, then one device scatter."""
-        n, row = c.src_rows.count, c.src.shape[1]
-        if c.src_rows.is_run and c.dst_rows.is_run:
-            c.dst_rows.slice(c.dst).copy_(c.src_rows.slice(c.src), non_blocking=True)
+        src, src_rows, dst, dst_rows = pair
+        n, row = src_rows.count, src.shape[1]
+        if src_rows.is_run and dst_rows.is_run:
+            dst_rows.slice(dst).copy_(src_rows.slice(src), non_blocking=True)
             return
         stage = self._stage_view(staging, n, row)
-        _host_runs_to(stage, c.src, c.src_rows, to_device=True)
-        if c.dst_rows.is_run:
-            c.dst_rows.slice(c.dst).copy_(stage)
+        _host_runs_to(stage, src, src_rows, to_device=True)
+        if dst_rows.is_run:
+            dst_rows.slice(dst).copy_(stage)
         else:
-            c.dst.index_copy_(0, self._device_index(c.dst_rows), stage)
+            dst.index_copy_(0, self._device_index(dst_rows), stage)
 
-    def _backup_rows(self, c: RowCopy, staging: torch.Tensor) -> None:
+    def _backup_rows(self, pair: RowPair, staging: torch.Tensor) -> None:
         """device rows -> host rows: one device gather into staging, then runs D2H."""
-        n, row = c.src_rows.count, c.src.shape[1]
-        if c.src_rows.is_run and c.dst_rows.is_run:
-            c.dst_rows.slice(c.dst).copy_(c.src_rows.slice(c.src), non_blocking=True)
+        src, src_rows, dst, dst_rows = pair
+        n, row = src_rows.count, src.shape[1]
+        if src_rows.is_run and dst_rows.is_run:
+            dst_rows.slice(dst).copy_(src_rows.slice(src), non_blocking=True)
             return
         stage = self._stage_view(staging, n, row)
-        if c.src_rows.is_run:
-            stage.copy_(c.src_rows.slice(c.src))
+        if src_rows.is_run:
+            stage.copy_(src_rows.slice(src))
         else:
-            torch.index_select(c.src, 0, self._device_index(c.src_rows), out=stage)
-        _host_runs_to(stage, c.dst, c.dst_rows, to_device=False)
+            torch.index_select(src, 0, self._device_index(src_rows), out=stage)
+        _host_runs_to(stage, dst, dst_rows, to_device=False)
 
     def _complete(self) -> None:
         while True:

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from hicache.transfer.backend import RowCopy
+from hicache.transfer.backend import Direction, LayerPart
 from hicache.transfer.cpu_backend import CpuCopyBackend
 
 
@@ -51,7 +51,7 @@ class FakeCopyBackend(CpuCopyBackend):
         with self._fail_lock:
             self._fail_positions |= positions
 
-    def _run_layer(self, position: int, copies: Sequence[RowCopy]) -> None:
+    def _run_layer(self, direction: Direction, position: int, parts: Sequence[LayerPart]) -> None:
         if self._gated:
             self._permits.acquire()
         if self.layer_delay_s:
@@ -61,7 +61,7 @@ class FakeCopyBackend(CpuCopyBackend):
             self._fail_positions.discard(position)
         if fail:
             raise InjectedFault(f"injected fault at layer position {position}")
-        super()._run_layer(position, copies)
+        super()._run_layer(direction, position, parts)
         self.layers_run += 1
 
     def close(self) -> None:

@@ -9,12 +9,12 @@ caches such as a sparse layer's index K always travel with the KV.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hicache.errors import TransferError
 from hicache.memory import DevicePool, HostPool
-from hicache.transfer.backend import CopyBackend, Direction, RowCopy
+from hicache.transfer.backend import CopyBackend, Direction, LayerPart, RowCopy, RowPair
 from hicache.transfer.rows import Rows
 
 
@@ -65,15 +65,17 @@ class GroupMove:
     def num_pages(self) -> int:
         return self.device_rows.count
 
+    def row_pairs(self, direction: Direction, local_id: int) -> Iterable[RowPair]:
+        """One layer's copies (one per tensor), expanded on the backend's thread."""
+        dev_rows, host_rows = self.device_rows, self.host_rows
+        pairs = zip(self.device.layer_rows(local_id), self.host.layer_rows(local_id), strict=True)
+        if direction is Direction.LOAD:
+            return [(host, host_rows, dev, dev_rows) for dev, host in pairs]
+        return [(dev, dev_rows, host, host_rows) for dev, host in pairs]
+
     def layer_copies(self, direction: Direction, local_id: int) -> list[RowCopy]:
-        out = []
-        for name, _ in self.device.geometry.tensors:
-            dev, host = self.device.rows(local_id, name), self.host.rows(local_id, name)
-            if direction is Direction.LOAD:
-                out.append(RowCopy(host, self.host_rows, dev, self.device_rows))
-            else:
-                out.append(RowCopy(dev, self.device_rows, host, self.host_rows))
-        return out
+        """The same copies as explicit `RowCopy` records (for inspection and tests)."""
+        return [RowCopy(*pair) for pair in self.row_pairs(direction, local_id)]
 
     def layer_bytes(self) -> int:
         return self.num_pages * self.device.geometry.page_bytes_per_layer
@@ -86,7 +88,7 @@ def copy_layers_blocking(
 ) -> None:
     """Copy the given local layers of each move as one walk and wait for it (no scheduler):
     for embedded callers that need a plain synchronous copy, and for benchmarks."""
-    layers = [move.layer_copies(direction, local_id) for move, ids in moves for local_id in ids]
+    layers: list[list[LayerPart]] = [[(move, local_id)] for move, ids in moves for local_id in ids]
     if not layers:
         return
     finished = threading.Event()

@@ -23,15 +23,14 @@ from hicache.transfer import (
     Rows,
     copy_layers_blocking,
 )
-from hicache.transfer.cpu_backend import EventSignal
+from hicache.transfer.cpu_backend import WalkProgress
 
 
 def test_wait_returns_when_the_layer_lands_not_before() -> None:
     ring = CounterRing(2)
     counter = ring.acquire(load_id=1, num_layers=3)
-    signals = [EventSignal() for _ in range(3)]
-    for i, s in enumerate(signals):
-        counter.submitted(i, s)
+    progress = WalkProgress()
+    counter.submitted(progress)
     released = threading.Event()
 
     def consumer() -> None:
@@ -40,12 +39,14 @@ def test_wait_returns_when_the_layer_lands_not_before() -> None:
 
     thread = threading.Thread(target=consumer)
     thread.start()
-    signals[0].set()
-    assert not released.wait(0.05)  # layer 0 done; the consumer waits for layer 1
-    signals[1].set()
+    progress.advance(1)  # layer 0 landed; the consumer waits for layer 1
+    assert not released.wait(0.05)
+    progress.advance(2)  # layer 1 landed
     assert released.wait(5)
     thread.join()
+    progress.advance(3)
     ring.release(counter)
+    counter.wait_layer(2)  # released after completion: returns at once
 
 
 def test_protocol_errors() -> None:
@@ -59,18 +60,17 @@ def test_protocol_errors() -> None:
         CounterMisuseError, match=r"^load 7: layer index 4 is outside 0\.\.3 \(stage-local "
     ):
         a.wait_layer(4)
-    a.submitted(0, READY)
-    with pytest.raises(CounterMisuseError, match=r"^load 7: layer 0 submitted twice$"):
-        a.submitted(0, READY)
+    a.submitted(WalkProgress())
+    with pytest.raises(CounterMisuseError, match=r"^load 7: walk submitted twice$"):
+        a.submitted(READY)
     b = ring.acquire(8, 1)
     with pytest.raises(
         CounterMisuseError,
-        match=r"^counter ring of 2 slots is full \(loads \[7, 8\] in "
-        r"flight\); finish one before starting another, or raise "
-        r"scheduler\.counter_ring_size$",
+        match=r"^counter ring of 2 slots is full \(loads \[7, 8\] in flight\); finish one before "
+        r"starting another, or raise scheduler\.counter_ring_size$",
     ):
         ring.acquire(9, 1)
-    ring.release(a)
+    ring.release(a)  # its walk never completed
     with pytest.raises(
         CounterMisuseError,
         match=r"^load 7's counter was released before its walk completed \(slot 0 of the ring ",
@@ -80,6 +80,10 @@ def test_protocol_errors() -> None:
         CounterMisuseError, match=r"^load 7's counter is not in slot 0; it was released already$"
     ):
         ring.release(a)
+    with pytest.raises(
+        CounterMisuseError, match=r"^load 7: walk submitted after the counter was released$"
+    ):
+        a.submitted(READY)
     c = ring.acquire(9, 1)  # the freed slot serves again
     assert c.slot == 0
     assert ring.in_flight == 2
@@ -103,16 +107,15 @@ def test_failed_layer_reports_through_done_and_worker_survives() -> None:
             reported.append(errors)
             finished.set()
 
-        signals = backend.submit_walk(Direction.LOAD, [[good], [], [bad]], done)
-        assert signals[1] is READY
+        walk = backend.submit_walk(Direction.LOAD, [[(good, 0)], [], [(bad, 0)]], done)
         assert finished.wait(5)
-        for s in signals:
-            s.wait()
+        assert walk.all_done(3)
         assert list(reported[0]) == [2]
         assert "2 source rows but 1 destination rows" in str(reported[0][2])
         assert int(dst[3].min()) == 3  # the good layer landed
         finished.clear()
-        backend.submit_walk(Direction.LOAD, [[RowCopy(src, Rows.of([1]), dst, Rows.of([0]))]], done)
+        again = RowCopy(src, Rows.of([1]), dst, Rows.of([0]))
+        backend.submit_walk(Direction.LOAD, [[(again, 0)]], done)
         assert finished.wait(5)
         assert reported[1] == {}
         assert int(dst[0].min()) == 3
@@ -135,7 +138,7 @@ def test_cancelled_walk_skips_layers_not_started() -> None:
         finished = threading.Event()
         backend.submit_walk(
             Direction.LOAD,
-            [[RowCopy(src, Rows.of([0]), dst, Rows.of([1]))]],
+            [[(RowCopy(src, Rows.of([0]), dst, Rows.of([1])), 0)]],
             lambda e: (reported.append(e), finished.set()),
             cancel=token,
         )

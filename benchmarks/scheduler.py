@@ -1,0 +1,222 @@
+"""Scheduler cost per layer, and how well a layer-wise load overlaps a per-layer forward.
+
+per_layer_overhead_us: a 64-layer walk whose copies are tiny (one 1-token page of 1 head x 1
+dim, fp16), through the scheduler on uvloop (admission, walk, submit, completion, per-layer
+signals), minus the same copies run directly in the same run, divided by 64.
+
+overlap_efficiency: a simulated engine thread runs a per-layer "forward" (torch matmuls sized
+so compute ~= copy per layer) and calls wait_layer(i) before layer i, while the scheduler
+loads the same layers. ideal = max(total compute, total copy) + one (mean) layer of the
+smaller; efficiency = ideal / measured; speedup_vs_serial = (load all, then compute) /
+measured. For a dense (Llama-8B-like), a gpt-oss-20b (1:1 sliding/full) and a
+Qwen3-Next-80B (3:1 linear/full) layout.
+
+    python benchmarks/scheduler.py        # last line: one JSON object
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from hicache.embedded import EmbeddedCache
+from hicache.memory import GroupGeometry
+from hicache.model import (
+    CacheKind,
+    CacheSpec,
+    KvFormat,
+    LayerMap,
+    LayerSpec,
+    ModelLayout,
+    load_layout,
+)
+from hicache.scheduler import GroupPages, OpHandle, loop_name, run
+from hicache.transfer import Direction, GroupMove, copy_layers_blocking
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def dense_layout(layers: int, heads: int, dim: int) -> ModelLayout:
+    spec = CacheSpec(CacheKind.FULL, KvFormat.MHA, num_kv_heads=heads, head_dim=dim, v_head_dim=dim)
+    return ModelLayout.build("dense", [LayerSpec(i, (spec,)) for i in range(layers)])
+
+
+def build(layout: ModelLayout, page: int, pages: int, state_pages: int = 2) -> EmbeddedCache:
+    layer_map = LayerMap(layout)
+    geoms = [GroupGeometry(g, torch.float16, page) for g in layer_map.groups]
+    per_page = sum(g.page_bytes for g in geoms)
+    return EmbeddedCache.build(
+        layer_map,
+        dtype=torch.float16,
+        page_size_tokens=page,
+        host_capacity_bytes=(pages + 1) * per_page,
+        device_pages={g.name: pages if g.group.kind.is_token_cache else state_pages for g in geoms},
+        inflight_bytes=8 * 2**30,
+    )
+
+
+def request(
+    cache: EmbeddedCache, device_pages: list[int], host: dict[str, tuple[int, ...]] | None
+) -> dict[str, GroupPages]:
+    out = {}
+    for name, geom in cache.geometries.items():
+        dev = tuple(device_pages) if geom.group.kind.is_token_cache else (0,)
+        out[name] = GroupPages(dev, host[name] if host else ())
+    return out
+
+
+async def overhead(walks: int = 200) -> float:
+    cache = build(dense_layout(64, 1, 1), page=1, pages=4)
+    try:
+        async with cache.scheduler.running() as sched:
+            stored = await (await sched.backup(request(cache, [0], None))).done()
+            host = {n: g.host_pages for n, g in stored.groups.items()}
+            req = request(cache, [1], host)
+            for _ in range(20):  # warm up
+                await (await sched.load(req)).done()
+            samples = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(walks):
+                    await (await sched.load(req)).done()
+                samples.append((time.perf_counter() - start) / walks)
+            # the same copies, run directly (one walk through the backend, no scheduler)
+            move = GroupMove.build(
+                cache.backend,
+                cache.device_pools["full"],
+                cache.host_tier.pool("full"),
+                [1],
+                list(host["full"]),
+            )
+            direct = []
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(walks):
+                    copy_layers_blocking(cache.backend, Direction.LOAD, [(move, list(range(64)))])
+                direct.append((time.perf_counter() - start) / walks)
+        return (statistics.median(samples) - statistics.median(direct)) / 64 * 1e6
+    finally:
+        cache.close()
+
+
+def calibrate_matmul(seconds: float) -> int:
+    """Side n of an n x n fp32 matmul taking about `seconds` on one thread."""
+    warm = torch.randn(256, 256)
+    for _ in range(3):
+        warm @ warm  # first calls pay one-time set-up; keep them out of the estimate
+    n = 64
+    while True:
+        a = torch.randn(n, n)
+        start = time.perf_counter()
+        for _ in range(5):
+            a @ a
+        t = (time.perf_counter() - start) / 5
+        if t >= seconds or n >= 4096:
+            return max(16, int(n * (seconds / t) ** (1 / 3)))
+        n *= 2
+
+
+async def overlap(
+    name: str, layout: ModelLayout, page: int, pages: int, trials: int = 5
+) -> dict[str, float]:
+    cache = build(layout, page, pages)
+    try:
+        async with cache.scheduler.running() as sched:
+            layer_ids = list(sched.layer_map.stage_layer_ids)
+            stored = await (await sched.backup(request(cache, list(range(pages)), None))).done()
+            host = {n: g.host_pages for n, g in stored.groups.items()}
+            req = request(cache, list(range(pages)), host)
+            # copy time per layer, from a plain load
+            loads = []
+            for _ in range(3):
+                start = time.perf_counter()
+                await (await sched.load(req)).done()
+                loads.append(time.perf_counter() - start)
+            total_copy = statistics.median(loads)
+            n = calibrate_matmul(total_copy / len(layer_ids))
+            weights = torch.randn(n, n)
+
+            def forward_layer() -> None:
+                weights @ weights
+
+            compute = []
+            for _ in range(3):
+                start = time.perf_counter()
+                for _ in layer_ids:
+                    forward_layer()
+                compute.append(time.perf_counter() - start)
+            total_compute = statistics.median(compute)
+
+            serial, overlapped = [], []
+            for _ in range(trials):
+                start = time.perf_counter()
+                await (await sched.load(req)).done()
+                for _ in layer_ids:
+                    forward_layer()
+                serial.append(time.perf_counter() - start)
+
+                start = time.perf_counter()
+                handle = await sched.load(req)
+                finished = threading.Event()
+
+                def engine(handle: OpHandle, finished: threading.Event) -> None:
+                    # one intra-op thread, as the engine's forward would pin; otherwise a new
+                    # thread's OpenMP pool spins on both cores and starves the copy thread
+                    torch.set_num_threads(1)
+                    for layer_id in layer_ids:
+                        handle.wait_layer(layer_id)
+                        forward_layer()
+                    finished.set()
+
+                thread = threading.Thread(target=engine, args=(handle, finished))
+                thread.start()
+                await asyncio.to_thread(finished.wait)
+                overlapped.append(time.perf_counter() - start)
+                await handle.done()
+                thread.join()
+            measured = statistics.median(overlapped)
+            smaller = min(total_copy, total_compute) / len(layer_ids)
+            ideal = max(total_copy, total_compute) + smaller
+            stall = sched.stats().total_stall_s
+        return {
+            f"{name}_overlap_efficiency": round(ideal / measured, 3),
+            f"{name}_speedup_vs_serial": round(statistics.median(serial) / measured, 3),
+            f"{name}_copy_ms": round(total_copy * 1e3, 2),
+            f"{name}_compute_ms": round(total_compute * 1e3, 2),
+            f"{name}_consumer_stall_ms_total": round(stall * 1e3, 1),
+        }
+    finally:
+        cache.close()
+
+
+async def main() -> dict[str, float | str]:
+    torch.set_num_threads(1)
+    results: dict[str, float | str] = {"loop": loop_name()}
+    results["per_layer_overhead_us"] = round(await overhead(), 2)
+    print(f"per-layer scheduler overhead: {results['per_layer_overhead_us']} us ({loop_name()})")
+    cases = [
+        ("dense", dense_layout(32, 8, 128), 16, 32),
+        ("gpt_oss", load_layout(ROOT / "configs/models/gpt-oss-20b.json"), 16, 48),
+        ("qwen3_next", load_layout(ROOT / "configs/models/qwen3-next-80b.json"), 16, 24),
+    ]
+    for name, layout, page, pages in cases:
+        r = await overlap(name, layout, page, pages)
+        results.update(r)
+        print(
+            f"{name:>10}: efficiency {r[f'{name}_overlap_efficiency']:.2f}  speedup vs serial "
+            f"{r[f'{name}_speedup_vs_serial']:.2f}  (copy {r[f'{name}_copy_ms']} ms, compute "
+            f"{r[f'{name}_compute_ms']} ms)"
+        )
+    results["overlap_efficiency"] = results["dense_overlap_efficiency"]
+    results["speedup_vs_serial"] = results["dense_speedup_vs_serial"]
+    return results
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(main())))
