@@ -4,8 +4,9 @@ from hicache.scheduler.clock import Clock, FakeClock, MonotonicClock
 from hicache.scheduler.handle import OpHandle
 from hicache.scheduler.moves import MovePolicy, OpRequestError
 from hicache.scheduler.ops import GroupOutcome, GroupPages, OpKind, OpResult, OpState
+from hicache.scheduler.records import ShutdownReport
 from hicache.scheduler.runner import loop_name, run
-from hicache.scheduler.scheduler import Scheduler, SchedulerClosedError, ShutdownReport
+from hicache.scheduler.scheduler import Scheduler, SchedulerClosedError
 from hicache.scheduler.stats import DirectionStats, SchedulerStats
 
 __all__ = [

@@ -15,11 +15,12 @@ from typing import TYPE_CHECKING
 from hicache.scheduler.ops import OpKind, OpResult, OpState
 
 if TYPE_CHECKING:
-    from hicache.scheduler.scheduler import Scheduler, _Op
+    from hicache.scheduler.records import OpRecord
+    from hicache.scheduler.scheduler import Scheduler
 
 
 class OpHandle:
-    def __init__(self, scheduler: Scheduler, op: _Op):
+    def __init__(self, scheduler: Scheduler, op: OpRecord):
         self._scheduler = scheduler
         self._op = op
 

@@ -22,71 +22,30 @@ import contextlib
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from hicache.errors import HicacheError
 from hicache.memory import DevicePool, HostTier
 from hicache.model import LayerMap
+from hicache.scheduler.admission import reserve, select_pages
 from hicache.scheduler.budget import ByteBudget
 from hicache.scheduler.clock import Clock, MonotonicClock
 from hicache.scheduler.handle import OpHandle
-from hicache.scheduler.moves import MovePolicy, OpRequestError, Selection, select
-from hicache.scheduler.ops import GroupOutcome, GroupPages, OpKind, OpResult, OpState
-from hicache.scheduler.stats import SchedulerStats, StatsRecorder
-from hicache.transfer import (
-    NOOP_COUNTER,
-    CancelToken,
-    CopyBackend,
-    CounterRing,
-    Direction,
-    Fence,
-    GroupMove,
-    LayerDoneCounter,
-    LoadCounter,
+from hicache.scheduler.moves import MovePolicy, OpRequestError
+from hicache.scheduler.ops import GroupPages, OpKind, OpState
+from hicache.scheduler.records import (
+    OpRecord,
+    ShutdownReport,
+    WalkBatch,
+    release_pages,
+    result_of,
 )
+from hicache.scheduler.stats import SchedulerStats, StatsRecorder
+from hicache.transfer import NOOP_COUNTER, CopyBackend, CounterRing, Direction
 from hicache.transfer.backend import LayerPart
 
 
 class SchedulerClosedError(HicacheError, RuntimeError):
     """The scheduler is not running (not started, or shutting down)."""
-
-
-@dataclass(eq=False)
-class _Op:
-    op_id: int
-    kind: OpKind
-    moves: dict[str, GroupMove]
-    selections: dict[str, tuple[GroupPages, Selection]]
-    host_pages: dict[str, list[int]]  # per group: host page paired with each moved page
-    pinned: dict[str, list[int]]  # host pages still pinned; emptied by the one release
-    allocated: dict[str, list[int]]  # backup: host pages allocated, freed unless acknowledged
-    nbytes: int
-    deadline: float
-    finished: asyncio.Future[OpResult]
-    submitted: asyncio.Future[None]
-    fence: Fence | None = None
-    state: OpState = OpState.QUEUED
-    counter: LayerDoneCounter = NOOP_COUNTER
-    started_at: float = 0.0
-    cancel_requested: bool = False
-    expired: bool = False
-    watchdog: asyncio.Task[None] | None = None
-    in_queue: bool = False
-
-
-@dataclass(eq=False)
-class _Batch:
-    kind: OpKind
-    ops: list[_Op]
-    token: CancelToken = field(default_factory=CancelToken)
-    counter: LoadCounter | None = None
-    nbytes: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class ShutdownReport:
-    completed: tuple[int, ...]  # ops that were in flight and finished (any final state)
-    cancelled: tuple[int, ...]  # ops still queued, cancelled unstarted
 
 
 class Scheduler:
@@ -122,12 +81,15 @@ class Scheduler:
         # becomes the real queue: a load must not wait behind every backup already handed over.
         self._walk_limit = {OpKind.LOAD: counter_ring_size, OpKind.BACKUP: backup_walks_in_flight}
         self._walks = {OpKind.LOAD: 0, OpKind.BACKUP: 0}
-        self._queues: dict[OpKind, deque[_Batch]] = {OpKind.LOAD: deque(), OpKind.BACKUP: deque()}
+        self._queues: dict[OpKind, deque[WalkBatch]] = {
+            OpKind.LOAD: deque(),
+            OpKind.BACKUP: deque(),
+        }
         self._queued_ops = 0
         self._wake = asyncio.Event()  # something changed: a new op, a freed slot or budget
         self._space = asyncio.Event()
         self._space.set()
-        self._in_flight: set[_Batch] = set()
+        self._in_flight: set[WalkBatch] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._ids = itertools.count(1)
@@ -192,7 +154,7 @@ class Scheduler:
         """Loads of one engine step, merged into one walk. Returns once the walk is submitted
         (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work."""
         ops = self._admit_all(OpKind.LOAD, requests, deadline_s)
-        await self._enqueue(_Batch(OpKind.LOAD, ops))
+        await self._enqueue(WalkBatch(OpKind.LOAD, ops))
         await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
         return [OpHandle(self, op) for op in ops]
 
@@ -204,10 +166,10 @@ class Scheduler:
         fence = self.backend.producer_fence()
         ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s)
         ops[0].fence = fence
-        await self._enqueue(_Batch(OpKind.BACKUP, ops))
+        await self._enqueue(WalkBatch(OpKind.BACKUP, ops))
         return OpHandle(self, ops[0])
 
-    def cancel_op(self, op: _Op) -> None:
+    def cancel_op(self, op: OpRecord) -> None:
         if op.state is OpState.QUEUED:
             self._finish(op, OpState.CANCELLED, error="cancelled before it started")
         elif op.state is OpState.RUNNING:
@@ -230,102 +192,48 @@ class Scheduler:
 
     def _admit_all(
         self, kind: OpKind, requests: Sequence[Mapping[str, GroupPages]], deadline_s: float | None
-    ) -> list[_Op]:
+    ) -> list[OpRecord]:
         if self._tg is None or self._closing:
             raise SchedulerClosedError(
                 "the scheduler is not running; use `async with scheduler.running():`"
             )
-        ops: list[_Op] = []
+        ops: list[OpRecord] = []
         try:
             for request in requests:
                 ops.append(self._admit(kind, request, deadline_s))
         except BaseException:
             for op in ops:  # all or nothing: undo the ops admitted before the bad one
-                self._release(op, keep_allocation=False)
+                release_pages(op, self.host_tier, keep_allocation=False)
             raise
         return ops
 
     def _admit(
         self, kind: OpKind, request: Mapping[str, GroupPages], deadline_s: float | None
-    ) -> _Op:
+    ) -> OpRecord:
         timeout = self.op_timeout_s if deadline_s is None else deadline_s
         if timeout <= 0:
             raise OpRequestError(f"deadline_s {timeout!r} must be > 0")
-        if not request:
-            raise OpRequestError(f"a {kind.value} op needs pages of at least one group")
-        selections: dict[str, tuple[GroupPages, Selection]] = {}
-        for name, pages in request.items():
-            group = self.layer_map.group(name)  # raises with the valid groups
-            if kind is OpKind.LOAD and len(pages.host_pages) != len(pages.device_pages):
-                raise OpRequestError(
-                    f"group {name!r}: {len(pages.device_pages)} device pages but "
-                    f"{len(pages.host_pages)} host pages; a load pairs them one to one"
-                )
-            if kind is OpKind.BACKUP and pages.host_pages:
-                raise OpRequestError(
-                    f"group {name!r}: a backup allocates its host pages; pass device pages only"
-                )
-            tokens = pages.num_tokens
-            if tokens is None:
-                tokens = len(pages.device_pages) * self.page_size_tokens
-            selection = select(
-                group,
-                len(pages.device_pages),
-                tokens,
-                self.page_size_tokens,
-                self.move_policy,
-                for_load=kind is OpKind.LOAD,
-            )
-            selections[name] = (pages, selection)
-        op_id = next(self._ids)
+        selections = select_pages(
+            kind, request, self.layer_map, self.page_size_tokens, self.move_policy
+        )
         loop = asyncio.get_running_loop()
-        op = _Op(
-            op_id,
+        op = OpRecord(
+            next(self._ids),
             kind,
-            {},
             selections,
-            {},
-            {},
-            {},
-            0,
             self.clock.now() + timeout,
             loop.create_future(),
             loop.create_future(),
         )
         try:
-            for name, (pages, selection) in selections.items():
-                if not selection.positions:
-                    continue
-                host = self.host_tier.pool(name)
-                device = self.device_pools[name]
-                dev = [pages.device_pages[i] for i in selection.positions]
-                if kind is OpKind.LOAD:
-                    hosts = [pages.host_pages[i] for i in selection.positions]
-                    for page in hosts:
-                        if not 0 <= page < host.num_pages or not host.allocator.is_allocated(page):
-                            raise OpRequestError(
-                                f"group {name!r}: host page {page} holds nothing (not allocated "
-                                f"in the host pool of {host.num_pages} pages)"
-                            )
-                else:
-                    # a run of host pages, handed to the device pages in ascending order
-                    run = host.allocator.alloc(len(dev))
-                    op.allocated[name] = run
-                    by_rank = {d: run[r] for r, d in enumerate(sorted(dev))}
-                    hosts = [by_rank[d] for d in dev]
-                move = GroupMove.build(self.backend, device, host, dev, hosts)
-                host.allocator.pin(hosts)
-                op.pinned[name] = hosts
-                op.host_pages[name] = hosts
-                op.moves[name] = move
-                op.nbytes += move.layer_bytes() * device.geometry.num_layers
+            reserve(op, self.backend, self.device_pools, self.host_tier)
         except BaseException:
-            self._release(op, keep_allocation=False)
+            release_pages(op, self.host_tier, keep_allocation=False)
             raise
         self.recorder.transition(None, OpState.QUEUED)
         return op
 
-    async def _enqueue(self, batch: _Batch) -> None:
+    async def _enqueue(self, batch: WalkBatch) -> None:
         while self._queued_ops >= self.queue_depth and not self._closing:
             self._space.clear()
             await self._space.wait()  # backpressure: the queue is bounded
@@ -353,7 +261,7 @@ class Scheduler:
                 continue
             self._launch(batch)
 
-    def _next_ready(self) -> _Batch | None:
+    def _next_ready(self) -> WalkBatch | None:
         """The next batch that can start now: loads first. A batch that lacks a walk slot or
         byte budget stays queued; backups may pass a load only when that load waits for a
         counter slot (they compete for nothing else it needs)."""
@@ -382,7 +290,7 @@ class Scheduler:
             return batch
         return None
 
-    def _launch(self, batch: _Batch) -> None:
+    def _launch(self, batch: WalkBatch) -> None:
         direction = Direction.LOAD if batch.kind is OpKind.LOAD else Direction.BACKUP
         ops = batch.ops
         layers: list[list[LayerPart]] = [
@@ -422,7 +330,7 @@ class Scheduler:
 
     # ---- completion: outcomes, pins, budget -------------------------------------------------
 
-    def _walk_done(self, batch: _Batch, errors: dict[int, BaseException]) -> None:
+    def _walk_done(self, batch: WalkBatch, errors: dict[int, BaseException]) -> None:
         failed_groups = self._failed_groups(errors)
         first = next(iter(errors.values()), None)
         elapsed = self.clock.now()
@@ -446,7 +354,7 @@ class Scheduler:
     def _failed_groups(self, errors: dict[int, BaseException]) -> set[str]:
         return {group for pos in errors if pos >= 0 for group, _ in self._walk_slots[pos]}
 
-    def _release_walk(self, batch: _Batch) -> None:
+    def _release_walk(self, batch: WalkBatch) -> None:
         if batch.counter is not None:
             self._ring.release(batch.counter)
             batch.counter = None
@@ -461,35 +369,14 @@ class Scheduler:
             self._idle.set()
 
     def _finish(
-        self, op: _Op, state: OpState, *, failed: set[str] | None = None, error: str = ""
+        self, op: OpRecord, state: OpState, *, failed: set[str] | None = None, error: str = ""
     ) -> None:
-        """The one place an op ends: outcomes recorded, pins released, waiters woken.
-        A load's groups that landed count as moved even when another group failed; a backup
-        is acknowledged whole or not at all (its host pages are freed unless DONE)."""
+        """The one place an op ends: outcomes recorded, pins released, waiters woken."""
         acknowledged = state is OpState.DONE
-        if failed is None:
+        if failed is None or (op.kind is OpKind.BACKUP and not acknowledged):
             failed = set() if acknowledged else set(op.moves)
-        if op.kind is OpKind.BACKUP and not acknowledged:
-            failed = set(op.moves)
-        outcomes = {}
-        moved_bytes = 0
-        for name, (pages, selection) in op.selections.items():
-            skipped = tuple(pages.device_pages[i] for i in selection.skipped)
-            chosen = tuple(pages.device_pages[i] for i in selection.positions)
-            if name in failed:
-                outcomes[name] = GroupOutcome(
-                    failed_device_pages=chosen, skipped_device_pages=skipped
-                )
-                continue
-            outcomes[name] = GroupOutcome(
-                moved_device_pages=chosen,
-                host_pages=tuple(op.host_pages.get(name, ())),
-                skipped_device_pages=skipped,
-            )
-            if name in op.moves:
-                move = op.moves[name]
-                moved_bytes += move.layer_bytes() * move.device.geometry.num_layers
-        self._release(op, keep_allocation=acknowledged)
+        result = result_of(op, state, failed, error, self.clock.now())
+        release_pages(op, self.host_tier, keep_allocation=acknowledged)
         if op.in_queue:
             op.in_queue = False
             self._queued_ops -= 1
@@ -498,30 +385,18 @@ class Scheduler:
         self._set_state(op, state)
         if op.watchdog is not None and op.watchdog is not asyncio.current_task():
             op.watchdog.cancel()
-        seconds = self.clock.now() - op.started_at if op.started_at else 0.0
-        result = OpResult(op.op_id, op.kind, state, outcomes, moved_bytes, seconds, error)
         if not op.finished.done():
             op.finished.set_result(result)
         if not op.submitted.done():
             op.submitted.set_result(None)
 
-    def _release(self, op: _Op, *, keep_allocation: bool) -> None:
-        """Unpin every pinned page (once), and free a backup's pages unless acknowledged."""
-        pinned, op.pinned = op.pinned, {}
-        for name, pages in pinned.items():
-            self.host_tier.pool(name).allocator.unpin(pages)
-        allocated, op.allocated = op.allocated, {}
-        if not keep_allocation:
-            for name, pages in allocated.items():
-                self.host_tier.pool(name).allocator.free(pages)
-
-    def _set_state(self, op: _Op, state: OpState) -> None:
+    def _set_state(self, op: OpRecord, state: OpState) -> None:
         self.recorder.transition(op.state, state)
         op.state = state
 
     # ---- deadlines and cancellation ---------------------------------------------------------
 
-    async def _watch(self, op: _Op) -> None:
+    async def _watch(self, op: OpRecord) -> None:
         await self.clock.sleep(op.deadline - self.clock.now())
         if op.state is OpState.QUEUED:
             self._finish(op, OpState.EXPIRED, error="deadline passed while queued")
@@ -530,7 +405,7 @@ class Scheduler:
             op.cancel_requested = True
             self._maybe_cancel_walk(op)
 
-    def _maybe_cancel_walk(self, op: _Op) -> None:
+    def _maybe_cancel_walk(self, op: OpRecord) -> None:
         for batch in self._in_flight:
             if op in batch.ops and all(o.cancel_requested for o in batch.ops):
                 batch.token.cancel()

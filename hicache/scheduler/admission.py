@@ -1,0 +1,87 @@
+"""Admission: validate an op's request, select the pages each group moves, and reserve them.
+
+`select_pages` checks every group against the layer map and the hybrid rules (moves.py);
+`reserve` pins a load's host pages, or allocates a backup's (a run, handed to the device
+pages in ascending order so the copy is one gather), and builds each group's move. On any
+error the caller releases what was reserved, so a rejected op leaves every pool as it was.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from hicache.memory import DevicePool, HostTier
+from hicache.model import LayerMap
+from hicache.scheduler.moves import MovePolicy, OpRequestError, Selection, select
+from hicache.scheduler.ops import GroupPages, OpKind
+from hicache.scheduler.records import OpRecord
+from hicache.transfer import CopyBackend, GroupMove
+
+
+def select_pages(
+    kind: OpKind,
+    request: Mapping[str, GroupPages],
+    layer_map: LayerMap,
+    page_size_tokens: int,
+    policy: MovePolicy,
+) -> dict[str, tuple[GroupPages, Selection]]:
+    if not request:
+        raise OpRequestError(f"a {kind.value} op needs pages of at least one group")
+    selections: dict[str, tuple[GroupPages, Selection]] = {}
+    for name, pages in request.items():
+        group = layer_map.group(name)  # raises with the valid groups
+        if kind is OpKind.LOAD and len(pages.host_pages) != len(pages.device_pages):
+            raise OpRequestError(
+                f"group {name!r}: {len(pages.device_pages)} device pages but "
+                f"{len(pages.host_pages)} host pages; a load pairs them one to one"
+            )
+        if kind is OpKind.BACKUP and pages.host_pages:
+            raise OpRequestError(
+                f"group {name!r}: a backup allocates its host pages; pass device pages only"
+            )
+        tokens = pages.num_tokens
+        if tokens is None:
+            tokens = len(pages.device_pages) * page_size_tokens
+        selection = select(
+            group,
+            len(pages.device_pages),
+            tokens,
+            page_size_tokens,
+            policy,
+            for_load=kind is OpKind.LOAD,
+        )
+        selections[name] = (pages, selection)
+    return selections
+
+
+def reserve(
+    op: OpRecord,
+    backend: CopyBackend,
+    device_pools: Mapping[str, DevicePool],
+    host_tier: HostTier,
+) -> None:
+    for name, (pages, selection) in op.selections.items():
+        if not selection.positions:
+            continue
+        host = host_tier.pool(name)
+        device = device_pools[name]
+        dev = [pages.device_pages[i] for i in selection.positions]
+        if op.kind is OpKind.LOAD:
+            hosts = [pages.host_pages[i] for i in selection.positions]
+            for page in hosts:
+                if not 0 <= page < host.num_pages or not host.allocator.is_allocated(page):
+                    raise OpRequestError(
+                        f"group {name!r}: host page {page} holds nothing (not allocated "
+                        f"in the host pool of {host.num_pages} pages)"
+                    )
+        else:
+            run = host.allocator.alloc(len(dev))
+            op.allocated[name] = run
+            by_rank = {d: run[r] for r, d in enumerate(sorted(dev))}
+            hosts = [by_rank[d] for d in dev]
+        move = GroupMove.build(backend, device, host, dev, hosts)
+        host.allocator.pin(hosts)
+        op.pinned[name] = hosts
+        op.host_pages[name] = hosts
+        op.moves[name] = move
+        op.nbytes += move.layer_bytes() * device.geometry.num_layers
