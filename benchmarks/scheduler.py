@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import queue
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -105,6 +107,41 @@ async def overhead(walks: int = 200) -> float:
         cache.close()
 
 
+class EngineThread:
+    """A long-lived forward thread, as an engine has: each `run(handle)` computes every
+    layer, calling `handle.wait_layer(i)` before layer i (no waits when handle is None)."""
+
+    def __init__(self, forward_layer: Callable[[], object], layer_ids: list[int]):
+        self._forward = forward_layer
+        self._layer_ids = layer_ids
+        self._jobs: queue.SimpleQueue[tuple[OpHandle | None, threading.Event, list[float]] | None]
+        self._jobs = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="engine-forward")
+        self._thread.start()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(1)  # one intra-op thread, as an engine pins its forward
+        while (job := self._jobs.get()) is not None:
+            handle, finished, out = job
+            start = time.perf_counter()
+            for layer_id in self._layer_ids:
+                if handle is not None:
+                    handle.wait_layer(layer_id)
+                self._forward()
+            out.append(time.perf_counter() - start)
+            finished.set()
+
+    def run(self, handle: OpHandle | None) -> float:
+        finished, out = threading.Event(), []
+        self._jobs.put((handle, finished, out))
+        finished.wait()
+        return out[0]
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+
 def calibrate_matmul(seconds: float) -> int:
     """Side n of an n x n fp32 matmul taking about `seconds` on one thread."""
     warm = torch.randn(256, 256)
@@ -123,7 +160,7 @@ def calibrate_matmul(seconds: float) -> int:
 
 
 async def overlap(
-    name: str, layout: ModelLayout, page: int, pages: int, trials: int = 5
+    name: str, layout: ModelLayout, page: int, pages: int, trials: int = 9
 ) -> dict[str, float]:
     cache = build(layout, page, pages)
     try:
@@ -145,41 +182,24 @@ async def overlap(
             def forward_layer() -> None:
                 weights @ weights
 
-            compute = []
-            for _ in range(3):
-                start = time.perf_counter()
-                for _ in layer_ids:
-                    forward_layer()
-                compute.append(time.perf_counter() - start)
-            total_compute = statistics.median(compute)
+            engine = EngineThread(forward_layer, layer_ids)
+            try:
+                compute = [engine.run(None) for _ in range(5)][2:]  # warm, then measure
+                total_compute = statistics.median(compute)
+                serial, overlapped = [], []
+                for _ in range(trials):
+                    start = time.perf_counter()
+                    await (await sched.load(req)).done()
+                    await asyncio.to_thread(engine.run, None)
+                    serial.append(time.perf_counter() - start)
 
-            serial, overlapped = [], []
-            for _ in range(trials):
-                start = time.perf_counter()
-                await (await sched.load(req)).done()
-                for _ in layer_ids:
-                    forward_layer()
-                serial.append(time.perf_counter() - start)
-
-                start = time.perf_counter()
-                handle = await sched.load(req)
-                finished = threading.Event()
-
-                def engine(handle: OpHandle, finished: threading.Event) -> None:
-                    # one intra-op thread, as the engine's forward would pin; otherwise a new
-                    # thread's OpenMP pool spins on both cores and starves the copy thread
-                    torch.set_num_threads(1)
-                    for layer_id in layer_ids:
-                        handle.wait_layer(layer_id)
-                        forward_layer()
-                    finished.set()
-
-                thread = threading.Thread(target=engine, args=(handle, finished))
-                thread.start()
-                await asyncio.to_thread(finished.wait)
-                overlapped.append(time.perf_counter() - start)
-                await handle.done()
-                thread.join()
+                    start = time.perf_counter()
+                    handle = await sched.load(req)
+                    await asyncio.to_thread(engine.run, handle)
+                    overlapped.append(time.perf_counter() - start)
+                    await handle.done()
+            finally:
+                engine.stop()
             measured = statistics.median(overlapped)
             smaller = min(total_copy, total_compute) / len(layer_ids)
             ideal = max(total_copy, total_compute) + smaller

@@ -155,6 +155,10 @@ class Scheduler:
         (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work."""
         ops = self._admit_all(OpKind.LOAD, requests, deadline_s)
         await self._enqueue(WalkBatch(OpKind.LOAD, ops))
+        # Fast path: start whatever is ready now, in this task, rather than a loop iteration
+        # later in the dispatcher (same rules; the loop runs one of them at a time).
+        while (ready := self._next_ready()) is not None:
+            self._launch(ready)
         await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
         return [OpHandle(self, op) for op in ops]
 

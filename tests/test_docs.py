@@ -1,0 +1,47 @@
+"""The README's runnable example runs as written, and docker/ references files that exist."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+
+def test_readme_embedded_example_runs() -> None:
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"<!-- example: embedded -->\n```python\n(.*?)```", text, re.S)
+    assert match, "README lost its embedded example"
+    result = subprocess.run(
+        [sys.executable, "-c", match.group(1)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().startswith("done ")
+    assert int(result.stdout.split()[1]) > 0
+
+
+def test_readme_quick_start_is_exactly_two_commands() -> None:
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"## Quick start.*?```bash\n(.*?)```", text, re.S)
+    assert block
+    commands = [line.split("#")[0].strip() for line in block.group(1).splitlines() if line.strip()]
+    assert commands == ["python3 dev.py demo", "python3 dev.py test"]
+    assert "python3 dev.py test" in (REPO / ".ci" / "run").read_text()
+
+
+def test_docker_copies_only_existing_paths() -> None:
+    dockerfiles = sorted((REPO / "docker").glob("Dockerfile*"))
+    assert dockerfiles
+    for dockerfile in dockerfiles:
+        for line in dockerfile.read_text().splitlines():
+            if line.startswith("COPY "):
+                *sources, _dest = line.split()[1:]
+                for source in sources:
+                    assert (REPO / source).exists(), f"{dockerfile.name}: {source} missing"
+            if line.startswith("USER "):
+                assert line.split()[1] not in ("root", "0")
