@@ -58,7 +58,7 @@ class GroupGeometry:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return self.dtype.itemsize
 
     def row_bytes(self, tensor: str) -> int:
         """Bytes of one page of one tensor of one layer."""
