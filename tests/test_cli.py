@@ -100,3 +100,5 @@ def test_demo_prints_layout_and_config() -> None:
     assert result.returncode == 0, result.stderr
     assert "pattern: (S F)×12" in result.stdout
     assert "host.capacity_bytes" in result.stdout
+    assert "host tier: " in result.stdout
+    assert result.stdout.rstrip().endswith("mismatches: 0")

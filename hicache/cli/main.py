@@ -126,4 +126,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print()
     print("== layout")
     print(layout_table(loaded.layer_map()))
-    return 0
+    from hicache.demo import run_demo
+
+    return run_demo(loaded)

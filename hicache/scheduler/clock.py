@@ -1,7 +1,8 @@
 """Time for the scheduler, injected so deadline tests never really sleep.
 
 `MonotonicClock` is the real one. `FakeClock` (shipped for tests, like httpx's MockTransport)
-only moves when told: `advance(dt)` wakes every sleeper whose time has come.
+only moves when told: `advance(dt)` wakes every sleeper and fires every timer whose time has
+come (on the caller's thread: the test's event loop).
 """
 
 from __future__ import annotations
@@ -10,13 +11,22 @@ import asyncio
 import heapq
 import itertools
 import time
+from collections.abc import Callable
 from typing import Protocol
+
+
+class Timer(Protocol):
+    def cancel(self) -> None: ...
 
 
 class Clock(Protocol):
     def now(self) -> float: ...
 
     async def sleep(self, seconds: float) -> None: ...
+
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        """Run `callback` on the event loop after `seconds` (a deadline timer)."""
+        ...
 
 
 class MonotonicClock:
@@ -26,11 +36,15 @@ class MonotonicClock:
     async def sleep(self, seconds: float) -> None:
         await asyncio.sleep(max(0.0, seconds))
 
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        return asyncio.get_running_loop().call_later(max(0.0, seconds), callback)
+
 
 class FakeClock:
     def __init__(self, start: float = 0.0):
         self._now = start
         self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._timers: list[tuple[float, int, _FakeTimer]] = []
         self._order = itertools.count()
 
     def now(self) -> float:
@@ -44,9 +58,30 @@ class FakeClock:
         heapq.heappush(self._sleepers, (self._now + seconds, next(self._order), future))
         await future
 
+    def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
+        timer = _FakeTimer(callback)
+        heapq.heappush(self._timers, (self._now + seconds, next(self._order), timer))
+        return timer
+
     def advance(self, seconds: float) -> None:
         self._now += seconds
         while self._sleepers and self._sleepers[0][0] <= self._now:
             _, _, future = heapq.heappop(self._sleepers)
             if not future.done():
                 future.set_result(None)
+        while self._timers and self._timers[0][0] <= self._now:
+            _, _, timer = heapq.heappop(self._timers)
+            timer.fire()
+
+
+class _FakeTimer:
+    def __init__(self, callback: Callable[[], None]):
+        self._callback: Callable[[], None] | None = callback
+
+    def cancel(self) -> None:
+        self._callback = None
+
+    def fire(self) -> None:
+        callback, self._callback = self._callback, None
+        if callback is not None:
+            callback()

@@ -12,6 +12,7 @@ import asyncio
 from dataclasses import dataclass, field
 
 from hicache.memory import HostTier
+from hicache.scheduler.clock import Timer
 from hicache.scheduler.moves import Selection
 from hicache.scheduler.ops import GroupOutcome, GroupPages, OpKind, OpResult, OpState
 from hicache.transfer import (
@@ -43,7 +44,7 @@ class OpRecord:
     started_at: float = 0.0
     cancel_requested: bool = False
     expired: bool = False
-    watchdog: asyncio.Task[None] | None = None
+    deadline_timer: Timer | None = None
     in_queue: bool = False
 
 

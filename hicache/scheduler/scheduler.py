@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -159,7 +160,8 @@ class Scheduler:
         # later in the dispatcher (same rules; the loop runs one of them at a time).
         while (ready := self._next_ready()) is not None:
             self._launch(ready)
-        await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
+        if not all(op.submitted.done() for op in ops):
+            await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
         return [OpHandle(self, op) for op in ops]
 
     async def backup(
@@ -247,7 +249,9 @@ class Scheduler:
             return
         assert self._tg is not None
         for op in batch.ops:
-            op.watchdog = self._tg.create_task(self._watch(op), name=f"hicache-deadline-{op.op_id}")
+            op.deadline_timer = self.clock.call_later(
+                op.deadline - self.clock.now(), functools.partial(self._deadline_passed, op)
+            )
             op.in_queue = True
         self._queues[batch.kind].append(batch)
         self._queued_ops += len(batch.ops)
@@ -387,8 +391,8 @@ class Scheduler:
             self._space.set()
             self._wake.set()
         self._set_state(op, state)
-        if op.watchdog is not None and op.watchdog is not asyncio.current_task():
-            op.watchdog.cancel()
+        if op.deadline_timer is not None:
+            op.deadline_timer.cancel()
         if not op.finished.done():
             op.finished.set_result(result)
         if not op.submitted.done():
@@ -400,8 +404,7 @@ class Scheduler:
 
     # ---- deadlines and cancellation ---------------------------------------------------------
 
-    async def _watch(self, op: OpRecord) -> None:
-        await self.clock.sleep(op.deadline - self.clock.now())
+    def _deadline_passed(self, op: OpRecord) -> None:
         if op.state is OpState.QUEUED:
             self._finish(op, OpState.EXPIRED, error="deadline passed while queued")
         elif op.state is OpState.RUNNING:
