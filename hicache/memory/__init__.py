@@ -1,6 +1,7 @@
 """Where KV bytes live: the device-pool adapter (L1, the engine's tensors per cache group) and
 the host tier (L2: one preallocated, prefaulted buffer per group with a page allocator and
-pins). Never touches `torch.cuda`; pinning and device work go through `hicache.transfer`."""
+pins). Never calls the CUDA API itself; pinning and device work go through
+`hicache.transfer`."""
 
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import GroupGeometry, torch_dtype

@@ -1,8 +1,8 @@
 """Time for the scheduler, injected so deadline tests never really sleep.
 
 `MonotonicClock` is the real one. `FakeClock` (shipped for tests, like httpx's MockTransport)
-only moves when told: `advance(dt)` wakes every sleeper and fires every timer whose time has
-come (on the caller's thread: the test's event loop).
+only moves when told: `advance(dt)` fires every timer whose time has come (on the caller's
+thread: the test's event loop).
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ class Timer(Protocol):
 class Clock(Protocol):
     def now(self) -> float: ...
 
-    async def sleep(self, seconds: float) -> None: ...
-
     def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
         """Run `callback` on the event loop after `seconds` (a deadline timer)."""
         ...
@@ -33,9 +31,6 @@ class MonotonicClock:
     def now(self) -> float:
         return time.monotonic()
 
-    async def sleep(self, seconds: float) -> None:
-        await asyncio.sleep(max(0.0, seconds))
-
     def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
         return asyncio.get_running_loop().call_later(max(0.0, seconds), callback)
 
@@ -43,20 +38,11 @@ class MonotonicClock:
 class FakeClock:
     def __init__(self, start: float = 0.0):
         self._now = start
-        self._sleepers: list[tuple[float, int, asyncio.Future[None]]] = []
         self._timers: list[tuple[float, int, _FakeTimer]] = []
         self._order = itertools.count()
 
     def now(self) -> float:
         return self._now
-
-    async def sleep(self, seconds: float) -> None:
-        if seconds <= 0:
-            await asyncio.sleep(0)
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._sleepers, (self._now + seconds, next(self._order), future))
-        await future
 
     def call_later(self, seconds: float, callback: Callable[[], None]) -> Timer:
         timer = _FakeTimer(callback)
@@ -65,10 +51,6 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self._now += seconds
-        while self._sleepers and self._sleepers[0][0] <= self._now:
-            _, _, future = heapq.heappop(self._sleepers)
-            if not future.done():
-                future.set_result(None)
         while self._timers and self._timers[0][0] <= self._now:
             _, _, timer = heapq.heappop(self._timers)
             timer.fire()

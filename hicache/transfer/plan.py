@@ -1,8 +1,8 @@
 """From pools and page lists to per-layer copies.
 
 A `GroupMove` pairs device pages with host pages of one cache group (device_pages[i] <->
-host_pages[i]); its index sets are built once per op and shared by every layer. `layer_copies`
-gives one layer's `RowCopy`s (one per tensor: K, V, latent, index K/V, conv, ssm, ...), so side
+host_pages[i]); its index sets are built once per op and shared by every layer. `row_pairs`
+gives one layer's copies (one per tensor: K, V, latent, index K/V, conv, ssm, ...), so side
 caches such as a sparse layer's index K always travel with the KV.
 """
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hicache.errors import TransferError
 from hicache.memory import DevicePool, HostPool
-from hicache.transfer.backend import CopyBackend, Direction, LayerPart, RowCopy, RowPair
+from hicache.transfer.backend import CopyBackend, Direction, LayerPart, RowPair
 from hicache.transfer.rows import Rows
 
 
@@ -72,10 +72,6 @@ class GroupMove:
         if direction is Direction.LOAD:
             return [(host, host_rows, dev, dev_rows) for dev, host in pairs]
         return [(dev, dev_rows, host, host_rows) for dev, host in pairs]
-
-    def layer_copies(self, direction: Direction, local_id: int) -> list[RowCopy]:
-        """The same copies as explicit `RowCopy` records (for inspection and tests)."""
-        return [RowCopy(*pair) for pair in self.row_pairs(direction, local_id)]
 
     def layer_bytes(self) -> int:
         return self.num_pages * self.device.geometry.page_bytes_per_layer
