@@ -41,7 +41,7 @@ from hicache.scheduler.records import (
     result_of,
 )
 from hicache.scheduler.stats import SchedulerStats, StatsRecorder
-from hicache.transfer import NOOP_COUNTER, CopyBackend, CounterRing, Direction
+from hicache.transfer import NOOP_COUNTER, CopyBackend, CounterRing, Direction, Fence
 from hicache.transfer.backend import LayerPart
 
 
@@ -165,11 +165,18 @@ class Scheduler:
         return [OpHandle(self, op) for op in ops]
 
     async def backup(
-        self, groups: Mapping[str, GroupPages], *, deadline_s: float | None = None
+        self,
+        groups: Mapping[str, GroupPages],
+        *,
+        deadline_s: float | None = None,
+        fence: Fence | None = None,
     ) -> OpHandle:
-        """Copy device pages to newly allocated host pages, ordered after the producer's work
-        so far. The result's outcomes name the host pages (owned by the caller once DONE)."""
-        fence = self.backend.producer_fence()
+        """Copy device pages to newly allocated host pages, ordered after the producer's work:
+        after `fence` (made with `backend.producer_fence()` on the thread and stream that wrote
+        the KV), or, without one, after the work queued on this thread's current stream. The
+        result's outcomes name the host pages (owned by the caller once DONE)."""
+        if fence is None:
+            fence = self.backend.producer_fence()
         ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s)
         ops[0].fence = fence
         await self._enqueue(WalkBatch(OpKind.BACKUP, ops))

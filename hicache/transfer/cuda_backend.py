@@ -166,12 +166,15 @@ class CudaCopyBackend(CopyBackend):
                     errors[position] = CopyCancelled(f"layer position {position}: walk cancelled")
                     events.append(None)
                     continue
-                for source, local_id in parts:
-                    for pair in source.row_pairs(direction, local_id):
-                        if direction is Direction.LOAD:
-                            self._load_rows(pair, staging)
-                        else:
-                            self._backup_rows(pair, staging)
+                try:
+                    for source, local_id in parts:
+                        for pair in source.row_pairs(direction, local_id):
+                            if direction is Direction.LOAD:
+                                self._load_rows(pair, staging)
+                            else:
+                                self._backup_rows(pair, staging)
+                except Exception as exc:  # reported through `done`, after what was enqueued
+                    errors[position] = exc  # has landed: pins must outlive in-flight copies
                 last = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 last.record(stream)
                 events.append(last)

@@ -339,7 +339,8 @@ async def test_pipeline_stage_walks_only_its_layers() -> None:
     with stack("gpt_oss_20b.json", start=12, end=24) as cache:
         assert cache.device_pools["full"].geometry.num_layers == 6
         async with cache.scheduler.running() as sched:
-            res = await (await sched.backup(pages_for(cache, [0, 1], 0))).done()
+            fence = cache.backend.producer_fence()  # made on the producer's thread
+            res = await (await sched.backup(pages_for(cache, [0, 1], 0), fence=fence)).done()
             assert res.ok
             req = {n: GroupPages((4, 5), g.host_pages) for n, g in res.groups.items()}
             handle = await sched.load(req)
