@@ -1,0 +1,28 @@
+"""The prefix index: page keys, where each page lives per tier, hybrid-aware lookup, eviction
+strategies and write/prefetch policies. No torch; it keeps the books, the scheduler moves the
+bytes. (Part of issue 5; L3 backends and their wiring into the scheduler are not here yet.)"""
+
+from hicache.index.eviction import EVICTION_POLICIES, EvictionPolicy, LruPolicy, S3FifoPolicy
+from hicache.index.keys import HashAlgorithm, Namespace, PageKey, PageKeyer
+from hicache.index.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchPolicy, WritePolicy
+from hicache.index.prefix_index import GroupRule, Hit, PageIndexError, PageRecord, PrefixIndex
+
+__all__ = [
+    "EVICTION_POLICIES",
+    "PREFETCH_POLICIES",
+    "WRITE_POLICIES",
+    "EvictionPolicy",
+    "GroupRule",
+    "HashAlgorithm",
+    "Hit",
+    "LruPolicy",
+    "Namespace",
+    "PageIndexError",
+    "PageKey",
+    "PageKeyer",
+    "PageRecord",
+    "PrefetchPolicy",
+    "PrefixIndex",
+    "S3FifoPolicy",
+    "WritePolicy",
+]

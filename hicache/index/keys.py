@@ -1,0 +1,76 @@
+"""Page keys: a chained hash over each full page's token ids, seeded by the previous page's
+key; the first page is seeded by the namespace (model, dtype, KV layout, page size, tensor /
+pipeline rank, cache group and an optional tenant salt), so two namespaces never share a key:
+an fp8 cache is never read as bf16, and tenants never read each other's pages.
+
+Keys are 16-byte digests. Algorithms: sha256 and blake2b (standard library) and xxh3_128
+(when the `xxhash` package is installed). Partial trailing pages get no key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Literal
+
+from hicache.errors import ConfigError
+
+HashAlgorithm = Literal["sha256", "blake2b", "xxh3_128"]
+PageKey = bytes
+KEY_BYTES = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    model: str
+    dtype: str
+    kv_layout: str  # the group's geometry, e.g. "full:mha:8x128"
+    page_size_tokens: int
+    group: str
+    tp_rank: int = 0
+    pp_rank: int = 0
+    tenant_salt: str = ""
+
+    def seed(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+
+def _hasher(algorithm: str) -> Callable[[bytes], bytes]:
+    if algorithm == "sha256":
+        return lambda data: hashlib.sha256(data).digest()[:KEY_BYTES]
+    if algorithm == "blake2b":
+        return lambda data: hashlib.blake2b(data, digest_size=KEY_BYTES).digest()
+    if algorithm == "xxh3_128":
+        try:
+            import xxhash  # type: ignore[import-not-found]
+        except ImportError:
+            raise ConfigError(
+                "page key algorithm 'xxh3_128' needs the xxhash package (pip install xxhash); "
+                "allowed without it: sha256, blake2b"
+            ) from None
+        return lambda data: bytes(xxhash.xxh3_128_digest(data))
+    raise ConfigError(
+        f"page key algorithm {algorithm!r} is not supported; allowed: sha256, blake2b, xxh3_128"
+    )
+
+
+class PageKeyer:
+    def __init__(self, namespace: Namespace, algorithm: str = "blake2b"):
+        self.namespace = namespace
+        self.algorithm = algorithm
+        self._hash = _hasher(algorithm)
+        self._root = self._hash(b"hicache-page-key-v1\0" + namespace.seed())
+
+    def keys(self, token_ids: Sequence[int]) -> list[PageKey]:
+        """One key per full page of `token_ids`, each chained on the one before."""
+        size = self.namespace.page_size_tokens
+        out: list[PageKey] = []
+        previous = self._root
+        for start in range(0, len(token_ids) - size + 1, size):
+            page = token_ids[start : start + size]
+            payload = b"".join(t.to_bytes(4, "little", signed=False) for t in page)
+            previous = self._hash(previous + payload)
+            out.append(previous)
+        return out

@@ -1,0 +1,234 @@
+"""`PrefixIndex`: for every page key of every cache group, where the page lives (an L2 host
+page, L3 presence), its pins and hits; and `lookup`, which answers how many tokens of a
+prompt each tier can serve, counting only hits every group can use.
+
+What a group needs to serve a prefix of h pages (`GroupRule.needed`):
+- full / sparse (and MLA) groups: pages 0..h-1;
+- sliding groups (window W): the pages holding tokens [h*P - W, h*P);
+- chunked groups (chunk C): the pages of the current chunk, tokens [floor(h*P / C)*C, h*P);
+- state groups (linear / mamba / conv): the snapshot stored at boundary h, keyed by the
+  group's key of page h-1.
+The usable hit is the largest h all groups can serve — it is not monotone for sliding and
+state groups, so every h is checked from the longest down. Lifecycle of a page: `insert_l2`
+(after a backup is acknowledged) -> `mark_l3` (after a persist) -> `l2_victims` / `drop_l2`
+under pressure (pinned pages are never proposed) -> `drop_l3` when storage evicts it.
+No torch here; the scheduler moves the bytes, this only keeps the books.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from hicache.errors import HicacheError, PinError
+from hicache.index.eviction import EVICTION_POLICIES, EvictionPolicy
+from hicache.index.keys import PageKey, PageKeyer
+from hicache.model import CacheGroup, CacheKind
+
+
+class PageIndexError(HicacheError, ValueError):
+    """A page key was used against the index's bookkeeping (unknown, or over capacity)."""
+
+
+@dataclass(frozen=True, slots=True)
+class GroupRule:
+    kind: CacheKind
+    window_tokens: int | None = None
+    chunk_tokens: int | None = None
+
+    @classmethod
+    def of(cls, group: CacheGroup) -> GroupRule:
+        return cls(group.kind, group.spec.window_tokens, group.spec.chunk_tokens)
+
+    def needed(self, pages: int, page_size_tokens: int) -> range:
+        """Page positions this group needs to serve a prefix of `pages` pages."""
+        if pages == 0:
+            return range(0)
+        if not self.kind.is_token_cache:
+            return range(pages - 1, pages)
+        tokens = pages * page_size_tokens
+        first_token = 0
+        if self.kind is CacheKind.SLIDING and self.window_tokens is not None:
+            first_token = max(0, tokens - self.window_tokens)
+        elif self.kind is CacheKind.CHUNKED and self.chunk_tokens is not None:
+            first_token = (tokens // self.chunk_tokens) * self.chunk_tokens
+        return range(first_token // page_size_tokens, pages)
+
+
+@dataclass(slots=True)
+class PageRecord:
+    key: PageKey
+    l2_page: int | None = None
+    in_l3: bool = False
+    pins: int = 0
+    hits: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """How much of a prompt the tiers can serve, in pages and tokens; `needed` lists, per
+    group, the page positions (with their records) a load of `pages_total` must move."""
+
+    page_size_tokens: int
+    pages_l2: int
+    pages_total: int
+    needed: Mapping[str, tuple[tuple[int, PageRecord], ...]] = field(default_factory=dict)
+
+    @property
+    def tokens_l2(self) -> int:
+        return self.pages_l2 * self.page_size_tokens
+
+    @property
+    def tokens_total(self) -> int:
+        return self.pages_total * self.page_size_tokens
+
+
+class PrefixIndex:
+    def __init__(
+        self,
+        keyers: Mapping[str, PageKeyer],
+        rules: Mapping[str, GroupRule],
+        l2_capacity_pages: Mapping[str, int],
+        page_size_tokens: int,
+        eviction: str = "lru",
+    ):
+        if set(keyers) != set(rules) or set(rules) != set(l2_capacity_pages):
+            raise PageIndexError(
+                f"keyers {sorted(keyers)}, rules {sorted(rules)} and capacities "
+                f"{sorted(l2_capacity_pages)} must name the same groups"
+            )
+        if eviction not in EVICTION_POLICIES:
+            raise PageIndexError(
+                f"eviction policy {eviction!r} is not known; allowed: {sorted(EVICTION_POLICIES)}"
+            )
+        self.keyers = dict(keyers)
+        self.rules = dict(rules)
+        self.capacity = dict(l2_capacity_pages)
+        self.page_size_tokens = page_size_tokens
+        self._records: dict[str, dict[PageKey, PageRecord]] = {g: {} for g in rules}
+        self._l2_count = {g: 0 for g in rules}
+        self._policies: dict[str, EvictionPolicy] = {
+            g: EVICTION_POLICIES[eviction](max(1, cap)) for g, cap in self.capacity.items()
+        }
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def keys(self, token_ids: Sequence[int]) -> dict[str, list[PageKey]]:
+        return {group: keyer.keys(token_ids) for group, keyer in self.keyers.items()}
+
+    def lookup(self, token_ids: Sequence[int], *, touch: bool = True) -> Hit:
+        keys = self.keys(token_ids)
+        pages = min((len(k) for k in keys.values()), default=0)
+        pages_l2 = self._longest(keys, pages, l2_only=True)
+        pages_total = self._longest(keys, pages, l2_only=False)
+        needed = {}
+        for group, group_keys in keys.items():
+            records = self._records[group]
+            rows = tuple(
+                (i, records[group_keys[i]])
+                for i in self.rules[group].needed(pages_total, self.page_size_tokens)
+            )
+            needed[group] = rows
+            if touch:
+                for _, record in rows:
+                    record.hits += 1
+                    if record.l2_page is not None:
+                        self._policies[group].touch(record.key)
+        return Hit(self.page_size_tokens, pages_l2, pages_total, needed)
+
+    def _longest(self, keys: Mapping[str, list[PageKey]], pages: int, *, l2_only: bool) -> int:
+        for h in range(pages, 0, -1):
+            if all(self._serves(group, keys[group], h, l2_only) for group in keys):
+                return h
+        return 0
+
+    def _serves(self, group: str, keys: list[PageKey], pages: int, l2_only: bool) -> bool:
+        records = self._records[group]
+        for i in self.rules[group].needed(pages, self.page_size_tokens):
+            record = records.get(keys[i])
+            if record is None or (record.l2_page is None and (l2_only or not record.in_l3)):
+                return False
+        return True
+
+    # ---- bookkeeping ----------------------------------------------------------------------
+
+    def record(self, group: str, key: PageKey) -> PageRecord | None:
+        return self._records[group].get(key)
+
+    def insert_l2(self, group: str, key: PageKey, l2_page: int) -> PageRecord:
+        records = self._records[group]
+        record = records.get(key)
+        if record is not None and record.l2_page is not None:
+            raise PageIndexError(
+                f"group {group!r}: key {key.hex()} is already in L2 (host page "
+                f"{record.l2_page}); drop it before storing it again"
+            )
+        if self._l2_count[group] >= self.capacity[group]:
+            raise PageIndexError(
+                f"group {group!r}: L2 holds {self._l2_count[group]} of {self.capacity[group]} "
+                "pages; evict (l2_victims + drop_l2) before inserting"
+            )
+        if record is None:
+            record = records[key] = PageRecord(key)
+        record.l2_page = l2_page
+        self._l2_count[group] += 1
+        self._policies[group].insert(key)
+        return record
+
+    def mark_l3(self, group: str, key: PageKey) -> PageRecord:
+        record = self._records[group].get(key)
+        if record is None:
+            record = self._records[group][key] = PageRecord(key)
+        record.in_l3 = True
+        return record
+
+    def l2_victims(self, group: str, count: int) -> list[PageRecord]:
+        """Up to `count` unpinned L2 pages to evict, in the policy's order (not yet dropped)."""
+        records = self._records[group]
+        keys = self._policies[group].victims(count, lambda k: records[k].pins == 0)  # type: ignore[index]
+        return [records[k] for k in keys]  # type: ignore[index]
+
+    def drop_l2(self, group: str, key: PageKey) -> int:
+        """Forget the page's L2 copy; returns the host page to free. The record stays while
+        L3 has the page."""
+        record = self._require(group, key)
+        if record.l2_page is None:
+            raise PageIndexError(f"group {group!r}: key {key.hex()} has no L2 copy to drop")
+        if record.pins:
+            raise PinError(
+                f"group {group!r}: key {key.hex()} is pinned ({record.pins}); it cannot leave L2"
+            )
+        page, record.l2_page = record.l2_page, None
+        self._l2_count[group] -= 1
+        self._policies[group].remove(key)
+        if not record.in_l3:
+            del self._records[group][key]
+        return page
+
+    def drop_l3(self, group: str, key: PageKey) -> None:
+        record = self._require(group, key)
+        record.in_l3 = False
+        if record.l2_page is None:
+            del self._records[group][key]
+
+    def pin(self, group: str, keys: Sequence[PageKey]) -> None:
+        records = [self._require(group, k) for k in keys]
+        for record in records:
+            record.pins += 1
+
+    def unpin(self, group: str, keys: Sequence[PageKey]) -> None:
+        records = [self._require(group, k) for k in keys]
+        for record in records:
+            if record.pins == 0:
+                raise PinError(f"group {group!r}: key {record.key.hex()} is not pinned")
+        for record in records:
+            record.pins -= 1
+
+    def l2_pages(self, group: str) -> int:
+        return self._l2_count[group]
+
+    def _require(self, group: str, key: PageKey) -> PageRecord:
+        record = self._records[group].get(key)
+        if record is None:
+            raise PageIndexError(f"group {group!r}: key {key.hex()} is not in the index")
+        return record
