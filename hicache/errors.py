@@ -14,7 +14,10 @@ what is allowed. Backend-native errors are mapped at the boundary (`raise X(...)
     │   ├── PoolShapeError (ValueError)   a tensor handed to a pool has the wrong shape/dtype
     │   └── PinError (ValueError)         freeing a pinned page, unpinning an unpinned one
     ├── TransferError                     a copy failed; the op's pages are listed
-    └── CounterMisuseError (RuntimeError) layer-done counter used against its protocol
+    ├── CounterMisuseError (RuntimeError) layer-done counter used against its protocol
+    └── StorageError                      an L3 backend failed (never reaches the engine)
+        ├── TierUnavailableError          the backend is down, slow or its breaker is open
+        └── ObjectCorruptError            a stored object failed its header or checksum
 """
 
 from __future__ import annotations
@@ -74,3 +77,15 @@ class TransferError(HicacheError):
 
 class CounterMisuseError(HicacheError, RuntimeError):
     """The layer-done counter was used against its protocol."""
+
+
+class StorageError(HicacheError):
+    """An L3 backend failed. Callers above the storage tier see misses, never this."""
+
+
+class TierUnavailableError(StorageError):
+    """The backend is down, timed out, or its circuit breaker is open."""
+
+
+class ObjectCorruptError(StorageError):
+    """A stored object's header, key or checksum does not match: it is not handed out."""

@@ -1,0 +1,141 @@
+"""L3 tier without servers: object format, the file backend, the guarded store (verification,
+timeouts, breaker), and fault injection. No exception may reach the caller."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from hicache.errors import ObjectCorruptError
+from hicache.storage import (
+    BreakerState,
+    CircuitBreaker,
+    FaultyBackend,
+    FileBackend,
+    GuardedStore,
+)
+from hicache.storage.object_format import HEADER_BYTES, decode, encode
+
+
+def test_object_format_round_trip_and_every_corruption() -> None:
+    data = encode(b"key-1", b"payload" * 100)
+    assert bytes(decode(b"key-1", data)) == b"payload" * 100
+    with pytest.raises(ObjectCorruptError, match=r"^object 6b65792d32: holds key 6b65792d31$"):
+        decode(b"key-2", data)
+    flipped = bytearray(data)
+    flipped[-1] ^= 1
+    with pytest.raises(ObjectCorruptError, match=r"^object 6b65792d31: payload checksum mismatch$"):
+        decode(b"key-1", flipped)
+    with pytest.raises(ObjectCorruptError, match=r"payload is 699 bytes; its header says 700$"):
+        decode(b"key-1", data[:-1])
+    with pytest.raises(ObjectCorruptError, match=r"header b'XXXX' v1; expected b'HKV1' v1$"):
+        decode(b"key-1", b"XXXX" + data[4:])
+    with pytest.raises(ObjectCorruptError, match=rf"shorter than the {HEADER_BYTES}-byte header$"):
+        decode(b"key-1", data[:5])
+
+
+@pytest.mark.asyncio
+async def test_file_backend_atomic_restart_and_budget(tmp_path: Path) -> None:
+    backend = FileBackend(tmp_path, capacity_bytes=3 * 1000)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    assert await backend.put_many([(k, b"x" * 1000) for k in keys[:3]]) == [True] * 3
+    assert await backend.get_many(keys[:1]) == [b"x" * 1000]  # key 0 is now most recent
+    await backend.put_many([(keys[3], b"y" * 1000)])  # over budget: evicts the LRU key 1
+    assert await backend.exists_many(keys[:4]) == [True, False, True, True]
+    assert backend.used_bytes == 3000
+    assert not list(tmp_path.glob("*/.tmp-*"))  # nothing half-written left behind
+    # a crash mid-write leaves a temporary: removed at start; finished objects survive
+    (tmp_path / keys[0].hex()[:2] / ".tmp-deadbeef").write_bytes(b"partial")
+    again = FileBackend(tmp_path, capacity_bytes=3 * 1000)
+    assert len(again) == 3
+    assert await again.get_many([keys[0], keys[1], keys[3]]) == [b"x" * 1000, None, b"y" * 1000]
+    assert not list(tmp_path.glob("*/.tmp-*"))
+    await again.delete_many([keys[0]])
+    assert await again.exists_many([keys[0]]) == [False]
+
+
+@pytest.mark.asyncio
+async def test_corrupt_object_on_disk_is_dropped_and_counted(tmp_path: Path) -> None:
+    store = GuardedStore(FileBackend(tmp_path, capacity_bytes=1 << 20))
+    key = b"k" * 16
+    assert await store.put([(key, b"page bytes" * 50)]) == [True]
+    (path,) = tmp_path.glob("*/*.kv")
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    assert await store.get([key]) == [None]
+    assert store.stats.corrupt_dropped == 1
+    assert not path.exists()  # deleted, so it is never handed out again
+    assert await store.exists([key]) == [False]
+
+
+@pytest.mark.asyncio
+async def test_breaker_turns_a_dead_backend_into_misses_and_recovers(tmp_path: Path) -> None:
+    now = [0.0]
+    faulty = FaultyBackend(FileBackend(tmp_path, capacity_bytes=1 << 20))
+    store = GuardedStore(faulty, breaker=CircuitBreaker(2, reset_after_s=5.0, clock=lambda: now[0]))
+    key = b"a" * 16
+    assert await store.put([(key, b"v" * 100)]) == [True]  # acknowledged while up
+    faulty.down = True  # the server dies
+    assert await store.get([key]) == [None]
+    assert await store.get([key]) == [None]
+    assert store.breaker.state is BreakerState.OPEN
+    calls = faulty.calls
+    assert await store.put([(b"b" * 16, b"w")]) == [False]  # open: the backend is not called
+    assert faulty.calls == calls
+    assert store.stats.skipped_open == 1
+    assert store.stats.failures["get:TierUnavailableError"] == 2
+    faulty.down = False  # the server is back
+    now[0] = 5.0  # past the reset time: the next call is the trial
+    assert store.breaker.state is BreakerState.HALF_OPEN
+    got = await store.get([key])
+    assert got[0] is not None
+    assert bytes(got[0]) == b"v" * 100  # nothing acknowledged was lost
+    assert store.breaker.state is BreakerState.CLOSED
+
+
+@pytest.mark.asyncio
+async def test_timeouts_scale_with_bytes_and_count_as_failures(tmp_path: Path) -> None:
+    slow = FaultyBackend(FileBackend(tmp_path, capacity_bytes=1 << 20), latency_s=0.2)
+    store = GuardedStore(slow, base_timeout_s=0.01, min_bandwidth_bytes_per_s=1e9)
+    assert await store.put([(b"t" * 16, b"x")]) == [False]
+    assert store.stats.failures["put:timeout"] == 1
+    patient = GuardedStore(slow, base_timeout_s=0.01, min_bandwidth_bytes_per_s=100.0)
+    assert await patient.put([(b"t" * 16, b"x" * 30)]) == [True]  # 30+ bytes at 100 B/s: 0.3 s
+
+
+@pytest.mark.asyncio
+async def test_injected_drops_and_corruption(tmp_path: Path) -> None:
+    faulty = FaultyBackend(FileBackend(tmp_path, capacity_bytes=1 << 20), drop_rate=0.5, seed=3)
+    store = GuardedStore(faulty)
+    keys = [bytes([i]) * 16 for i in range(40)]
+    stored = await store.put([(k, b"p" * 64) for k in keys])
+    assert 5 < sum(stored) < 35  # some dropped, and the result says which
+    assert await store.exists(keys) == stored
+    faulty.drop_rate, faulty.corrupt_rate = 0.0, 1.0
+    got = await store.get([k for k, ok in zip(keys, stored, strict=True) if ok])
+    assert all(v is None for v in got)  # every corrupted read is a miss, never bad bytes
+    assert store.stats.corrupt_dropped == sum(stored)
+
+
+def test_file_backend_never_blocks_the_loop(tmp_path: Path) -> None:
+    backend = FileBackend(tmp_path, capacity_bytes=64 << 20)
+
+    async def main() -> int:
+        ticks = 0
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await backend.put_many([(bytes([i]) * 16, os.urandom(1 << 20)) for i in range(16)])
+        task.cancel()
+        return ticks
+
+    assert asyncio.run(main()) > 1  # the loop kept running while files were written
