@@ -83,14 +83,24 @@ class FileStorage(Section):
     capacity_bytes: ByteSize = Field(default=parse_bytes("1GiB"), gt=0)
 
 
+class RedisStorage(Section):
+    """L3 on Redis or Redis Cluster; size is bounded by the server's maxmemory policy."""
+
+    kind: Literal["redis"]
+    url: str = Field(default="redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL")
+    key_prefix: str = "hicache:"
+    max_connections: int = Field(default=16, ge=1)
+    socket_timeout_s: float = Field(default=2.0, gt=0)
+
+
 class NoStorage(Section):
     """No L3: pages evicted from L2 are dropped."""
 
     kind: Literal["none"]
 
 
-register_tags("file", "none")
-StorageSection = Annotated[FileStorage | NoStorage, Field(discriminator="kind")]
+register_tags("file", "redis", "none")
+StorageSection = Annotated[FileStorage | RedisStorage | NoStorage, Field(discriminator="kind")]
 
 
 class SchedulerSection(Section):

@@ -1,0 +1,71 @@
+"""`RedisBackend`: L3 on a Redis server or Redis Cluster (redis-py's asyncio client).
+
+Batches are pipelined (no transaction) over a connection pool. Keys are hash-tagged —
+`<prefix>{<page key hex>}` — so a page's objects land on one shard of a cluster; pipelines of
+single-key commands (not MGET) keep batches valid across slots. Short socket timeouts make a
+dead server fail fast; redis-py's errors are mapped to `TierUnavailableError` here, and
+`GuardedStore` turns them into misses. Server-side eviction (maxmemory-policy) bounds size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from hicache.errors import TierUnavailableError
+from hicache.storage.backend import StorageBackend
+
+
+class RedisBackend(StorageBackend):
+    name = "redis"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "hicache:",
+        max_connections: int = 16,
+        socket_timeout_s: float = 2.0,
+    ):
+        self.url = url
+        self.key_prefix = key_prefix
+        self._pool = aioredis.ConnectionPool.from_url(
+            url,
+            max_connections=max_connections,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+        )
+        self._client = aioredis.Redis(connection_pool=self._pool)
+
+    def _name(self, key: bytes) -> str:
+        return f"{self.key_prefix}{{{key.hex()}}}"
+
+    async def _pipeline(self, commands: Sequence[tuple[str, tuple[object, ...]]]) -> list[object]:
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for command, args in commands:
+                    getattr(pipe, command)(*args)
+                return list(await pipe.execute())
+        except (RedisError, OSError) as exc:
+            raise TierUnavailableError(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
+
+    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        replies = await self._pipeline([("set", (self._name(k), d)) for k, d in items])
+        return [bool(r) for r in replies]
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        replies = await self._pipeline([("get", (self._name(k),)) for k in keys])
+        return [r if isinstance(r, bytes) else None for r in replies]
+
+    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        replies = await self._pipeline([("exists", (self._name(k),)) for k in keys])
+        return [bool(r) for r in replies]
+
+    async def delete_many(self, keys: Sequence[bytes]) -> None:
+        await self._pipeline([("unlink", (self._name(k),)) for k in keys])
+
+    async def close(self) -> None:
+        await self._client.aclose()
+        await self._pool.disconnect()
