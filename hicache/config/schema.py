@@ -93,14 +93,29 @@ class RedisStorage(Section):
     socket_timeout_s: float = Field(default=2.0, gt=0)
 
 
+class MooncakeStorage(Section):
+    """L3 on a Mooncake Store cluster (TCP, or RDMA with `rdma_devices`)."""
+
+    kind: Literal["mooncake"]
+    master_address: str = "127.0.0.1:50051"
+    local_hostname: str = "127.0.0.1"
+    metadata_server: str = Field(default="P2PHANDSHAKE", description="or an etcd/http URL")
+    global_segment_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
+    local_buffer_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
+    protocol: Literal["tcp", "rdma"] = "tcp"
+    rdma_devices: str = ""
+
+
 class NoStorage(Section):
     """No L3: pages evicted from L2 are dropped."""
 
     kind: Literal["none"]
 
 
-register_tags("file", "redis", "none")
-StorageSection = Annotated[FileStorage | RedisStorage | NoStorage, Field(discriminator="kind")]
+register_tags("file", "redis", "mooncake", "none")
+StorageSection = Annotated[
+    FileStorage | RedisStorage | MooncakeStorage | NoStorage, Field(discriminator="kind")
+]
 
 
 class SchedulerSection(Section):

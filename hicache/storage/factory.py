@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from hicache.config.schema import FileStorage, NoStorage, RedisStorage
+from hicache.config.schema import FileStorage, MooncakeStorage, NoStorage, RedisStorage
 from hicache.storage.backend import StorageBackend
 from hicache.storage.file_backend import FileBackend
 
 
-def make_backend(section: FileStorage | RedisStorage | NoStorage) -> StorageBackend | None:
+def make_backend(
+    section: FileStorage | RedisStorage | MooncakeStorage | NoStorage,
+) -> StorageBackend | None:
     if isinstance(section, FileStorage):
         return FileBackend(section.path, section.capacity_bytes)
     if isinstance(section, RedisStorage):
@@ -18,5 +20,17 @@ def make_backend(section: FileStorage | RedisStorage | NoStorage) -> StorageBack
             key_prefix=section.key_prefix,
             max_connections=section.max_connections,
             socket_timeout_s=section.socket_timeout_s,
+        )
+    if isinstance(section, MooncakeStorage):
+        from hicache.storage.mooncake_backend import MooncakeBackend  # an optional extra
+
+        return MooncakeBackend(
+            section.master_address,
+            local_hostname=section.local_hostname,
+            metadata_server=section.metadata_server,
+            global_segment_bytes=section.global_segment_bytes,
+            local_buffer_bytes=section.local_buffer_bytes,
+            protocol=section.protocol,
+            rdma_devices=section.rdma_devices,
         )
     return None

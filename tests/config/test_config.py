@@ -118,7 +118,7 @@ def test_secret_token_is_redacted(tmp_path: Path) -> None:
             BASE + "storage:\n  kind: tape\n",
             {},
             r"{f}: storage: Input tag 'tape' found using 'kind' does not match any of the expected "
-            r"tags: 'file', 'redis', 'none'",
+            r"tags: 'file', 'redis', 'mooncake', 'none'",
         ),
         ("device:\n  kind: cpu\n", {}, r"{f}: model: Field required"),
         (

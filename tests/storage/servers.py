@@ -73,3 +73,51 @@ class RedisServer:
             self.process.kill()
             self.process.wait(timeout=10)
             self.process = None
+
+
+class MooncakeMaster:
+    """`mooncake_master` (shipped in the mooncake wheel) on loopback, free ports, by pid."""
+
+    def __init__(self) -> None:
+        import sys
+
+        candidate = Path(sys.executable).parent / "mooncake_master"
+        self.binary = str(candidate) if candidate.exists() else require_binary("mooncake_master")
+        self.rpc_port = free_port()
+        self.metrics_port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.rpc_port}"
+
+    def start(self) -> None:
+        self.process = subprocess.Popen(
+            [
+                self.binary,
+                "-rpc_address",
+                "127.0.0.1",
+                "-rpc_port",
+                str(self.rpc_port),
+                "-metrics_port",
+                str(self.metrics_port),
+                "-enable_metric_reporting=false",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
+                return
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"mooncake_master did not listen on port {self.rpc_port}")
+
+    def stop(self) -> None:
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+            self.process = None
