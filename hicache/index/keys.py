@@ -3,8 +3,8 @@ key; the first page is seeded by the namespace (model, dtype, KV layout, page si
 pipeline rank, cache group and an optional tenant salt), so two namespaces never share a key:
 an fp8 cache is never read as bf16, and tenants never read each other's pages.
 
-Keys are 16-byte digests. Algorithms: sha256 and blake2b (standard library) and xxh3_128
-(when the `xxhash` package is installed). Partial trailing pages get no key.
+Keys are 16-byte digests. Algorithms: xxh3_128 (the default; fast), blake2b and sha256.
+Partial trailing pages get no key.
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
+
+import xxhash
 
 from hicache.errors import ConfigError
 
@@ -43,21 +45,14 @@ def _hasher(algorithm: str) -> Callable[[bytes], bytes]:
     if algorithm == "blake2b":
         return lambda data: hashlib.blake2b(data, digest_size=KEY_BYTES).digest()
     if algorithm == "xxh3_128":
-        try:
-            import xxhash  # type: ignore[import-not-found]
-        except ImportError:
-            raise ConfigError(
-                "page key algorithm 'xxh3_128' needs the xxhash package (pip install xxhash); "
-                "allowed without it: sha256, blake2b"
-            ) from None
-        return lambda data: bytes(xxhash.xxh3_128_digest(data))
+        return xxhash.xxh3_128_digest
     raise ConfigError(
         f"page key algorithm {algorithm!r} is not supported; allowed: sha256, blake2b, xxh3_128"
     )
 
 
 class PageKeyer:
-    def __init__(self, namespace: Namespace, algorithm: str = "blake2b"):
+    def __init__(self, namespace: Namespace, algorithm: str = "xxh3_128"):
         self.namespace = namespace
         self.algorithm = algorithm
         self._hash = _hasher(algorithm)

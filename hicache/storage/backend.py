@@ -10,13 +10,16 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 
+Buffer = bytes | bytearray | memoryview
+
 
 class StorageBackend(abc.ABC):
     name: str
 
     @abc.abstractmethod
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Store each (key, object); True where it is durably stored."""
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        """Store each (key, object); True where it is durably stored. The object buffers are
+        only valid until this returns (the caller reuses them): copy what must outlive it."""
 
     @abc.abstractmethod
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

@@ -9,7 +9,7 @@ import random
 from collections.abc import Sequence
 
 from hicache.errors import TierUnavailableError
-from hicache.storage.backend import StorageBackend
+from hicache.storage.backend import Buffer, StorageBackend
 
 
 class FaultyBackend(StorageBackend):
@@ -44,8 +44,8 @@ class FaultyBackend(StorageBackend):
         if delay:
             await asyncio.sleep(delay)
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        await self._enter(sum(len(d) for _, d in items))
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
+        await self._enter(sum(memoryview(d).nbytes for _, d in items))
         kept = [(k, d) for k, d in items if self._rng.random() >= self.drop_rate]
         stored = set()
         if kept:

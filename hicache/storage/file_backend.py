@@ -17,7 +17,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
 
-from hicache.storage.backend import StorageBackend
+from hicache.storage.backend import Buffer, StorageBackend
 
 _SUFFIX = ".kv"
 _TMP = ".tmp-"
@@ -33,6 +33,7 @@ class FileBackend(StorageBackend):
         self._sizes: OrderedDict[bytes, int] = OrderedDict()  # LRU order
         self._used = 0
         self._lock = threading.Lock()
+        self._dirs: set[Path] = set()
         self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild()
 
@@ -66,9 +67,11 @@ class FileBackend(StorageBackend):
 
     # ---- blocking operations (run in threads) -----------------------------------------------
 
-    def _put(self, key: bytes, data: bytes) -> bool:
+    def _put(self, key: bytes, data: Buffer) -> bool:
         path = self._path(key)
-        path.parent.mkdir(exist_ok=True)
+        if path.parent not in self._dirs:
+            path.parent.mkdir(exist_ok=True)
+            self._dirs.add(path.parent)
         tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:
@@ -81,9 +84,10 @@ class FileBackend(StorageBackend):
             tmp.unlink(missing_ok=True)
             raise
         with self._lock:
+            size = memoryview(data).nbytes
             old = self._sizes.pop(key, 0)
-            self._sizes[key] = len(data)
-            self._used += len(data) - old
+            self._sizes[key] = size
+            self._used += size - old
             victims = self._over_budget()
         for victim in victims:
             self._path(victim).unlink(missing_ok=True)
@@ -121,7 +125,7 @@ class FileBackend(StorageBackend):
 
     # ---- async interface ------------------------------------------------------------------
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         return await asyncio.to_thread(lambda: [self._put(k, d) for k, d in items])
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:

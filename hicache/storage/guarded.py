@@ -101,6 +101,8 @@ class GuardedStore:
         self.base_timeout_s = base_timeout_s
         self.min_bandwidth = min_bandwidth_bytes_per_s
         self.stats = StoreStats()
+        self._arena = bytearray()
+        self._arena_lock = asyncio.Lock()
 
     def _timeout(self, nbytes: int) -> float:
         return self.base_timeout_s + nbytes / self.min_bandwidth
@@ -126,14 +128,38 @@ class GuardedStore:
         return result
 
     async def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        """Persist payloads; True where the object is stored. Never raises."""
-        self.stats.puts += len(items)
-        encoded = [(key, object_format.encode(key, payload)) for key, payload in items]
-        nbytes = sum(len(data) for _, data in encoded)
-        result = await self._call("put", nbytes, lambda: self.backend.put_many(encoded))
-        stored = result if result is not None else [False] * len(items)
-        self.stats.stored += sum(stored)
-        return stored
+        """Persist payloads; True where the object is stored. Never raises.
+
+        Objects are encoded into one reusable arena (grown to the largest batch, then reused:
+        no fresh allocation, so no first-touch page faults, on the put path); puts are
+        serialized so the arena is never shared by two batches in flight."""
+        async with self._arena_lock:
+            self.stats.puts += len(items)
+            sizes = [object_format.encoded_size(key, memoryview(p).nbytes) for key, p in items]
+            nbytes = sum(sizes)
+            if len(self._arena) < nbytes:
+                self._arena = bytearray(nbytes)
+            arena = memoryview(self._arena)
+            encoded: list[tuple[bytes, memoryview]] = []
+            offset = 0
+            for (key, payload), size in zip(items, sizes, strict=True):
+                object_format.encode_into(arena[offset : offset + size], key, payload)
+                encoded.append((key, arena[offset : offset + size]))
+                offset += size
+            try:
+                result = await self._call("put", nbytes, lambda: self.backend.put_many(encoded))
+            finally:
+                try:
+                    for _, view in encoded:
+                        view.release()
+                    arena.release()
+                except BufferError:
+                    # a timed-out call's thread still reads the arena: leave it to that
+                    # thread and encode the next batch into a fresh one
+                    self._arena = bytearray()
+            stored = result if result is not None else [False] * len(items)
+            self.stats.stored += sum(stored)
+            return stored
 
     async def get(self, keys: Sequence[bytes], expected_bytes: int = 0) -> list[memoryview | None]:
         """Verified payloads, or None for each miss (absent, corrupt, or backend trouble)."""

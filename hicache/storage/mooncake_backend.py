@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from hicache.errors import TierUnavailableError
-from hicache.storage.backend import StorageBackend
+from hicache.storage.backend import Buffer, StorageBackend
 
 T = TypeVar("T")
 
@@ -80,7 +80,7 @@ class MooncakeBackend(StorageBackend):
                 f"mooncake {what} at {self.master_address} failed with status {status}"
             )
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         names = self._names([k for k, _ in items])
         values = [d for _, d in items]
         status = await self._run("upsert", lambda: self._store.upsert_batch(names, values))

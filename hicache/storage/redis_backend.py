@@ -15,7 +15,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from hicache.errors import TierUnavailableError
-from hicache.storage.backend import StorageBackend
+from hicache.storage.backend import Buffer, StorageBackend
 
 
 class RedisBackend(StorageBackend):
@@ -51,7 +51,7 @@ class RedisBackend(StorageBackend):
         except (RedisError, OSError) as exc:
             raise TierUnavailableError(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
 
-    async def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         replies = await self._pipeline([("set", (self._name(k), d)) for k, d in items])
         return [bool(r) for r in replies]
 

@@ -12,6 +12,7 @@ import pytest
 import pytest_asyncio
 
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
+from hicache.storage.local_servers import MooncakeMaster as MooncakeMasterType
 from tests.storage.servers import MooncakeMaster
 
 try:
@@ -25,7 +26,7 @@ except ImportError:  # pragma: no cover - depends on the platform's wheel
 
 
 @pytest.fixture
-def master() -> Iterator[MooncakeMaster]:
+def master() -> Iterator[MooncakeMasterType]:
     srv = MooncakeMaster()
     srv.start()
     try:
@@ -35,7 +36,7 @@ def master() -> Iterator[MooncakeMaster]:
 
 
 @pytest_asyncio.fixture
-async def backend(master: MooncakeMaster) -> AsyncIterator[MooncakeBackend]:
+async def backend(master: MooncakeMasterType) -> AsyncIterator[MooncakeBackend]:
     b = await asyncio.to_thread(
         MooncakeBackend, master.address, global_segment_bytes=64 << 20, local_buffer_bytes=64 << 20
     )
@@ -59,7 +60,7 @@ async def test_round_trip_and_upsert(backend: MooncakeBackend) -> None:
 
 @pytest.mark.asyncio
 async def test_master_killed_mid_run_then_restarted(
-    master: MooncakeMaster, backend: MooncakeBackend
+    master: MooncakeMasterType, backend: MooncakeBackend
 ) -> None:
     now = [0.0]
     store = GuardedStore(

@@ -11,12 +11,13 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
+from hicache.storage.local_servers import RedisServer as RedisServerType
 from hicache.storage.redis_backend import RedisBackend
 from tests.storage.servers import RedisServer
 
 
 @pytest.fixture
-def server(tmp_path: Path) -> Iterator[RedisServer]:
+def server(tmp_path: Path) -> Iterator[RedisServerType]:
     srv = RedisServer(tmp_path)
     srv.start()
     try:
@@ -26,7 +27,7 @@ def server(tmp_path: Path) -> Iterator[RedisServer]:
 
 
 @pytest_asyncio.fixture
-async def backend(server: RedisServer) -> AsyncIterator[RedisBackend]:
+async def backend(server: RedisServerType) -> AsyncIterator[RedisBackend]:
     b = RedisBackend(server.url, socket_timeout_s=0.5)
     yield b
     await b.close()
@@ -46,7 +47,7 @@ async def test_round_trip_pipelined(backend: RedisBackend) -> None:
 
 @pytest.mark.asyncio
 async def test_server_killed_mid_run_then_restarted(
-    server: RedisServer, backend: RedisBackend
+    server: RedisServerType, backend: RedisBackend
 ) -> None:
     now = [0.0]
     store = GuardedStore(
@@ -72,7 +73,7 @@ async def test_server_killed_mid_run_then_restarted(
 
 @pytest.mark.asyncio
 async def test_corruption_inside_redis_is_detected_dropped_and_counted(
-    server: RedisServer, backend: RedisBackend
+    server: RedisServerType, backend: RedisBackend
 ) -> None:
     store = GuardedStore(backend)
     key = b"c" * 16

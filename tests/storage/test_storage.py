@@ -139,3 +139,43 @@ def test_file_backend_never_blocks_the_loop(tmp_path: Path) -> None:
         return ticks
 
     assert asyncio.run(main()) > 1  # the loop kept running while files were written
+
+
+@pytest.mark.asyncio
+async def test_arena_survives_a_timed_out_put_still_running(tmp_path: Path) -> None:
+    import threading
+
+    from hicache.storage.backend import Buffer, StorageBackend
+
+    gate = threading.Event()
+
+    class StuckBackend(StorageBackend):
+        name = "stuck"
+
+        def __init__(self) -> None:
+            self.seen: list[bytes] = []
+
+        async def put_many(self, items):  # type: ignore[no-untyped-def]
+            def hold(views: list[Buffer]) -> list[bool]:
+                gate.wait(5)  # still reading the arena after the caller gave up
+                self.seen.extend(bytes(v) for v in views)
+                return [True] * len(views)
+
+            views = [memoryview(d) for _, d in items]
+            return await asyncio.to_thread(hold, views)
+
+        async def get_many(self, keys):  # type: ignore[no-untyped-def]
+            return [None] * len(keys)
+
+        async def exists_many(self, keys):  # type: ignore[no-untyped-def]
+            return [False] * len(keys)
+
+        async def delete_many(self, keys):  # type: ignore[no-untyped-def]
+            return None
+
+    backend = StuckBackend()
+    store = GuardedStore(backend, base_timeout_s=0.05, min_bandwidth_bytes_per_s=1e12)
+    assert await store.put([(b"a" * 16, b"first")]) == [False]  # timed out, never raised
+    gate.set()
+    await asyncio.sleep(0.2)
+    assert decode(b"a" * 16, backend.seen[0]).tobytes() == b"first"  # its bytes stayed intact
