@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hicache.scheduler.ops import OpKind, OpResult, OpState
@@ -46,6 +47,10 @@ class OpHandle:
         started = time.perf_counter()
         self._op.counter.wait_layer(index)
         self._scheduler.recorder.waited(index, time.perf_counter() - started)
+
+    def add_done_callback(self, callback: Callable[[OpResult], None]) -> None:
+        """Call `callback(result)` on the event loop when the op ends (at once if it has)."""
+        self._op.finished.add_done_callback(lambda future: callback(future.result()))
 
     async def done(self) -> OpResult:
         return await asyncio.shield(self._op.finished)

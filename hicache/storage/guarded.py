@@ -75,6 +75,12 @@ class CircuitBreaker:
             self._opened_at = self._clock()
 
 
+@dataclass(frozen=True, slots=True)
+class Fetched:
+    values: list[memoryview | None]
+    answered: bool  # False: the backend failed or the breaker is open; the Nones are unknown
+
+
 @dataclass
 class StoreStats:
     puts: int = 0
@@ -163,8 +169,14 @@ class GuardedStore:
 
     async def get(self, keys: Sequence[bytes], expected_bytes: int = 0) -> list[memoryview | None]:
         """Verified payloads, or None for each miss (absent, corrupt, or backend trouble)."""
+        return (await self.fetch(keys, expected_bytes)).values
+
+    async def fetch(self, keys: Sequence[bytes], expected_bytes: int = 0) -> Fetched:
+        """Like `get`, and says whether the backend answered: a None then means the object is
+        definitively absent or corrupt, not that the backend could not be asked."""
         self.stats.gets += len(keys)
         result = await self._call("get", expected_bytes, lambda: self.backend.get_many(keys))
+        answered = result is not None
         raw: list[bytes | None] = result if result is not None else [None] * len(keys)
         out: list[memoryview | None] = []
         corrupt = []
@@ -183,7 +195,7 @@ class GuardedStore:
         hits = sum(v is not None for v in out)
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits
-        return out
+        return Fetched(out, answered)
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         result = await self._call("exists", 0, lambda: self.backend.exists_many(keys))

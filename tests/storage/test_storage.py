@@ -66,7 +66,9 @@ async def test_corrupt_object_on_disk_is_dropped_and_counted(tmp_path: Path) -> 
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0xFF
     path.write_bytes(bytes(raw))
-    assert await store.get([key]) == [None]
+    fetched = await store.fetch([key])
+    assert fetched.values == [None]
+    assert fetched.answered  # the backend answered: the object is definitively unusable
     assert store.stats.corrupt_dropped == 1
     assert not path.exists()  # deleted, so it is never handed out again
     assert await store.exists([key]) == [False]
@@ -80,7 +82,7 @@ async def test_breaker_turns_a_dead_backend_into_misses_and_recovers(tmp_path: P
     key = b"a" * 16
     assert await store.put([(key, b"v" * 100)]) == [True]  # acknowledged while up
     faulty.down = True  # the server dies
-    assert await store.get([key]) == [None]
+    assert (await store.fetch([key])).answered is False  # a miss of unknown cause, not absence
     assert await store.get([key]) == [None]
     assert store.breaker.state is BreakerState.OPEN
     calls = faulty.calls

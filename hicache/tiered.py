@@ -1,0 +1,282 @@
+"""`TieredCache`: the cache an engine talks to — index, host tier (L2), storage (L3) and the
+scheduler of one stage, wired together.
+
+Lifecycle of a prefix:
+    hit = cache.lookup(tokens)                              # usable tokens per tier, hybrid-aware
+    await cache.store(tokens, device_pages)                 # backup new pages to L2, index them,
+                                                            # persist per the write policy
+    handle, hit = await cache.load(tokens, device_pages)    # prefetch L3 -> L2 per the prefetch
+                                                            # policy, then load L2 -> L1 layer by
+                                                            # layer; a shorter hit if L3 fails
+Pages are evicted from L2 when the host pool is full (write-back persists them first); an
+evicted page that L3 holds stays findable. L3 errors never reach the caller: a page that
+cannot be fetched shortens the hit. `device_pages[group]` lists the engine's device pages of
+the prompt in token order (one snapshot slot for a state group).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from hicache.embedded import EmbeddedCache
+from hicache.index import (
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    GroupRule,
+    Hit,
+    Namespace,
+    PageKeyer,
+    PageRecord,
+    PrefetchPolicy,
+    PrefixIndex,
+    WritePolicy,
+)
+from hicache.memory import HostPool
+from hicache.scheduler import GroupPages, OpHandle
+from hicache.storage import GuardedStore
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    pages_stored: int  # new L2 pages across groups
+    pages_persisted: int  # pages written to L3 by the write policy
+    pages_evicted: int
+
+
+def _read_page(pool: HostPool, page: int) -> bytes:
+    return b"".join(bytes(chunk.numpy()) for chunk in pool.page_chunks(page))
+
+
+def _write_page(pool: HostPool, page: int, data: memoryview) -> None:
+    offset = 0
+    for chunk in pool.page_chunks(page):
+        size = chunk.numel()
+        chunk.numpy()[:] = memoryview(data)[offset : offset + size]
+        offset += size
+
+
+class TieredCache:
+    def __init__(
+        self,
+        embedded: EmbeddedCache,
+        index: PrefixIndex,
+        store: GuardedStore | None,
+        write_policy: WritePolicy,
+        prefetch_policy: PrefetchPolicy,
+    ):
+        self.embedded = embedded
+        self.index = index
+        self.l3 = store
+        self.write_policy = write_policy
+        self.prefetch_policy = prefetch_policy
+
+    @classmethod
+    def build(
+        cls,
+        embedded: EmbeddedCache,
+        *,
+        store: GuardedStore | None = None,
+        model: str = "",
+        write_policy: str = "write_through",
+        prefetch_policy: str = "best_effort",
+        eviction: str = "lru",
+        tenant_salt: str = "",
+    ) -> TieredCache:
+        geometries = embedded.geometries
+        page = next(iter(geometries.values())).page_size_tokens
+        keyers, rules, capacity = {}, {}, {}
+        for name, geom in geometries.items():
+            namespace = Namespace(
+                model=model or embedded.layer_map.model_type,
+                dtype=str(geom.dtype),
+                kv_layout=repr(geom.group.spec),
+                page_size_tokens=page,
+                group=name,
+                pp_rank=embedded.layer_map.start_layer,
+                tenant_salt=tenant_salt,
+            )
+            keyers[name] = PageKeyer(namespace)
+            rules[name] = GroupRule.of(geom.group)
+            capacity[name] = embedded.host_tier.pool(name).num_pages
+        index = PrefixIndex(keyers, rules, capacity, page, eviction)
+        return cls(
+            embedded,
+            index,
+            store,
+            WRITE_POLICIES[write_policy](),
+            PREFETCH_POLICIES[prefetch_policy](),
+        )
+
+    # ---- lookup ---------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> Hit:
+        return self.index.lookup(token_ids)
+
+    # ---- store: L1 -> L2 (-> L3) -------------------------------------------------------------
+
+    async def store(
+        self, token_ids: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+    ) -> StoreResult:
+        keys = self.index.keys(token_ids)
+        request: dict[str, GroupPages] = {}
+        new_keys: dict[str, list[bytes]] = {}
+        evicted = 0
+        for group, group_keys in keys.items():
+            token_group = self.index.rules[group].kind.is_token_cache
+            last = len(group_keys)
+            positions = range(last) if token_group else range(last - 1, last)
+            pages = list(device_pages[group])
+            wanted = [
+                (i, pages[i] if token_group else pages[0])
+                for i in positions
+                if i >= 0 and self._l2_page(group, group_keys[i]) is None
+            ]
+            if not wanted:
+                continue
+            evicted += await self._make_room(group, len(wanted))
+            request[group] = GroupPages(tuple(d for _, d in wanted))
+            new_keys[group] = [group_keys[i] for i, _ in wanted]
+        if not request:
+            return StoreResult(0, 0, evicted)
+        result = await (await self.embedded.scheduler.backup(request)).done()
+        if not result.ok:
+            return StoreResult(0, 0, evicted)
+        to_persist: dict[str, list[PageRecord]] = {}
+        stored = 0
+        for group, outcome in result.groups.items():
+            for key, host_page in zip(new_keys[group], outcome.host_pages, strict=True):
+                record = self.index.insert_l2(group, key, host_page)
+                stored += 1
+                if self.write_policy.on_store(record):
+                    to_persist.setdefault(group, []).append(record)
+        persisted = await self._persist(to_persist)
+        return StoreResult(stored, persisted, evicted)
+
+    def _l2_page(self, group: str, key: bytes) -> int | None:
+        record = self.index.record(group, key)
+        return None if record is None else record.l2_page
+
+    async def _make_room(self, group: str, count: int) -> int:
+        pool = self.embedded.host_tier.pool(group)
+        short = count - pool.allocator.stats().free_pages
+        if short <= 0:
+            return 0
+        victims = self.index.l2_victims(group, short)
+        await self._persist({group: [v for v in victims if self.write_policy.on_evict(v)]})
+        for victim in victims:
+            pool.allocator.free([self.index.drop_l2(group, victim.key)])
+        return len(victims)
+
+    async def _persist(self, records: Mapping[str, Sequence[PageRecord]]) -> int:
+        if self.l3 is None:
+            return 0
+        items, owners = [], []
+        for group, group_records in records.items():
+            pool = self.embedded.host_tier.pool(group)
+            for record in group_records:
+                if record.l2_page is not None and not record.in_l3:
+                    items.append((record.key, _read_page(pool, record.l2_page)))
+                    owners.append((group, record))
+        if not items:
+            return 0
+        stored = await self.l3.put(items)
+        for (group, record), ok in zip(owners, stored, strict=True):
+            if ok:
+                self.index.mark_l3(group, record.key)
+        return sum(stored)
+
+    # ---- load: (L3 ->) L2 -> L1 --------------------------------------------------------------
+
+    async def load(
+        self, token_ids: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+    ) -> tuple[OpHandle | None, Hit]:
+        """Load the usable prefix into the given device pages; returns the handle (None when
+        nothing hits) and the hit actually loaded — shorter than `lookup`'s when L3 pages
+        could not be fetched in time."""
+        hit = self.index.lookup(token_ids)
+        await self._persist_hot(hit)
+        if hit.pages_total > hit.pages_l2:
+            await self._prefetch(hit, len(token_ids))
+            hit = self.index.lookup(token_ids, touch=False)
+        pages, size = hit.pages_l2, hit.page_size_tokens
+        if pages == 0:
+            return None, Hit(size, 0, 0, {})
+        keys = self.index.keys(token_ids)
+        needed: dict[str, tuple[tuple[int, PageRecord], ...]] = {}
+        for group, group_keys in keys.items():
+            rows: list[tuple[int, PageRecord]] = []
+            for i in self.index.rules[group].needed(pages, size):
+                record = self.index.record(group, group_keys[i])
+                assert record is not None
+                assert record.l2_page is not None
+                rows.append((i, record))
+            needed[group] = tuple(rows)
+        request = {}
+        for group, group_rows in needed.items():
+            token_group = self.index.rules[group].kind.is_token_cache
+            dev = device_pages[group]
+            request[group] = GroupPages(
+                tuple(dev[i] if token_group else dev[0] for i, _ in group_rows),
+                tuple(r.l2_page for _, r in group_rows if r.l2_page is not None),
+                num_tokens=len(group_rows) * size,
+            )
+        pinned = {g: [r.key for _, r in rows] for g, rows in needed.items()}
+        for group, group_keys in pinned.items():
+            self.index.pin(group, group_keys)
+        try:
+            handle = await self.embedded.scheduler.load(request)
+        except BaseException:
+            self._unpin(pinned)
+            raise
+        handle.add_done_callback(lambda _result: self._unpin(pinned))
+        return handle, Hit(size, pages, pages, needed)
+
+    async def _persist_hot(self, hit: Hit) -> None:
+        """Selective write-through: persist pages whose hits reached the policy's bar."""
+        hot = {
+            group: [r for _, r in rows if r.l2_page is not None and self.write_policy.on_hit(r)]
+            for group, rows in hit.needed.items()
+        }
+        await self._persist(hot)
+
+    def _unpin(self, pinned: Mapping[str, list[bytes]]) -> None:
+        for group, group_keys in pinned.items():
+            self.index.unpin(group, group_keys)
+
+    async def _prefetch(self, hit: Hit, tokens: int) -> None:
+        """Bring the hit's L3-only pages into L2, within the prefetch policy's wait."""
+        if self.l3 is None:
+            return
+        wait = self.prefetch_policy.wait_s(tokens)
+        if wait == 0.0:
+            return
+        fetch = self._fetch(hit)
+        try:
+            if wait is None:
+                await fetch
+            else:
+                await asyncio.wait_for(fetch, wait)
+        except TimeoutError:
+            return
+
+    async def _fetch(self, hit: Hit) -> None:
+        assert self.l3 is not None
+        for group, rows in hit.needed.items():
+            missing = [record for _, record in rows if record.l2_page is None and record.in_l3]
+            if not missing:
+                continue
+            pool = self.embedded.host_tier.pool(group)
+            await self._make_room(group, len(missing))
+            nbytes = len(missing) * pool.geometry.page_bytes
+            fetched = await self.l3.fetch([r.key for r in missing], nbytes)
+            for record, data in zip(missing, fetched.values, strict=True):
+                if data is None or data.nbytes != pool.geometry.page_bytes:
+                    if fetched.answered:
+                        # L3 answered but has no valid copy: the index's entry is stale
+                        self.index.drop_l3(group, record.key)
+                    continue
+                (page,) = pool.allocator.alloc(1)
+                _write_page(pool, page, data)
+                self.index.insert_l2(group, record.key, page)

@@ -1,0 +1,161 @@
+"""The tiered cache end to end on CPU with a file L3: store, evict from L2, find in L3,
+prefetch and load back byte-exact; a dead L3 shortens the hit instead of raising."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.embedded import EmbeddedCache
+from hicache.memory import GroupGeometry
+from hicache.model import LayerMap, load_layout
+from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.tiered import TieredCache
+from tests.conftest import shared_model
+
+PAGE = 4
+
+
+def build(
+    tmp_path: Path, model: str, host_pages: int, **kwargs
+) -> tuple[TieredCache, FaultyBackend]:  # type: ignore[no-untyped-def]
+    layer_map = LayerMap(load_layout(shared_model(model)))
+    geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
+    per_page = sum(g.page_bytes for g in geoms)
+    embedded = EmbeddedCache.build(
+        layer_map,
+        dtype=torch.float16,
+        page_size_tokens=PAGE,
+        host_capacity_bytes=host_pages * per_page,
+        device_pages={g.name: 16 if g.group.kind.is_token_cache else 4 for g in geoms},
+    )
+    faulty = FaultyBackend(FileBackend(tmp_path / "l3", capacity_bytes=1 << 30))
+    cache = TieredCache.build(embedded, store=GuardedStore(faulty), **kwargs)
+    gen = torch.Generator().manual_seed(0)
+    for pool in embedded.device_pools.values():
+        for layer in pool.tensors:
+            for t in layer.values():
+                t.view(-1).view(torch.uint8).copy_(
+                    torch.randint(0, 256, (t.numel() * 2,), dtype=torch.uint8, generator=gen)
+                )
+    return cache, faulty
+
+
+def snapshot(
+    cache: TieredCache, pages: dict[str, list[int]]
+) -> dict[tuple[str, int, int, int], torch.Tensor]:
+    out = {}
+    for group, page_ids in pages.items():
+        pool = cache.embedded.device_pools[group]
+        for local in range(pool.geometry.num_layers):
+            for t, rows in enumerate(pool.layer_rows(local)):
+                for i, page in enumerate(page_ids):
+                    out[(group, local, t, i)] = rows[page].clone()
+    return out
+
+
+def wipe(cache: TieredCache) -> None:
+    for pool in cache.embedded.device_pools.values():
+        for layer in pool.tensors:
+            for t in layer.values():
+                t.zero_()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("model", ["qwen3_next_80b.json", "gpt_oss_20b.json"])
+async def test_store_evict_prefetch_load_byte_exact(tmp_path: Path, model: str) -> None:
+    cache, _ = build(tmp_path, model, host_pages=6, prefetch_policy="wait_complete")
+    try:
+        async with cache.embedded.scheduler.running():
+            tokens = list(range(5 * PAGE))  # 5 full pages
+            src = {
+                g: [3, 1, 4, 0, 2] if cache.index.rules[g].kind.is_token_cache else [1]
+                for g in cache.index.rules
+            }
+            want = snapshot(cache, src)
+            stored = await cache.store(tokens, src)
+            assert stored.pages_persisted == stored.pages_stored > 0  # write-through
+            assert cache.lookup(tokens).tokens_l2 == 5 * PAGE
+            # another prompt fills L2: the first one's pages are evicted to make room
+            other = list(range(1000, 1000 + 5 * PAGE))
+            await cache.store(
+                other,
+                {
+                    g: [5, 6, 7, 8, 9] if cache.index.rules[g].kind.is_token_cache else [2]
+                    for g in cache.index.rules
+                },
+            )
+            hit = cache.lookup(tokens)
+            assert hit.pages_total == 5
+            assert hit.pages_l2 < 5  # partly or wholly only in L3 now
+            wipe(cache)
+            dst = {
+                g: [10, 11, 12, 13, 14] if cache.index.rules[g].kind.is_token_cache else [3]
+                for g in cache.index.rules
+            }
+            handle, loaded = await cache.load(tokens, dst)
+            assert handle is not None
+            assert loaded.pages_total == 5
+            result = await handle.done()
+            assert result.ok, result.error
+            got = snapshot(cache, dst)
+            compared = 0
+            for (group, local, t, i), value in got.items():
+                token_group = cache.index.rules[group].kind.is_token_cache
+                positions = [pos for pos, _ in loaded.needed[group]]
+                # a state group's one slot holds the snapshot at the hit's boundary
+                if (i in positions) if token_group else bool(positions):
+                    assert torch.equal(value, want[(group, local, t, i)]), (group, local, t, i)
+                    compared += 1
+            groups_compared = {g for (g, _, _, _) in got if cache.index.rules[g]}
+            assert compared > 0
+            assert groups_compared == set(cache.index.rules)
+            for group, rows in loaded.needed.items():
+                assert rows, f"group {group} moved nothing"
+            await asyncio.sleep(0)
+            for group in cache.index.rules:  # load pins released when it finished
+                assert all(r.pins == 0 for _, r in loaded.needed[group])
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_dead_l3_shortens_the_hit_without_raising(tmp_path: Path) -> None:
+    cache, faulty = build(tmp_path, "qwen2_7b.json", host_pages=4, prefetch_policy="wait_complete")
+    try:
+        async with cache.embedded.scheduler.running():
+            first = list(range(3 * PAGE))
+            await cache.store(first, {"full": [0, 1, 2]})
+            await cache.store(list(range(500, 500 + 3 * PAGE)), {"full": [3, 4, 5]})  # evicts
+            assert cache.lookup(first).pages_total == 3
+            faulty.down = True
+            # L2 kept only the first prompt's page 2 (LRU evicted 0 and 1): no usable L2 prefix,
+            # and L3 is down, so the hit shrinks to nothing instead of raising
+            handle, loaded = await cache.load(first, {"full": [6, 7, 8]})
+            assert handle is None
+            assert loaded.pages_total == 0
+            assert cache.l3 is not None
+            assert cache.l3.stats.failures  # the failure was counted, not raised
+            faulty.down = False
+            cache.l3.breaker.success()  # back up (the breaker's timing is tested elsewhere)
+            handle, loaded = await cache.load(first, {"full": [6, 7, 8]})
+            assert loaded.pages_total == 3
+            assert handle is not None
+            assert (await handle.done()).ok
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_tenants_never_share_pages(tmp_path: Path) -> None:
+    a, _ = build(tmp_path / "a", "qwen2_7b.json", host_pages=4, tenant_salt="tenant-a")
+    b, _ = build(tmp_path / "b", "qwen2_7b.json", host_pages=4, tenant_salt="tenant-b")
+    try:
+        tokens = list(range(2 * PAGE))
+        assert a.index.keys(tokens)["full"] != b.index.keys(tokens)["full"]
+    finally:
+        a.embedded.close()
+        b.embedded.close()
