@@ -5,7 +5,8 @@ Lifecycle of a prefix:
     hit = cache.lookup(tokens)                              # usable tokens per tier, hybrid-aware
     await cache.store(tokens, device_pages)                 # backup new pages to L2, index them,
                                                             # persist per the write policy
-    handle, hit = await cache.load(tokens, device_pages)    # prefetch L3 -> L2 per the prefetch
+    handle, hit = await cache.load(tokens, device_pages)    # discover L3 pages the index lacks,
+                                                            # prefetch L3 -> L2 per the prefetch
                                                             # policy, then load L2 -> L1 layer by
                                                             # layer; a shorter hit if L3 fails
 Pages are evicted from L2 when the host pool is full (write-back persists them first); an
@@ -114,6 +115,25 @@ class TieredCache:
     def lookup(self, token_ids: Sequence[int]) -> Hit:
         return self.index.lookup(token_ids)
 
+    async def discover(self, token_ids: Sequence[int]) -> int:
+        """Ask L3 which of the prompt's pages it holds that the index does not know of (after
+        a restart, or pages another process persisted), and record them. Returns how many."""
+        if self.l3 is None:
+            return 0
+        unknown: list[tuple[str, bytes]] = [
+            (group, key)
+            for group, group_keys in self.index.keys(token_ids).items()
+            for key in group_keys
+            if self.index.record(group, key) is None
+        ]
+        if not unknown:
+            return 0
+        present = await self.l3.exists([key for _, key in unknown])
+        for (group, key), here in zip(unknown, present, strict=True):
+            if here:
+                self.index.mark_l3(group, key)
+        return sum(present)
+
     # ---- store: L1 -> L2 (-> L3) -------------------------------------------------------------
 
     async def store(
@@ -195,6 +215,7 @@ class TieredCache:
         """Load the usable prefix into the given device pages; returns the handle (None when
         nothing hits) and the hit actually loaded — shorter than `lookup`'s when L3 pages
         could not be fetched in time."""
+        await self.discover(token_ids)
         hit = self.index.lookup(token_ids)
         await self._persist_hot(hit)
         if hit.pages_total > hit.pages_l2:

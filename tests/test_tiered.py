@@ -159,3 +159,30 @@ async def test_tenants_never_share_pages(tmp_path: Path) -> None:
     finally:
         a.embedded.close()
         b.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_pages_persisted_before_a_restart_are_found_and_loaded(tmp_path: Path) -> None:
+    tokens = list(range(4 * PAGE))
+    first, _ = build(tmp_path, "qwen2_7b.json", host_pages=6)
+    try:
+        async with first.embedded.scheduler.running():
+            want = snapshot(first, {"full": [0, 1, 2, 3]})
+            stored = await first.store(tokens, {"full": [0, 1, 2, 3]})
+            assert stored.pages_persisted == 4
+    finally:
+        first.embedded.close()
+    # a new process over the same L3 directory: empty index, empty host tier
+    second, _ = build(tmp_path, "qwen2_7b.json", host_pages=6, prefetch_policy="wait_complete")
+    try:
+        assert second.lookup(tokens).pages_total == 0  # the index alone knows nothing
+        async with second.embedded.scheduler.running():
+            wipe(second)
+            handle, loaded = await second.load(tokens, {"full": [8, 9, 10, 11]})
+            assert loaded.pages_total == 4
+            assert handle is not None
+            assert (await handle.done()).ok
+            got = snapshot(second, {"full": [8, 9, 10, 11]})
+            assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        second.embedded.close()
