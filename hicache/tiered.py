@@ -214,16 +214,22 @@ class TieredCache:
     ) -> tuple[OpHandle | None, Hit]:
         """Load the usable prefix into the given device pages; returns the handle (None when
         nothing hits) and the hit actually loaded — shorter than `lookup`'s when L3 pages
-        could not be fetched in time."""
+        could not be fetched in time, with those pages' positions in `hit.failed`."""
         await self.discover(token_ids)
         hit = self.index.lookup(token_ids)
         await self._persist_hot(hit)
+        failed: dict[str, tuple[int, ...]] = {}
         if hit.pages_total > hit.pages_l2:
             await self._prefetch(hit, len(token_ids))
+            failed = {
+                group: lost
+                for group, rows in hit.needed.items()
+                if (lost := tuple(i for i, r in rows if r.l2_page is None))
+            }
             hit = self.index.lookup(token_ids, touch=False)
         pages, size = hit.pages_l2, hit.page_size_tokens
         if pages == 0:
-            return None, Hit(size, 0, 0, {})
+            return None, Hit(size, 0, 0, {}, failed)
         keys = self.index.keys(token_ids)
         needed: dict[str, tuple[tuple[int, PageRecord], ...]] = {}
         for group, group_keys in keys.items():
@@ -252,7 +258,7 @@ class TieredCache:
             self._unpin(pinned)
             raise
         handle.add_done_callback(lambda _result: self._unpin(pinned))
-        return handle, Hit(size, pages, pages, needed)
+        return handle, Hit(size, pages, pages, needed, failed)
 
     async def _persist_hot(self, hit: Hit) -> None:
         """Selective write-through: persist pages whose hits reached the policy's bar."""

@@ -137,12 +137,14 @@ async def test_dead_l3_shortens_the_hit_without_raising(tmp_path: Path) -> None:
             handle, loaded = await cache.load(first, {"full": [6, 7, 8]})
             assert handle is None
             assert loaded.pages_total == 0
+            assert loaded.failed == {"full": (0, 1)}  # the pages L3 should have supplied
             assert cache.l3 is not None
             assert cache.l3.stats.failures  # the failure was counted, not raised
             faulty.down = False
             cache.l3.breaker.success()  # back up (the breaker's timing is tested elsewhere)
             handle, loaded = await cache.load(first, {"full": [6, 7, 8]})
             assert loaded.pages_total == 3
+            assert loaded.failed == {}
             assert handle is not None
             assert (await handle.done()).ok
     finally:

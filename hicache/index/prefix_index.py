@@ -73,6 +73,8 @@ class Hit:
     pages_l2: int
     pages_total: int
     needed: Mapping[str, tuple[tuple[int, PageRecord], ...]] = field(default_factory=dict)
+    # for a load: page positions the L2+L3 hit needed that could not be brought to L2
+    failed: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def tokens_l2(self) -> int:
