@@ -61,9 +61,12 @@ async def _round_trip(cache: EmbeddedCache) -> DemoSummary:
         if not geom.group.kind.is_token_cache:
             src[name] = src[name][:1]  # a state group keeps one snapshot
     _fill_from_tokens(cache, src, seed=1)
+    # expected bytes per (group, tensor-row view, position in the prefix)
     want = {
-        name: [rows[p].clone() for rows in _all_rows(cache, name) for p in pages]
+        (name, r, i): rows[page].clone()
         for name, pages in src.items()
+        for r, rows in enumerate(_all_rows(cache, name))
+        for i, page in enumerate(pages)
     }
     async with cache.scheduler.running() as sched:
         stored = await (
@@ -75,8 +78,10 @@ async def _round_trip(cache: EmbeddedCache) -> DemoSummary:
             for layer in pool.tensors:
                 for t in layer.values():
                     t.zero_()
-        free = [p for p in range(device_pages) if p not in set(src[next(iter(src))])]
-        dst = {name: free[: len(pages)] for name, pages in src.items()}
+        dst = {  # other device pages than the prefix came from
+            name: [p for p in range(device_pages) if p not in pages][: len(pages)]
+            for name, pages in src.items()
+        }
         request = {
             name: GroupPages(tuple(dst[name]), stored.groups[name].host_pages) for name in src
         }
@@ -89,17 +94,14 @@ async def _round_trip(cache: EmbeddedCache) -> DemoSummary:
         elapsed = time.perf_counter() - started
         stats = sched.stats()
     verified = mismatches = 0
-    for name in src:
+    for name, pages in dst.items():
         moved = set(loaded.groups[name].moved_device_pages)
-        rows_now = _all_rows(cache, name)
-        k = 0
-        for rows in rows_now:
-            for i, page in enumerate(dst[name]):
-                expected = want[name][k + i]
+        for r, rows in enumerate(_all_rows(cache, name)):
+            for i, page in enumerate(pages):
                 if page in moved:
+                    expected = want[(name, r, i)]
                     verified += expected.numel()
                     mismatches += int(not torch.equal(rows[page], expected))
-            k += len(dst[name])
     return DemoSummary(
         prefix_tokens=n * page_size,
         bytes_backed_up=stored.bytes_moved,

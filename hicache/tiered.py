@@ -47,7 +47,7 @@ class StoreResult:
 
 
 def _read_page(pool: HostPool, page: int) -> bytes:
-    return b"".join(bytes(chunk.numpy()) for chunk in pool.page_chunks(page))
+    return b"".join(chunk.numpy().data for chunk in pool.page_chunks(page))  # one copy
 
 
 def _write_page(pool: HostPool, page: int, data: memoryview) -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import SecretStr, ValidationError
+from pydantic import ValidationError
 
 from hicache.config.errors import format_validation_error
 from hicache.config.schema import Deployment
@@ -137,7 +137,3 @@ def load_deployment(path: Path, env: Mapping[str, str] | None = None) -> LoadedC
         raise ConfigError(format_validation_error(exc, str(path), env_vars, Deployment)) from None
     # a leaf under a section given in the file counts as the file's even if written as {}
     return LoadedConfig(deployment, path, sources, env_vars)
-
-
-def redact(value: Any) -> Any:
-    return "**********" if isinstance(value, SecretStr) else value

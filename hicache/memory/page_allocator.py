@@ -124,9 +124,6 @@ class PageAllocator:
             else:
                 del self._pins[page]
 
-    def is_pinned(self, page: int) -> bool:
-        return bool(self._pins.get(page))
-
     def is_allocated(self, page: int) -> bool:
         return page in self._used
 

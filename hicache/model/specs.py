@@ -132,12 +132,6 @@ class LayerSpec:
     def kinds(self) -> tuple[CacheKind, ...]:
         return tuple(sorted((c.kind for c in self.caches), key=lambda k: k.value))
 
-    def cache_of(self, kind: CacheKind) -> CacheSpec | None:
-        for cache in self.caches:
-            if cache.kind is kind:
-                return cache
-        return None
-
     def describe(self) -> str:
         if self.reuses is not None:
             return f"a KV-sharing layer that reads layer {self.reuses}'s cache"

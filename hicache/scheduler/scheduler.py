@@ -254,7 +254,6 @@ class Scheduler:
             for op in batch.ops:
                 self._finish(op, OpState.CANCELLED, error="scheduler shut down")
             return
-        assert self._tg is not None
         for op in batch.ops:
             op.deadline_timer = self.clock.call_later(
                 op.deadline - self.clock.now(), functools.partial(self._deadline_passed, op)

@@ -18,10 +18,6 @@ class DirectionStats:
     bytes: int = 0
     seconds: float = 0.0
 
-    @property
-    def gbps(self) -> float:
-        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class SchedulerStats:

@@ -38,9 +38,10 @@ def encode_into(out: memoryview, key: bytes, payload: bytes | bytearray | memory
 
 
 def encode(key: bytes, payload: bytes | bytearray | memoryview) -> bytes:
-    body = memoryview(payload).cast("B")
-    header = _HEADER.pack(MAGIC, VERSION, len(key), body.nbytes, xxhash.xxh3_64_intdigest(body))
-    return b"".join((header, key, body))
+    """One object as new bytes (the store encodes into its arena with `encode_into`)."""
+    out = bytearray(encoded_size(key, memoryview(payload).nbytes))
+    encode_into(memoryview(out), key, payload)
+    return bytes(out)
 
 
 def decode(key: bytes, data: bytes | bytearray | memoryview) -> memoryview:

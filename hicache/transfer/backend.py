@@ -51,10 +51,6 @@ class RowCopy:
     def row_pairs(self, direction: Direction, local_id: int) -> Iterable[RowPair]:
         return ((self.src, self.src_rows, self.dst, self.dst_rows),)
 
-    @property
-    def nbytes(self) -> int:
-        return self.src_rows.count * self.src.shape[1]
-
 
 WalkDone = Callable[[dict[int, BaseException]], None]  # layer position -> its error
 

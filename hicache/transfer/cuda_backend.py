@@ -39,10 +39,6 @@ from hicache.transfer.rows import Rows
 _Pending = tuple["torch.cuda.Event | None", dict[int, BaseException], WalkDone]
 
 
-def cuda_available() -> bool:
-    return torch.cuda.is_available()
-
-
 class CudaWalkSignals(WalkSignals):
     """One event per layer that copied something (None for a layer with nothing to copy)."""
 

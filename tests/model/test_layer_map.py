@@ -202,3 +202,42 @@ def test_stages_partition_every_group(case: tuple[ModelLayout, int, int], cuts: 
             stage = LayerMap(layout, lo, hi)
             joined.extend(i for g in stage.groups if g.spec == group.spec for i in g.layer_ids)
         assert tuple(joined) == group.layer_ids
+
+
+@pytest.mark.parametrize(
+    ("model", "layer_id", "true_guards"),
+    [
+        ("gemma3_27b.json", 0, {"is_sliding_window_layer"}),
+        ("gemma3_27b.json", 5, {"is_full_attention_layer"}),
+        ("llama4_scout.json", 0, {"is_chunked_attention_layer"}),
+        ("qwen3_next_80b.json", 0, {"is_linear_attention_layer"}),
+        ("lfm2_350m.json", 0, {"is_conv_layer"}),
+        ("jamba_v01.json", 0, {"is_mamba_layer"}),
+        ("falcon_h1_7b.json", 3, {"is_full_attention_layer", "is_mamba_layer"}),
+        ("kimi_linear_48b.json", 3, {"is_full_attention_layer", "is_mla_layer"}),
+        (
+            "deepseek_v32_exp.json",
+            9,
+            {"is_sparse_attention_layer", "is_mla_layer", "is_index_k_layer"},
+        ),
+        ("gemma3n_e4b.json", 24, {"is_kv_shared_layer"}),
+        ("nemotron_h_8b.json", 1, set()),
+    ],
+)
+def test_every_guard_on_real_layouts(model: str, layer_id: int, true_guards: set[str]) -> None:
+    layer_map = LayerMap(load_layout(shared_model(model)))
+    guards = [
+        "is_full_attention_layer",
+        "is_sliding_window_layer",
+        "is_chunked_attention_layer",
+        "is_sparse_attention_layer",
+        "is_linear_attention_layer",
+        "is_mamba_layer",
+        "is_conv_layer",
+        "is_index_k_layer",
+        "is_index_kv_layer",
+        "is_mla_layer",
+        "is_kv_shared_layer",
+    ]
+    assert {g for g in guards if getattr(layer_map, g)(layer_id)} == true_guards
+    assert layer_map.has_cache(layer_id) == bool(true_guards - {"is_kv_shared_layer"})
