@@ -39,26 +39,6 @@ def _models_in(annotation: Any) -> list[type[BaseModel]]:
     return out
 
 
-def allowed_keys(root: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
-    """The keys allowed at `loc` (the parent of an unknown key), walking the schema."""
-    current = [root]
-    for part in loc:
-        if isinstance(part, int):
-            continue
-        nxt: list[type[BaseModel]] = []
-        for model in current:
-            field = model.model_fields.get(part)
-            if field is not None:
-                nxt.extend(_models_in(field.annotation))
-        if not nxt:
-            return []
-        current = nxt
-    keys: set[str] = set()
-    for model in current:
-        keys.update(model.model_fields)
-    return sorted(keys)
-
-
 def format_validation_error(
     exc: ValidationError,
     source: str,
@@ -70,14 +50,18 @@ def format_validation_error(
     lines = []
     for err in exc.errors():
         loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and p.startswith("function-")))
-        # discriminated unions put the tag name ("file") in the path; drop it
+        raw = loc
         if root is not None:
-            loc = tuple(p for p in loc if not (isinstance(p, str) and p in _TAGS))
+            loc, _ = _resolve(root, raw)
         key = _dotted(loc) or "(top level)"
         origin = f", from environment variable {env_vars[key]}" if key in env_vars else ""
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            allowed = allowed_keys(root, loc[:-1]) if root is not None else []
+            allowed = (
+                sorted({k for m in _resolve(root, raw[:-1])[1] for k in m.model_fields})
+                if root is not None
+                else []
+            )
             message = "unknown key" + (
                 f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
             )
@@ -89,9 +73,33 @@ def format_validation_error(
     return "\n".join(lines)
 
 
-_TAGS: set[str] = set()
+def _resolve(
+    root: type[BaseModel], loc: tuple[int | str, ...]
+) -> tuple[tuple[int | str, ...], list[type[BaseModel]]]:
+    """Walk an error path through the schema: the path without the discriminator tags that
+    pydantic inserts (`storage.redis.url` -> `storage.url`), and the models the path ends
+    in (only the tagged member of a discriminated union)."""
+    out: list[int | str] = []
+    current: list[type[BaseModel]] = [root]
+    for part in loc:
+        if isinstance(part, int):
+            out.append(part)
+            continue
+        fields = [m.model_fields[part] for m in current if part in m.model_fields]
+        if fields:
+            out.append(part)
+            current = [m for f in fields for m in _models_in(f.annotation)]
+            continue
+        tagged = [m for m in current if _tag_of(m) == part]
+        if tagged and len(current) > 1:
+            current = tagged  # the tag picked the union member: not a key the user wrote
+            continue
+        out.append(part)
+        current = []
+    return tuple(out), current
 
 
-def register_tags(*tags: str) -> None:
-    """Discriminator values that pydantic inserts into error paths (e.g. storage 'file')."""
-    _TAGS.update(tags)
+def _tag_of(model: type[BaseModel]) -> str | None:
+    field = model.model_fields.get("kind")
+    args = typing.get_args(field.annotation) if field is not None else ()
+    return args[0] if len(args) == 1 and isinstance(args[0], str) else None

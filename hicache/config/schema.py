@@ -20,7 +20,6 @@ from pydantic import (
     model_validator,
 )
 
-from hicache.config.errors import register_tags
 from hicache.config.sizes import format_bytes, parse_bytes
 from hicache.model.explicit import LayerEntry
 
@@ -112,7 +111,6 @@ class NoStorage(Section):
     kind: Literal["none"]
 
 
-register_tags("file", "redis", "mooncake", "none")
 StorageSection = Annotated[
     FileStorage | RedisStorage | MooncakeStorage | NoStorage, Field(discriminator="kind")
 ]

@@ -120,6 +120,17 @@ def test_secret_token_is_redacted(tmp_path: Path) -> None:
             r"{f}: storage: Input tag 'tape' found using 'kind' does not match any of the expected "
             r"tags: 'file', 'redis', 'mooncake', 'none'",
         ),
+        (
+            BASE + "storage:\n  kind: file\n  capacity_bytes: lots\n",
+            {},
+            r"{f}: storage\.capacity_bytes: 'lots' is not a size; allowed: ",
+        ),
+        (
+            BASE + "storage:\n  kind: redis\n  uri: redis://x\n",
+            {},
+            r"{f}: storage\.uri: unknown key; allowed keys here: key_prefix, kind, "
+            r"max_connections, socket_timeout_s, url$",
+        ),
         ("device:\n  kind: cpu\n", {}, r"{f}: model: Field required"),
         (
             "model:\n  config_path: model.json\n  layers: []\n",
