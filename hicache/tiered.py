@@ -37,6 +37,7 @@ from hicache.index import (
 from hicache.memory import HostPool
 from hicache.scheduler import GroupPages, OpHandle
 from hicache.storage import GuardedStore
+from hicache.transfer import LayerListener
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,7 @@ class TieredCache:
         self.l3 = store
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
+        self._background: set[asyncio.Task[None]] = set()  # best-effort prefetches
 
     @classmethod
     def build(
@@ -84,6 +86,8 @@ class TieredCache:
         prefetch_policy: str = "best_effort",
         eviction: str = "lru",
         tenant_salt: str = "",
+        tp_rank: int = 0,
+        key_algorithm: str = "xxh3_128",
     ) -> TieredCache:
         geometries = embedded.geometries
         page = next(iter(geometries.values())).page_size_tokens
@@ -95,10 +99,11 @@ class TieredCache:
                 kv_layout=repr(geom.group.spec),
                 page_size_tokens=page,
                 group=name,
+                tp_rank=tp_rank,
                 pp_rank=embedded.layer_map.start_layer,
                 tenant_salt=tenant_salt,
             )
-            keyers[name] = PageKeyer(namespace)
+            keyers[name] = PageKeyer(namespace, key_algorithm)
             rules[name] = GroupRule.of(geom.group)
             capacity[name] = embedded.host_tier.pool(name).num_pages
         index = PrefixIndex(keyers, rules, capacity, page, eviction)
@@ -210,7 +215,11 @@ class TieredCache:
     # ---- load: (L3 ->) L2 -> L1 --------------------------------------------------------------
 
     async def load(
-        self, token_ids: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+        self,
+        token_ids: Sequence[int],
+        device_pages: Mapping[str, Sequence[int]],
+        *,
+        on_layer: LayerListener | None = None,
     ) -> tuple[OpHandle | None, Hit]:
         """Load the usable prefix into the given device pages; returns the handle (None when
         nothing hits) and the hit actually loaded — shorter than `lookup`'s when L3 pages
@@ -253,7 +262,7 @@ class TieredCache:
         for group, group_keys in pinned.items():
             self.index.pin(group, group_keys)
         try:
-            handle = await self.embedded.scheduler.load(request)
+            handle = await self.embedded.scheduler.load(request, on_layer=on_layer)
         except BaseException:
             self._unpin(pinned)
             raise
@@ -272,21 +281,72 @@ class TieredCache:
         for group, group_keys in pinned.items():
             self.index.unpin(group, group_keys)
 
+    async def prefetch(self, token_ids: Sequence[int]) -> int:
+        """Bring the prompt's L3-only pages into L2 ahead of its load (the engine's hint when a
+        request is queued); returns how many pages L2 gained."""
+        await self.discover(token_ids)
+        hit = self.index.lookup(token_ids, touch=False)
+        if hit.pages_total == hit.pages_l2 or self.l3 is None:
+            return 0
+        before = self.index.lookup(token_ids, touch=False).pages_l2
+        await self._fetch(hit)
+        return self.index.lookup(token_ids, touch=False).pages_l2 - before
+
     async def _prefetch(self, hit: Hit, tokens: int) -> None:
-        """Bring the hit's L3-only pages into L2, within the prefetch policy's wait."""
+        """Bring the hit's L3-only pages into L2, within the prefetch policy's wait; the
+        fetch goes on in the background past the wait (best effort: without waiting), so the
+        next request for the prefix finds it in L2."""
         if self.l3 is None:
             return
         wait = self.prefetch_policy.wait_s(tokens)
+        task = asyncio.ensure_future(self._fetch(hit))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
         if wait == 0.0:
             return
-        fetch = self._fetch(hit)
         try:
-            if wait is None:
-                await fetch
-            else:
-                await asyncio.wait_for(fetch, wait)
+            await asyncio.wait_for(asyncio.shield(task), wait)
         except TimeoutError:
             return
+
+    async def flush(self) -> int:
+        """Persist every L2 page L3 lacks (what write-back owes at shutdown); returns how many
+        were written."""
+        owed = {
+            group: [r for r in self.index.l2_records(group) if not r.in_l3]
+            for group in self.index.rules
+        }
+        return await self._persist(owed)
+
+    def clear_l2(self) -> int:
+        """Drop every unpinned L2 page (the admin API); L3 copies stay findable."""
+        dropped = 0
+        for group in self.index.rules:
+            pool = self.embedded.host_tier.pool(group)
+            for record in self.index.l2_records(group):
+                if record.pins == 0:
+                    pool.allocator.free([self.index.drop_l2(group, record.key)])
+                    dropped += 1
+        return dropped
+
+    async def clear_l3(self) -> int:
+        """Delete every L3 page the index knows of (the admin API); returns how many."""
+        if self.l3 is None:
+            return 0
+        known = [
+            (group, record.key)
+            for group in self.index.rules
+            for record in list(self.index.l3_records(group))
+        ]
+        await self.l3.delete([key for _, key in known])
+        for group, key in known:
+            self.index.drop_l3(group, key)
+        return len(known)
+
+    async def drain(self) -> None:
+        """Wait for background prefetches (shutdown)."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
 
     async def _fetch(self, hit: Hit) -> None:
         assert self.l3 is not None
@@ -304,6 +364,11 @@ class TieredCache:
                         # L3 answered but has no valid copy: the index's entry is stale
                         self.index.drop_l3(group, record.key)
                     continue
+                current = self.index.record(group, record.key)
+                if current is None or current.l2_page is not None:
+                    continue  # dropped meanwhile, or another fetch brought it
+                if pool.allocator.stats().free_pages == 0:
+                    continue  # a concurrent fetch took the room; the page stays in L3
                 (page,) = pool.allocator.alloc(1)
                 _write_page(pool, page, data)
                 self.index.insert_l2(group, record.key, page)

@@ -34,6 +34,9 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     config_sub.add_parser("schema", help="the deployment JSON Schema")
 
+    serve = sub.add_parser("serve", help="run the sidecar until SIGTERM/SIGINT")
+    serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+
     demo = sub.add_parser("demo", help="the main job on the embedded defaults")
     demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     return parser
@@ -46,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_layout(args)
         if args.command == "config":
             return cmd_config(args)
+        if args.command == "serve":
+            return cmd_serve(args)
         return cmd_demo(args)
     except HicacheError as exc:
         print(f"hicache: error: {exc}", file=sys.stderr)
@@ -114,6 +119,14 @@ def format_effective(rows: Sequence[tuple[str, object, str]]) -> str:
         shown = json.dumps(value) if not isinstance(value, str) else value
         lines.append(f"{key:<{width}}  {shown:<40}  # {source}")
     return "\n".join(lines)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from hicache.config import load_deployment
+    from hicache.scheduler import run
+    from hicache.service.app import serve
+
+    return run(serve(load_deployment(args.config)))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

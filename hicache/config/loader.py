@@ -103,15 +103,21 @@ def _set(data: dict[str, Any], dotted: str, value: Any, var: str) -> None:
 
 
 def _resolve_paths(data: dict[str, Any], base: Path) -> None:
-    for section, key in (("model", "config_path"), ("storage", "path"), ("service", "socket_path")):
+    for section, key in (
+        ("model", "config_path"),
+        ("storage", "path"),
+        ("service", "socket_path"),
+        ("service", "shm_dir"),
+    ):
         node = data.get(section)
         if isinstance(node, dict) and isinstance(node.get(key), str):
             path = Path(node[key]).expanduser()
             node[key] = os.path.normpath(path if path.is_absolute() else base / path)
 
 
-def load_deployment(path: Path, env: Mapping[str, str] | None = None) -> LoadedConfig:
+def load_deployment(path: Path | str, env: Mapping[str, str] | None = None) -> LoadedConfig:
     env = os.environ if env is None else env
+    path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:

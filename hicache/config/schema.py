@@ -128,14 +128,63 @@ class SchedulerSection(Section):
     counter_ring_size: int = Field(default=3, ge=1, le=64, description="loads in flight at once")
 
 
+class CacheSection(Section):
+    """How the index keys pages and moves them between tiers."""
+
+    write_policy: Literal["write_through", "write_through_selective", "write_back"] = Field(
+        default="write_through",
+        description="when L2 pages go to L3: on store, once hit often enough, or on eviction",
+    )
+    prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
+        default="timeout",
+        description="how long a load waits for L3 -> L2: not at all (fetch in the background), "
+        "until complete, or a deadline growing with the tokens asked for",
+    )
+    eviction: Literal["lru", "s3fifo"] = "lru"
+    key_algorithm: Literal["xxh3_128", "blake2b", "sha256"] = "xxh3_128"
+    tenant_salt: str = Field(default="", description="mixed into every page key")
+
+
 class ServiceSection(Section):
-    socket_path: Path = Path(".hicache/engine.sock")
+    """The sidecar: engine channel (Unix socket, or TCP), HTTP control API, sessions."""
+
+    socket_path: Path = Field(
+        default=Path(".hicache/engine.sock"), description="engine channel; created mode 0600"
+    )
+    tcp_host: str = Field(default="127.0.0.1", description="engine channel over TCP, if tcp_port")
+    tcp_port: int | None = Field(default=None, ge=0, le=65535)
     http_host: str = "127.0.0.1"
-    http_port: int = Field(default=9400, ge=0, le=65535)
+    http_port: int | None = Field(default=9400, ge=0, le=65535, description="null: no HTTP API")
     token: SecretStr | None = Field(
-        default=None, description="required when exposed beyond loopback"
+        default=None,
+        description="shared secret: required from engines and for admin endpoints; mandatory "
+        "when a listener binds beyond loopback",
     )
     heartbeat_timeout_s: float = Field(default=30.0, gt=0)
+    max_frame_bytes: ByteSize = Field(default=parse_bytes("16MiB"), ge=1024)
+    max_sessions: int = Field(default=64, ge=1)
+    load_slots: int = Field(default=64, ge=1, le=4096, description="unreleased loads per engine")
+    shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared pools may live")
+    drain_timeout_s: float = Field(default=10.0, gt=0)
+    log_format: Literal["text", "json"] = "text"
+
+    @model_validator(mode="after")
+    def _token_when_exposed(self) -> ServiceSection:
+        loopback = {"127.0.0.1", "localhost", "::1"}
+        exposed = [
+            f"{name}={host}"
+            for name, host, port in (
+                ("tcp_host", self.tcp_host, self.tcp_port),
+                ("http_host", self.http_host, self.http_port),
+            )
+            if port is not None and host not in loopback
+        ]
+        if exposed and self.token is None:
+            raise ValueError(
+                f"{', '.join(exposed)} binds beyond loopback; set service.token (or "
+                "HICACHE_SERVICE__TOKEN) so engines and admins must present it"
+            )
+        return self
 
 
 class Deployment(Section):
@@ -144,4 +193,5 @@ class Deployment(Section):
     host: HostSection = HostSection()
     storage: StorageSection = FileStorage()
     scheduler: SchedulerSection = SchedulerSection()
+    cache: CacheSection = CacheSection()
     service: ServiceSection = ServiceSection()

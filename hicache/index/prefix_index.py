@@ -229,6 +229,19 @@ class PrefixIndex:
     def l2_pages(self, group: str) -> int:
         return self._l2_count[group]
 
+    def l2_records(self, group: str) -> list[PageRecord]:
+        """Every page with an L2 copy (flush on shutdown, clear by the admin API)."""
+        return [r for r in self._records[group].values() if r.l2_page is not None]
+
+    def pinned_pages(self, group: str) -> int:
+        return sum(1 for r in self._records[group].values() if r.pins)
+
+    def l3_records(self, group: str) -> list[PageRecord]:
+        return [r for r in self._records[group].values() if r.in_l3]
+
+    def l3_pages(self, group: str) -> int:
+        return sum(1 for r in self._records[group].values() if r.in_l3)
+
     def _require(self, group: str, key: PageKey) -> PageRecord:
         record = self._records[group].get(key)
         if record is None:

@@ -64,7 +64,12 @@ def reserve(
         if not selection.positions:
             continue
         host = host_tier.pool(name)
-        device = device_pools[name]
+        device = device_pools.get(name)
+        if device is None:
+            raise OpRequestError(
+                f"group {name!r}: no device pool is attached (the engine detached); "
+                "register pools before loading or storing"
+            )
         dev = [pages.device_pages[i] for i in selection.positions]
         if op.kind is OpKind.LOAD:
             hosts = [pages.host_pages[i] for i in selection.positions]

@@ -21,6 +21,7 @@ from hicache.transfer import (
     Fence,
     GroupMove,
     LayerDoneCounter,
+    LayerListener,
     LoadCounter,
 )
 
@@ -55,6 +56,7 @@ class WalkBatch:
     token: CancelToken = field(default_factory=CancelToken)
     counter: LoadCounter | None = None
     nbytes: int = 0
+    on_layer: LayerListener | None = None  # hears `upto` as the walk's layers land
 
 
 @dataclass(frozen=True, slots=True)

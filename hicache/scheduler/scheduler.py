@@ -42,7 +42,7 @@ from hicache.scheduler.records import (
 )
 from hicache.scheduler.stats import SchedulerStats, StatsRecorder
 from hicache.transfer import NOOP_COUNTER, CopyBackend, CounterRing, Direction, Fence
-from hicache.transfer.backend import LayerPart
+from hicache.transfer.backend import LayerListener, LayerPart
 
 
 class SchedulerClosedError(HicacheError, RuntimeError):
@@ -102,6 +102,7 @@ class Scheduler:
             tuple((s.group.name, s.local_id) for s in layer_map.slots(layer_id))
             for layer_id in layer_map.stage_layer_ids
         ]
+        self._geometries = {name: pool.geometry for name, pool in self.device_pools.items()}
         missing = {g.name for g in layer_map.groups} - set(self.device_pools)
         if missing or set(self.device_pools) - set(host_tier.pools):
             raise OpRequestError(
@@ -145,17 +146,27 @@ class Scheduler:
     # ---- submission -----------------------------------------------------------------------
 
     async def load(
-        self, groups: Mapping[str, GroupPages], *, deadline_s: float | None = None
+        self,
+        groups: Mapping[str, GroupPages],
+        *,
+        deadline_s: float | None = None,
+        on_layer: LayerListener | None = None,
     ) -> OpHandle:
-        return (await self.load_step([groups], deadline_s=deadline_s))[0]
+        return (await self.load_step([groups], deadline_s=deadline_s, on_layer=on_layer))[0]
 
     async def load_step(
-        self, requests: Sequence[Mapping[str, GroupPages]], *, deadline_s: float | None = None
+        self,
+        requests: Sequence[Mapping[str, GroupPages]],
+        *,
+        deadline_s: float | None = None,
+        on_layer: LayerListener | None = None,
     ) -> list[OpHandle]:
         """Loads of one engine step, merged into one walk. Returns once the walk is submitted
-        (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work."""
+        (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work.
+        `on_layer(upto)` hears, from the backend's thread, each stage-local layer count that
+        has landed (the sidecar's cross-process counter)."""
         ops = self._admit_all(OpKind.LOAD, requests, deadline_s)
-        await self._enqueue(WalkBatch(OpKind.LOAD, ops))
+        await self._enqueue(WalkBatch(OpKind.LOAD, ops, on_layer=on_layer))
         # Fast path: start whatever is ready now, in this task, rather than a loop iteration
         # later in the dispatcher (same rules; the loop runs one of them at a time).
         while (ready := self._next_ready()) is not None:
@@ -181,6 +192,37 @@ class Scheduler:
         ops[0].fence = fence
         await self._enqueue(WalkBatch(OpKind.BACKUP, ops))
         return OpHandle(self, ops[0])
+
+    def attach_device_pools(self, device_pools: Mapping[str, DevicePool]) -> None:
+        """Serve another engine's device pools (the sidecar, when an engine re-attaches to a
+        namespace whose host pages outlived its predecessor). Only while no op is queued or
+        in flight: a walk never straddles two engines' memory."""
+        self._require_idle("swapped")
+        if set(device_pools) != set(self._geometries):
+            raise OpRequestError(
+                f"device pools {sorted(device_pools)} given; the stage's groups are "
+                f"{sorted(self._geometries)}"
+            )
+        for name, pool in device_pools.items():
+            if pool.geometry != self._geometries[name]:
+                raise OpRequestError(
+                    f"group {name!r}: the device pool's geometry {pool.geometry} differs from "
+                    f"the stage's {self._geometries[name]}"
+                )
+        self.device_pools = dict(device_pools)
+
+    def detach_device_pools(self) -> None:
+        """Forget the engine's device pools (it went away); ops fail until `attach`."""
+        self._require_idle("dropped")
+        self.device_pools = {}
+
+    def _require_idle(self, verb: str) -> None:
+        queued = sum(len(q) for q in self._queues.values())
+        if self._in_flight or queued:
+            raise OpRequestError(
+                f"device pools can be {verb} only while no op is queued or in flight; "
+                f"{len(self._in_flight)} walk(s) in flight, {queued} queued"
+            )
 
     def cancel_op(self, op: OpRecord) -> None:
         if op.state is OpState.QUEUED:
@@ -331,7 +373,9 @@ class Scheduler:
         if batch.kind is OpKind.LOAD:
             batch.counter = self._ring.acquire(batch.ops[0].op_id, len(layers))
         try:
-            signals = self.backend.submit_walk(direction, layers, done, fence, batch.token)
+            signals = self.backend.submit_walk(
+                direction, layers, done, fence, batch.token, batch.on_layer
+            )
         except Exception as exc:
             self._walk_done(batch, {-1: exc})
             return

@@ -26,6 +26,9 @@ from hicache.storage.backend import StorageBackend
 T = TypeVar("T")
 
 
+PROBE_KEY = b"hicache-breaker-probe"
+
+
 class BreakerState(StrEnum):
     CLOSED = "closed"
     OPEN = "open"
@@ -200,3 +203,17 @@ class GuardedStore:
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         result = await self._call("exists", 0, lambda: self.backend.exists_many(keys))
         return result if result is not None else [False] * len(keys)
+
+    async def delete(self, keys: Sequence[bytes]) -> bool:
+        async def run() -> bool:
+            await self.backend.delete_many(keys)
+            return True
+
+        return bool(await self._call("delete", 0, run))
+
+    async def probe(self) -> BreakerState:
+        """The background retry: when the breaker lets a trial call through (half-open), make
+        one cheap call so a recovered backend closes it before the next engine request."""
+        if self.breaker.state is BreakerState.HALF_OPEN:
+            await self._call("probe", 0, lambda: self.backend.exists_many([PROBE_KEY]))
+        return self.breaker.state

@@ -20,6 +20,8 @@ import torch
 
 from hicache.transfer.rows import Rows
 
+LayerListener = Callable[[int], None]
+
 
 class Direction(StrEnum):
     LOAD = "load"  # L2 host -> L1 device
@@ -136,10 +138,13 @@ class CopyBackend(abc.ABC):
         done: WalkDone,
         after: Fence | None = None,
         cancel: CancelToken | None = None,
+        on_layer: LayerListener | None = None,
     ) -> WalkSignals:
         """Enqueue a whole walk, layer by layer in order, without blocking; the returned
         signals complete layer by layer. `done(errors)` is called once, from any thread, when
-        every layer has finished or failed."""
+        every layer has finished or failed. `on_layer(upto)` is called, in order and from the
+        backend's thread, when layers `0..upto-1` have landed (the sidecar mirrors it into
+        shared memory); it must be cheap and must not raise."""
 
     @abc.abstractmethod
     def close(self) -> None:

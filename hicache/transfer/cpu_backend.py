@@ -24,13 +24,21 @@ from hicache.transfer.backend import (
     CopyCancelled,
     Direction,
     Fence,
+    LayerListener,
     LayerPart,
     WalkDone,
     WalkSignals,
 )
 from hicache.transfer.rows import copy_rows_cpu
 
-_Job = tuple[Direction, Sequence[Sequence[LayerPart]], WalkDone, CancelToken | None, "WalkProgress"]
+_Job = tuple[
+    Direction,
+    Sequence[Sequence[LayerPart]],
+    WalkDone,
+    CancelToken | None,
+    "WalkProgress",
+    LayerListener | None,
+]
 
 
 class WalkProgress(WalkSignals):
@@ -87,11 +95,12 @@ class CpuCopyBackend(CopyBackend):
         done: WalkDone,
         after: Fence | None = None,
         cancel: CancelToken | None = None,
+        on_layer: LayerListener | None = None,
     ) -> WalkSignals:
         if self._closed:
             raise TransferError("the CPU copy backend is closed; no new copies are accepted")
         progress = WalkProgress()
-        self._queue.put((direction, layers, done, cancel, progress))
+        self._queue.put((direction, layers, done, cancel, progress, on_layer))
         return progress
 
     def _run(self) -> None:
@@ -100,7 +109,7 @@ class CpuCopyBackend(CopyBackend):
             item = self._queue.get()
             if item is None:
                 return
-            direction, layers, done, cancel, progress = item
+            direction, layers, done, cancel, progress, on_layer = item
             errors: dict[int, BaseException] = {}
             for position, parts in enumerate(layers):
                 if parts:
@@ -111,6 +120,8 @@ class CpuCopyBackend(CopyBackend):
                     except Exception as exc:  # reported through `done`, never swallowed
                         errors[position] = exc
                 progress.advance(position + 1)
+                if on_layer is not None:
+                    on_layer(position + 1)
             done(errors)
 
     def _run_layer(self, direction: Direction, position: int, parts: Sequence[LayerPart]) -> None:

@@ -29,6 +29,7 @@ from hicache.transfer.backend import (
     CopyCancelled,
     Direction,
     Fence,
+    LayerListener,
     LayerPart,
     RowPair,
     WalkDone,
@@ -36,7 +37,9 @@ from hicache.transfer.backend import (
 )
 from hicache.transfer.rows import Rows
 
-_Pending = tuple["torch.cuda.Event | None", dict[int, BaseException], WalkDone]
+_Pending = tuple[
+    list["torch.cuda.Event | None"], dict[int, BaseException], WalkDone, "LayerListener | None"
+]
 
 
 class CudaWalkSignals(WalkSignals):
@@ -143,6 +146,7 @@ class CudaCopyBackend(CopyBackend):
         done: WalkDone,
         after: Fence | None = None,
         cancel: CancelToken | None = None,
+        on_layer: LayerListener | None = None,
     ) -> WalkSignals:
         if self._closed:
             raise TransferError("the CUDA copy backend is closed; no new copies are accepted")
@@ -174,7 +178,7 @@ class CudaCopyBackend(CopyBackend):
                 last = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 last.record(stream)
                 events.append(last)
-        self._pending.put((last, errors, done))
+        self._pending.put((events if on_layer is not None else [last], errors, done, on_layer))
         return CudaWalkSignals(events)
 
     @staticmethod
@@ -219,10 +223,15 @@ class CudaCopyBackend(CopyBackend):
             item = self._pending.get()
             if item is None:
                 return
-            event, errors, done = item
+            events, errors, done, on_layer = item
             try:
-                if event is not None:
-                    event.synchronize()  # events record in order: the last one covers the walk
+                # events record in order: the last one covers the walk; with a listener, each
+                # layer's event is waited in turn so it hears of every layer as it lands
+                for position, event in enumerate(events):
+                    if event is not None:
+                        event.synchronize()
+                    if on_layer is not None:
+                        on_layer(position + 1)
             except Exception as exc:  # reported to the op through `done`
                 errors = {**errors, -1: exc}
             done(errors)

@@ -1,0 +1,101 @@
+"""`hicache serve`: the long-running sidecar process.
+
+Lifecycle: load the deployment -> copy backend and L3 store -> one TaskGroup owns the engine
+server (and, per engine namespace, a scheduler task), the HTTP control API and the L3 probe ->
+print one `ready` line (socket, HTTP port) -> run until SIGTERM or SIGINT -> drain: stop
+listening, let in-flight loads finish within `service.drain_timeout_s` (cancel the rest; both
+counted in the log), close sessions, flush what the write policy owes to L3 -> close the store
+and the backend -> exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+
+from hicache.config import LoadedConfig
+from hicache.service.http_api import start_http
+from hicache.service.logs import configure
+from hicache.service.metrics import ServiceMetrics
+from hicache.service.server import EngineServer
+from hicache.storage import GuardedStore
+from hicache.storage.factory import make_backend as make_store
+from hicache.transfer import make_backend
+
+log = logging.getLogger("hicache.service")
+
+
+async def _probe_l3(server: EngineServer) -> None:
+    while True:
+        store = server.store
+        await asyncio.sleep(1.0 if store is None else max(0.1, store.breaker.reset_after_s / 2))
+        if server.store is not None:
+            await server.store.probe()
+
+
+async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
+    d = loaded.deployment
+    configure(d.service.log_format)
+    layer_map = loaded.layer_map()
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
+    store_backend = make_store(d.storage)
+    store = GuardedStore(store_backend) if store_backend is not None else None
+    metrics = ServiceMetrics()
+    metrics.page_size_tokens = d.model.page_size_tokens
+    try:
+        async with asyncio.TaskGroup() as tg:
+            server = EngineServer(d, layer_map, backend, store, tg, metrics)
+            metrics.watch(lambda: list(server.namespaces.values()), lambda: server.store)
+            await server.start()
+            runner = None
+            http_port = None
+            if d.service.http_port is not None:
+                runner, http_port = await start_http(
+                    server, metrics, d.service.http_host, d.service.http_port
+                )
+            probe = tg.create_task(_probe_l3(server), name="hicache-l3-probe")
+            fields = {
+                "socket": str(d.service.socket_path),
+                "tcp_port": server.tcp_port,
+                "http_port": http_port,
+                "model": layer_map.model_type,
+                "l3": d.storage.kind,
+            }
+            log.info("serving", extra={"fields": fields})
+            print(
+                "hicache serve: ready "
+                + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None),
+                flush=True,
+            )
+            await stop.wait()
+            log.info("draining", extra={"fields": {"sessions": len(server.sessions)}})
+            report = await server.drain()
+            probe.cancel()
+            if runner is not None:
+                await runner.cleanup()
+        log.info(
+            "stopped",
+            extra={
+                "fields": {
+                    "loads_finished": report.loads_finished,
+                    "loads_cancelled": report.loads_cancelled,
+                    "pages_flushed": report.pages_flushed,
+                }
+            },
+        )
+    finally:
+        if server.store is not None:
+            with contextlib.suppress(Exception):
+                await server.store.backend.close()
+        backend.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        sys.stdout.flush()
+    return 0

@@ -1,0 +1,193 @@
+"""The HTTP control API beside the engine channel (aiohttp, on the sidecar's own loop: one
+dependency, no ASGI layer or second server process; every handler reads snapshots).
+
+    GET  /healthz                 200 while the process serves
+    GET  /readyz                  200 when the engine channel listens and L3 (if any) is not
+                                  behind an open breaker; 503 with the reason otherwise
+    GET  /metrics                 Prometheus text format
+    GET  /v1/config               the effective deployment, secrets redacted
+    GET  /v1/stats                sessions, namespaces (L2, pins, queues, bytes), L3 counters
+    POST /v1/admin/clear?tier=l2  drop every unpinned L2 page (tier=l3: delete known L3 pages)
+    POST /v1/admin/l3/detach      stop using L3 (pages stay where they are)
+    POST /v1/admin/l3/attach      use the configured L3 again (or a `storage` section as JSON)
+
+Admin endpoints need `Authorization: Bearer <service.token>` when a token is configured.
+Lifecycle: `start_http(server, ...)` returns the runner; `runner.cleanup()` stops it.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+from typing import Any
+
+from aiohttp import web
+from pydantic import TypeAdapter, ValidationError
+
+from hicache.config.schema import Deployment, StorageSection
+from hicache.service.metrics import ServiceMetrics
+from hicache.service.server import EngineServer, namespace_stats
+from hicache.storage import GuardedStore
+from hicache.storage.factory import make_backend
+from hicache.storage.guarded import BreakerState
+
+_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
+
+
+def redacted_config(deployment: Deployment) -> dict[str, Any]:
+    data: dict[str, Any] = deployment.model_dump(mode="json")
+    storage = data.get("storage", {})
+    if isinstance(storage.get("url"), str):
+        storage["url"] = _URL_PASSWORD.sub(r"\1***@", storage["url"])
+    if data["service"].get("token") is not None:
+        data["service"]["token"] = "***"
+    return data
+
+
+class ControlApi:
+    def __init__(self, server: EngineServer, metrics: ServiceMetrics):
+        self.server = server
+        self.metrics = metrics
+        self.app = web.Application()
+        self.app.add_routes(
+            [
+                web.get("/healthz", self.healthz),
+                web.get("/readyz", self.readyz),
+                web.get("/metrics", self.metrics_text),
+                web.get("/v1/config", self.config),
+                web.get("/v1/stats", self.stats),
+                web.post("/v1/admin/clear", self.clear),
+                web.post("/v1/admin/l3/detach", self.l3_detach),
+                web.post("/v1/admin/l3/attach", self.l3_attach),
+            ]
+        )
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "alive"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        problems = []
+        if not self.server.listening:
+            problems.append("engine channel not listening")
+        store = self.server.store
+        breaker = None if store is None else store.breaker.state.value
+        if store is not None and store.breaker.state is BreakerState.OPEN:
+            problems.append("L3 breaker open (backend failing; loads serve L2 only)")
+        body = {
+            "ready": not problems,
+            "problems": problems,
+            "namespaces": len(self.server.namespaces),
+            "host_pools_bytes": sum(
+                ns.cache.embedded.host_tier.pool(g).num_pages
+                * ns.cache.embedded.host_tier.pool(g).geometry.page_bytes
+                for ns in self.server.namespaces.values()
+                for g in ns.cache.index.rules
+            ),
+            "l3": self.server.deployment.storage.kind if store is not None else "none",
+            "l3_breaker": breaker,
+        }
+        return web.json_response(body, status=200 if not problems else 503)
+
+    async def metrics_text(self, request: web.Request) -> web.Response:
+        return web.Response(
+            body=self.metrics.exposition(),
+            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"},
+        )
+
+    async def config(self, request: web.Request) -> web.Response:
+        return web.json_response(redacted_config(self.server.deployment))
+
+    async def stats(self, request: web.Request) -> web.Response:
+        store = self.server.store
+        return web.json_response(
+            {
+                "sessions": [
+                    {
+                        "id": s.id,
+                        "engine": s.engine,
+                        "pid": s.pid,
+                        "namespace": str(s.key) if s.key else None,
+                        "loads_unreleased": len(s.loads),
+                    }
+                    for s in self.server.sessions.values()
+                ],
+                "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
+                "l3": None
+                if store is None
+                else {
+                    "breaker": store.breaker.state.value,
+                    "puts": store.stats.puts,
+                    "stored": store.stats.stored,
+                    "gets": store.stats.gets,
+                    "hits": store.stats.hits,
+                    "misses": store.stats.misses,
+                    "corrupt_dropped": store.stats.corrupt_dropped,
+                    "failures": dict(store.stats.failures),
+                },
+            }
+        )
+
+    def _authorize(self, request: web.Request) -> None:
+        token = self.server.service.token
+        if token is None:
+            return
+        given = request.headers.get("Authorization", "")
+        want = f"Bearer {token.get_secret_value()}"
+        if not hmac.compare_digest(given.encode(), want.encode()):
+            raise web.HTTPUnauthorized(
+                text="admin endpoints need 'Authorization: Bearer <service.token>'"
+            )
+
+    async def clear(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        tier = request.query.get("tier", "l2")
+        if tier == "l2":
+            dropped = sum(ns.cache.clear_l2() for ns in self.server.namespaces.values())
+            return web.json_response({"tier": "l2", "pages_dropped": dropped})
+        if tier == "l3":
+            deleted = 0
+            for ns in self.server.namespaces.values():
+                deleted += await ns.cache.clear_l3()
+            return web.json_response({"tier": "l3", "pages_deleted": deleted})
+        raise web.HTTPBadRequest(text=f"tier {tier!r} is not known; allowed: l2, l3")
+
+    async def l3_detach(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        old = self.server.set_store(None)
+        if old is not None:
+            await old.backend.close()
+        return web.json_response({"l3": "detached"})
+
+    async def l3_attach(self, request: web.Request) -> web.Response:
+        self._authorize(request)
+        section = self.server.deployment.storage
+        if request.can_read_body:
+            try:
+                section = TypeAdapter(StorageSection).validate_python(await request.json())
+            except ValidationError as exc:
+                raise web.HTTPBadRequest(
+                    text="storage section: "
+                    + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                ) from None
+        backend = make_backend(section)
+        old = self.server.set_store(GuardedStore(backend) if backend is not None else None)
+        if old is not None:
+            await old.backend.close()
+        return web.json_response({"l3": section.kind})
+
+
+async def start_http(
+    server: EngineServer, metrics: ServiceMetrics, host: str, port: int
+) -> tuple[web.AppRunner, int]:
+    api = ControlApi(server, metrics)
+    runner = web.AppRunner(api.app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    bound = port
+    server_obj = site._server
+    if server_obj is not None:
+        for sock in getattr(server_obj, "sockets", ()) or ():
+            bound = int(sock.getsockname()[1])
+            break
+    return runner, bound

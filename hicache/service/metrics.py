@@ -1,0 +1,178 @@
+"""Prometheus metrics of one sidecar, on a registry of its own (two services in one process —
+the tests — never collide).
+
+Counters and histograms that events feed (requests, errors, hit tokens, bytes and seconds per
+transfer, evictions, the engines' per-layer stall) are updated where the event happens, once
+per op, never per page. Gauges of state (queue depth, bytes in flight, host pool usage, pinned
+bytes, L3 breaker state and failures) are read from stats snapshots at scrape time by
+`StateCollector`, so the hot path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache.storage import GuardedStore
+from hicache.storage.guarded import BreakerState
+
+if TYPE_CHECKING:
+    from hicache.service.namespaces import Namespace
+
+_BYTES_BUCKETS = tuple(float(2**i) for i in range(12, 34, 2))  # 4 KiB .. 8 GiB
+_SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
+_BREAKER = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+
+class ServiceMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Histogram(
+            "hicache_request_seconds",
+            "Engine-channel request handling time, by op",
+            ["op"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "hicache_request_errors", "Error replies, by error code", ["code"], registry=r
+        )
+        self.sessions = Gauge("hicache_sessions", "Engine sessions attached", registry=r)
+        self.hit_tokens = Counter(
+            "hicache_lookup_tokens",
+            "Prompt tokens looked up, by the tier that can serve them (hybrid-aware: a token "
+            "counts as a hit only when every cache group can serve it)",
+            ["tier"],
+            registry=r,
+        )
+        self.hit_pages = Counter(
+            "hicache_lookup_pages",
+            "Prompt pages (keys) looked up, by the tier that can serve them",
+            ["tier"],
+            registry=r,
+        )
+        self.transfer_bytes = Histogram(
+            "hicache_transfer_bytes",
+            "Bytes moved per op, by direction",
+            ["direction"],
+            buckets=_BYTES_BUCKETS,
+            registry=r,
+        )
+        self.transfer_seconds = Histogram(
+            "hicache_transfer_seconds",
+            "Time per op from start to done, by direction",
+            ["direction"],
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.layer_stall = Histogram(
+            "hicache_layer_stall_seconds",
+            "Time an engine's wait_layer blocked, per layer (reported by engines)",
+            buckets=_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.evictions = Counter(
+            "hicache_l2_evictions", "Host (L2) pages evicted to make room", registry=r
+        )
+        self.page_size_tokens = 1
+
+    def lookup(self, tokens_l2: int, tokens_total: int, tokens_asked: int) -> None:
+        page = self.page_size_tokens
+        self.hit_tokens.labels("l2").inc(tokens_l2)
+        self.hit_tokens.labels("l3").inc(tokens_total - tokens_l2)
+        self.hit_tokens.labels("miss").inc(tokens_asked - tokens_total)
+        self.hit_pages.labels("l2").inc(tokens_l2 // page)
+        self.hit_pages.labels("l3").inc((tokens_total - tokens_l2) // page)
+        self.hit_pages.labels("miss").inc(tokens_asked // page - tokens_total // page)
+
+    def moved(self, direction: str, nbytes: int, seconds: float) -> None:
+        self.transfer_bytes.labels(direction).observe(nbytes)
+        self.transfer_seconds.labels(direction).observe(seconds)
+
+    def watch(
+        self,
+        namespaces: Callable[[], Iterable[Namespace]],
+        store: Callable[[], GuardedStore | None],
+    ) -> None:
+        self.registry.register(StateCollector(namespaces, store))
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class StateCollector(Collector):
+    def __init__(
+        self,
+        namespaces: Callable[[], Iterable[Namespace]],
+        store: Callable[[], GuardedStore | None],
+    ):
+        self._namespaces = namespaces
+        self._store = store
+
+    def collect(self) -> Iterator[Metric]:
+        queue = GaugeMetricFamily("hicache_queue_depth", "Ops queued", labels=["kind"])
+        inflight = GaugeMetricFamily("hicache_inflight_bytes", "Bytes of walks in flight")
+        used = GaugeMetricFamily(
+            "hicache_host_pool_used_bytes", "Host (L2) bytes holding pages", labels=["group"]
+        )
+        capacity = GaugeMetricFamily(
+            "hicache_host_pool_capacity_bytes", "Host (L2) pool size", labels=["group"]
+        )
+        pinned = GaugeMetricFamily(
+            "hicache_host_pool_pinned_bytes",
+            "Host (L2) bytes pinned by loads in flight",
+            labels=["group"],
+        )
+        q_load = q_backup = inflight_bytes = 0
+        per_group: dict[str, list[int]] = {}
+        for namespace in self._namespaces():
+            cache = namespace.cache
+            stats = cache.embedded.scheduler.stats()
+            q_load += stats.queued_loads
+            q_backup += stats.queued_backups
+            inflight_bytes += stats.in_flight_bytes
+            for group in cache.index.rules:
+                pool = cache.embedded.host_tier.pool(group)
+                page = pool.geometry.page_bytes
+                acc = per_group.setdefault(group, [0, 0, 0])
+                acc[0] += cache.index.l2_pages(group) * page
+                acc[1] += pool.num_pages * page
+                acc[2] += cache.index.pinned_pages(group) * page
+        queue.add_metric(["load"], q_load)
+        queue.add_metric(["backup"], q_backup)
+        inflight.add_metric([], inflight_bytes)
+        for group, (u, c, pin) in per_group.items():
+            used.add_metric([group], u)
+            capacity.add_metric([group], c)
+            pinned.add_metric([group], pin)
+        yield from (queue, inflight, used, capacity, pinned)
+        store = self._store()
+        breaker = GaugeMetricFamily(
+            "hicache_l3_breaker_state",
+            "L3 circuit breaker: 0 closed, 1 half-open, 2 open; absent without L3",
+        )
+        failures = GaugeMetricFamily(
+            "hicache_l3_failures", "L3 call failures since start, by reason", labels=["reason"]
+        )
+        l3 = GaugeMetricFamily(
+            "hicache_l3_objects", "L3 objects since start, by outcome", labels=["outcome"]
+        )
+        if store is not None:
+            breaker.add_metric([], _BREAKER[store.breaker.state])
+            for reason, count in store.stats.failures.items():
+                failures.add_metric([reason], count)
+            s = store.stats
+            for outcome, count in (
+                ("stored", s.stored),
+                ("hit", s.hits),
+                ("miss", s.misses),
+                ("corrupt_dropped", s.corrupt_dropped),
+                ("skipped_open", s.skipped_open),
+            ):
+                l3.add_metric([outcome], count)
+            yield from (breaker, failures, l3)

@@ -1,0 +1,104 @@
+"""`Namespace`: one engine namespace's cache in the sidecar (a tensor-parallel rank and tenant):
+its host tier, index and scheduler, outliving the engine sessions that attach to it.
+
+Lifecycle: built on the first `register_pools` of its namespace (the engine's mapped pools
+are the scheduler's device pools) -> its scheduler runs in a task of the service's TaskGroup ->
+an engine attaches (at most one at a time) and detaches (its device pools are dropped once its
+ops have ended; L2 pages and the index stay for the next engine of the namespace) -> `close`
+stops the scheduler after the service drains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+
+from hicache.config import Deployment
+from hicache.embedded import EmbeddedCache
+from hicache.memory import DevicePool, torch_dtype
+from hicache.model import LayerMap
+from hicache.storage import GuardedStore
+from hicache.tiered import TieredCache
+from hicache.transfer import CopyBackend
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceKey:
+    tp_rank: int
+    tenant: str
+
+    def __str__(self) -> str:
+        return f"tp_rank={self.tp_rank} tenant={self.tenant!r}"
+
+
+@dataclass
+class Namespace:
+    key: NamespaceKey
+    cache: TieredCache
+    owner: int | None = None  # session id attached now
+    _stop: asyncio.Event = field(default_factory=asyncio.Event)
+    _task: asyncio.Task[None] | None = None
+
+    @classmethod
+    async def start(
+        cls,
+        key: NamespaceKey,
+        deployment: Deployment,
+        layer_map: LayerMap,
+        backend: CopyBackend,
+        store: GuardedStore | None,
+        device_pools: dict[str, DevicePool],
+        tg: asyncio.TaskGroup,
+    ) -> Namespace:
+        d = deployment
+        embedded = EmbeddedCache.build(
+            layer_map,
+            dtype=torch_dtype(d.model.dtype),
+            page_size_tokens=d.model.page_size_tokens,
+            host_capacity_bytes=d.host.capacity_bytes,
+            host_layout=d.host.layout,
+            backend=backend,
+            device_pools=device_pools,
+            queue_depth=d.scheduler.queue_depth,
+            inflight_bytes=d.scheduler.inflight_bytes,
+            op_timeout_s=d.scheduler.op_timeout_s,
+            move_policy=d.scheduler.move_policy,
+            counter_ring_size=d.scheduler.counter_ring_size,
+        )
+        cache = TieredCache.build(
+            embedded,
+            store=store,
+            write_policy=d.cache.write_policy,
+            prefetch_policy=d.cache.prefetch_policy,
+            eviction=d.cache.eviction,
+            tenant_salt=d.cache.tenant_salt + key.tenant,
+            tp_rank=key.tp_rank,
+            key_algorithm=d.cache.key_algorithm,
+        )
+        namespace = cls(key, cache)
+        started = asyncio.Event()
+        namespace._task = tg.create_task(namespace._run(started), name=f"hicache-ns-{key}")
+        await started.wait()
+        return namespace
+
+    async def _run(self, started: asyncio.Event) -> None:
+        async with self.cache.embedded.scheduler.running():
+            started.set()
+            await self._stop.wait()
+            await self.cache.drain()
+
+    def attach(self, session_id: int, device_pools: dict[str, DevicePool]) -> None:
+        self.cache.embedded.scheduler.attach_device_pools(device_pools)
+        self.cache.embedded.device_pools = dict(device_pools)
+        self.owner = session_id
+
+    def detach(self) -> None:
+        """Drop the engine's pools (its ops have ended); L2 and the index stay."""
+        self.cache.embedded.scheduler.detach_device_pools()
+        self.cache.embedded.device_pools = {}
+        self.owner = None
+
+    async def close(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task

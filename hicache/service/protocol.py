@@ -1,0 +1,205 @@
+"""The engine channel's wire format, shared by the sidecar and `hicache.client`.
+
+A frame is a 4-byte little-endian length, then that many bytes of msgpack. A request is a map
+`{"op": str, "id": int, "args": map}`; its reply `{"id": int, "ok": true, "result": map}` or
+`{"id": int, "ok": false, "error": {"code": str, "message": str}}`. Requests on one connection
+are answered in order. The first request must be `hello`, which carries `PROTOCOL_VERSION`.
+
+Each op's arguments are a strict pydantic model (no coercion, no unknown fields, bounded
+sizes), so a malformed request is refused at the boundary with a message naming the field, the
+value and what is allowed. A frame over the size limit is answered with an error and the
+connection is closed (its bytes cannot be skipped safely); anything else keeps it open.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Annotated, Any
+
+import msgpack
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from hicache.model import LayerMap
+
+PROTOCOL_VERSION = 1
+HEADER = struct.Struct("<I")
+MAX_TOKENS = 1 << 20
+TOKEN_ID_MAX = (1 << 32) - 1
+PAGE_ID_MAX = (1 << 31) - 1
+
+
+class ErrorCode:
+    BAD_FRAME = "bad_frame"  # not msgpack, not a map, or over the size limit
+    BAD_REQUEST = "bad_request"  # arguments fail validation
+    UNKNOWN_OP = "unknown_op"
+    NOT_READY = "not_ready"  # hello / register_pools missing
+    REFUSED = "refused"  # hello refused: version, layout, token, namespace in use
+    OUT_OF_RANGE = "out_of_range"  # a page id beyond the registered pool, and the like
+    BUSY = "busy"  # no free load slot, queue full
+    INTERNAL = "internal"
+
+
+class Msg(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+TokenIds = Annotated[
+    list[Annotated[int, Field(ge=0, le=TOKEN_ID_MAX)]], Field(max_length=MAX_TOKENS)
+]
+PageIds = Annotated[list[Annotated[int, Field(ge=0, le=PAGE_ID_MAX)]], Field(max_length=MAX_TOKENS)]
+Name = Annotated[str, Field(min_length=1, max_length=128)]
+
+
+class Hello(Msg):
+    protocol: int
+    layout: dict[str, Any]
+    engine: str = Field(default="", max_length=256)
+    pid: int = Field(default=0, ge=0)
+    tp_rank: int = Field(default=0, ge=0, le=65535)
+    tenant: str = Field(default="", max_length=256)
+    token: str | None = Field(default=None, max_length=4096)
+
+
+class GroupManifest(Msg):
+    num_pages: int = Field(ge=1, le=PAGE_ID_MAX)
+    offsets: Annotated[
+        list[Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=16)]],
+        Field(max_length=4096),
+    ]
+
+
+class RegisterPools(Msg):
+    path: str = Field(min_length=1, max_length=4096)
+    nbytes: int = Field(ge=1)
+    groups: Annotated[dict[Name, GroupManifest], Field(max_length=64)]
+
+
+class Tokens(Msg):
+    tokens: TokenIds
+
+
+class PagesRequest(Msg):
+    tokens: TokenIds
+    device_pages: Annotated[dict[Name, PageIds], Field(max_length=64)]
+
+
+class Release(Msg):
+    load_id: int = Field(ge=0)
+
+
+class Empty(Msg):
+    pass
+
+
+class Heartbeat(Msg):
+    # the engine's per-layer wait_layer stalls since the last heartbeat, for the metrics
+    layer_stall_s: Annotated[
+        list[Annotated[float, Field(ge=0, le=3600)]], Field(max_length=4096)
+    ] = []
+
+
+ARGS: dict[str, type[Msg]] = {
+    "hello": Hello,
+    "register_pools": RegisterPools,
+    "lookup": Tokens,
+    "store": PagesRequest,
+    "load": PagesRequest,
+    "prefetch": Tokens,
+    "release": Release,
+    "stats": Empty,
+    "heartbeat": Heartbeat,
+}
+
+
+class RequestError(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def describe(exc: ValidationError, op: str) -> str:
+    """A pydantic error as `op.field: message (got value)`, one per line, at most five."""
+    lines = []
+    for err in exc.errors()[:5]:
+        where = ".".join(str(p) for p in err["loc"]) or "args"
+        value = repr(err.get("input"))
+        if len(value) > 60:
+            value = value[:57] + "..."
+        lines.append(f"{op}.{where}: {err['msg']} (got {value})")
+    more = len(exc.errors()) - len(lines)
+    if more > 0:
+        lines.append(f"... and {more} more")
+    return "; ".join(lines)
+
+
+def parse_request(payload: bytes) -> tuple[int, str, Msg]:
+    """Decode and validate one request body; RequestError names what is wrong."""
+    try:
+        message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:
+        raise RequestError(ErrorCode.BAD_FRAME, f"frame is not valid msgpack: {exc}") from None
+    if not isinstance(message, dict):
+        raise RequestError(
+            ErrorCode.BAD_FRAME,
+            f"a request is a map with op, id and args; got {type(message).__name__}",
+        )
+    unknown = set(message) - {"op", "id", "args"}
+    if unknown:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"unknown request fields {sorted(map(str, unknown))}; allowed: op, id, args",
+        )
+    request_id = message.get("id", 0)
+    if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
+        raise RequestError(ErrorCode.BAD_REQUEST, f"id must be an int >= 0 (got {request_id!r})")
+    op = message.get("op")
+    if op not in ARGS:
+        raise RequestError(
+            ErrorCode.UNKNOWN_OP, f"op {op!r} is not known; allowed: {', '.join(sorted(ARGS))}"
+        )
+    args = message.get("args", {})
+    if not isinstance(args, dict):
+        raise RequestError(ErrorCode.BAD_REQUEST, f"{op}.args must be a map (got {args!r:.60})")
+    try:
+        return request_id, op, ARGS[op].model_validate(args)
+    except ValidationError as exc:
+        raise RequestError(ErrorCode.BAD_REQUEST, describe(exc, op)) from None
+
+
+def frame(message: dict[str, Any]) -> bytes:
+    body: bytes = msgpack.packb(message, use_bin_type=True)
+    return HEADER.pack(len(body)) + body
+
+
+def ok(request_id: int, result: dict[str, Any]) -> bytes:
+    return frame({"id": request_id, "ok": True, "result": result})
+
+
+def error(request_id: int, code: str, message: str) -> bytes:
+    return frame({"id": request_id, "ok": False, "error": {"code": code, "message": message}})
+
+
+def unpack(payload: bytes) -> Any:
+    return msgpack.unpackb(payload, raw=False)
+
+
+def layout_summary(layer_map: LayerMap, dtype: str, page_size_tokens: int) -> dict[str, Any]:
+    """What an engine and the sidecar must agree on before sharing pages: compared key by key
+    in `hello`, so a refusal names exactly what differs."""
+    return {
+        "model_type": layer_map.model_type,
+        "start_layer": layer_map.start_layer,
+        "end_layer": layer_map.end_layer,
+        "dtype": dtype,
+        "page_size_tokens": page_size_tokens,
+        "groups": {g.name: f"{g.spec!r} layers={list(g.layer_ids)}" for g in layer_map.groups},
+    }
+
+
+def layout_differences(engine: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+    diffs = []
+    for key in sorted(set(engine) | set(ours)):
+        if engine.get(key) != ours.get(key):
+            diffs.append(f"{key}: engine {engine.get(key)!r}, sidecar {ours.get(key)!r}")
+    return diffs

@@ -1,0 +1,569 @@
+"""`EngineServer`: the sidecar's engine channel — sessions, validation, the ops, cleanup.
+
+Lifecycle of a session: connect -> `hello` (version, token, layout and namespace checks) ->
+`register_pools` (the engine's shared pool is mapped and attached to its namespace's cache; a
+counter file is created for its loads) -> ops in order: lookup / store / load / prefetch /
+release / stats / heartbeat -> the socket closes or heartbeats stop -> `_end_session` cancels
+and awaits the session's loads (their pins go with them), detaches its pools and removes its
+counter file; the namespace's L2 pages and index stay for the next engine.
+
+A request that fails validation, names a page outside the pool, or hits any error gets an
+error reply naming what is wrong; the connection and every other session carry on. Only an
+oversized frame closes its connection (its bytes cannot be skipped safely).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hicache.config import Deployment
+from hicache.errors import HicacheError
+from hicache.memory import DevicePool, GroupGeometry, torch_dtype
+from hicache.model import LayerMap
+from hicache.scheduler import OpHandle, OpResult, OpState
+from hicache.service import protocol as p
+from hicache.service.metrics import ServiceMetrics
+from hicache.service.namespaces import Namespace, NamespaceKey
+from hicache.service.shm import CounterFile, LoadState, ManifestError, map_pools
+from hicache.storage import GuardedStore
+from hicache.transfer import CopyBackend
+
+log = logging.getLogger("hicache.service")
+
+_FINAL = {
+    OpState.DONE: LoadState.DONE,
+    OpState.FAILED: LoadState.FAILED,
+    OpState.CANCELLED: LoadState.CANCELLED,
+    OpState.EXPIRED: LoadState.FAILED,
+}
+
+
+@dataclass
+class LoadEntry:
+    slot: int
+    handle: OpHandle
+    released: bool = False
+
+
+@dataclass
+class Session:
+    id: int
+    writer: asyncio.StreamWriter
+    last_seen: float
+    engine: str = ""
+    pid: int = 0
+    key: NamespaceKey | None = None
+    namespace: Namespace | None = None
+    pools: dict[str, DevicePool] | None = None
+    pool_path: Path | None = None
+    counters: CounterFile | None = None
+    loads: dict[int, LoadEntry] = field(default_factory=dict)
+    free_slots: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        who = f"session {self.id}"
+        if self.engine or self.pid:
+            who += f" ({self.engine or 'engine'} pid {self.pid})"
+        return who
+
+
+@dataclass(frozen=True, slots=True)
+class DrainReport:
+    loads_finished: int
+    loads_cancelled: int
+    pages_flushed: int
+
+
+Handler = Callable[[Session, Any], Coroutine[Any, Any, dict[str, Any]]]
+
+
+class EngineServer:
+    def __init__(
+        self,
+        deployment: Deployment,
+        layer_map: LayerMap,
+        backend: CopyBackend,
+        store: GuardedStore | None,
+        tg: asyncio.TaskGroup,
+        metrics: ServiceMetrics,
+    ):
+        self.deployment = deployment
+        self.service = deployment.service
+        self.layer_map = layer_map
+        self.backend = backend
+        self.store = store
+        self.metrics = metrics
+        self._tg = tg
+        dtype = torch_dtype(deployment.model.dtype)
+        page = deployment.model.page_size_tokens
+        self.geometries = {g.name: GroupGeometry(g, dtype, page) for g in layer_map.groups}
+        self.layout = p.layout_summary(layer_map, deployment.model.dtype, page)
+        self.namespaces: dict[NamespaceKey, Namespace] = {}
+        self.sessions: dict[int, Session] = {}
+        self._session_ids = itertools.count(1)
+        self._load_ids = itertools.count(1)
+        self._servers: list[asyncio.Server] = []
+        self._connections: set[asyncio.Task[None]] = set()
+        self._draining = False
+        self._watchdog_task: asyncio.Task[None] | None = None
+        self._handlers: dict[str, Handler] = {
+            "hello": self._hello,
+            "register_pools": self._register_pools,
+            "lookup": self._lookup,
+            "store": self._store,
+            "load": self._load,
+            "prefetch": self._prefetch,
+            "release": self._release,
+            "stats": self._stats,
+            "heartbeat": self._heartbeat,
+        }
+
+    # ---- listening ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        path = self.service.socket_path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.unlink(missing_ok=True)
+        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+        try:
+            self._servers.append(
+                await asyncio.start_unix_server(self._accept, path=str(path), limit=2**20)
+            )
+        finally:
+            os.umask(old)
+        if self.service.tcp_port is not None:
+            self._servers.append(
+                await asyncio.start_server(
+                    self._accept, self.service.tcp_host, self.service.tcp_port, limit=2**20
+                )
+            )
+        self._watchdog_task = self._tg.create_task(
+            self._watchdog(), name="hicache-heartbeat-watchdog"
+        )
+        log.info("engine channel listening", extra={"fields": {"socket": str(path)}})
+
+    @property
+    def listening(self) -> bool:
+        return bool(self._servers) and all(s.is_serving() for s in self._servers)
+
+    def set_store(self, store: GuardedStore | None) -> GuardedStore | None:
+        """Attach or detach L3 at runtime (the admin API); returns the previous store."""
+        old, self.store = self.store, store
+        for namespace in self.namespaces.values():
+            namespace.cache.l3 = store
+        return old
+
+    @property
+    def tcp_port(self) -> int | None:
+        for server in self._servers[1:]:
+            for sock in server.sockets:
+                return int(sock.getsockname()[1])
+        return None
+
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.ensure_future(self._connection(reader, writer))
+        self._connections.add(task)
+        task.add_done_callback(self._connections.discard)
+
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._draining or len(self.sessions) >= self.service.max_sessions:
+            reason = "draining" if self._draining else f"{len(self.sessions)} sessions (max)"
+            writer.write(p.error(0, p.ErrorCode.BUSY, f"sidecar refuses connections: {reason}"))
+            writer.close()
+            return
+        session = Session(next(self._session_ids), writer, time.monotonic())
+        self.sessions[session.id] = session
+        self.metrics.sessions.set(len(self.sessions))
+        reason = "closed by engine"
+        try:
+            reason = await self._serve(session, reader)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            reason = "connection lost"
+        finally:
+            await self._end_session(session, reason)
+
+    async def _serve(self, session: Session, reader: asyncio.StreamReader) -> str:
+        limit = self.service.max_frame_bytes
+        writer = session.writer
+        while True:
+            try:
+                header = await reader.readexactly(p.HEADER.size)
+            except asyncio.IncompleteReadError:
+                return "closed by engine"
+            (size,) = p.HEADER.unpack(header)
+            if size > limit:
+                writer.write(
+                    p.error(
+                        0,
+                        p.ErrorCode.BAD_FRAME,
+                        f"frame of {size} bytes exceeds service.max_frame_bytes ({limit}); "
+                        "closing the connection",
+                    )
+                )
+                await writer.drain()
+                self.metrics.errors.labels(p.ErrorCode.BAD_FRAME).inc()
+                return "oversized frame"
+            payload = await reader.readexactly(size)
+            session.last_seen = time.monotonic()
+            writer.write(await self._answer(session, payload))
+
+    async def _answer(self, session: Session, payload: bytes) -> bytes:
+        request_id = 0
+        op = "?"
+        started = time.perf_counter()
+        try:
+            request_id, op, args = p.parse_request(payload)
+            if session.key is None and op != "hello":
+                raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
+            result = await self._handlers[op](session, args)
+            reply = p.ok(request_id, result)
+        except p.RequestError as exc:
+            self.metrics.errors.labels(exc.code).inc()
+            reply = p.error(request_id, exc.code, exc.message)
+        except HicacheError as exc:
+            self.metrics.errors.labels(p.ErrorCode.BAD_REQUEST).inc()
+            reply = p.error(request_id, p.ErrorCode.BAD_REQUEST, f"{op}: {exc}")
+        except Exception as exc:  # the server stays up; the engine learns what happened
+            log.exception("request failed", extra={"fields": {"op": op, "session": session.id}})
+            self.metrics.errors.labels(p.ErrorCode.INTERNAL).inc()
+            reply = p.error(request_id, p.ErrorCode.INTERNAL, f"{op}: {type(exc).__name__}: {exc}")
+        self.metrics.requests.labels(op if op in self._handlers else "invalid").observe(
+            time.perf_counter() - started
+        )
+        return reply
+
+    # ---- ops ----------------------------------------------------------------------------------
+
+    async def _hello(self, session: Session, args: p.Hello) -> dict[str, Any]:
+        if session.key is not None:
+            raise p.RequestError(p.ErrorCode.REFUSED, "hello: this session already said hello")
+        if args.protocol != p.PROTOCOL_VERSION:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"hello.protocol: engine speaks version {args.protocol}; this sidecar speaks "
+                f"{p.PROTOCOL_VERSION}",
+            )
+        secret = self.service.token
+        if secret is not None and not hmac.compare_digest(
+            (args.token or "").encode(), secret.get_secret_value().encode()
+        ):
+            raise p.RequestError(
+                p.ErrorCode.REFUSED, "hello.token: missing or wrong (service.token is set)"
+            )
+        diffs = p.layout_differences(args.layout, self.layout)
+        if diffs:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                "hello.layout: the engine's KV layout differs from the sidecar's model; "
+                + "; ".join(diffs),
+            )
+        key = NamespaceKey(args.tp_rank, args.tenant)
+        for other in self.sessions.values():
+            if other.key == key:
+                raise p.RequestError(
+                    p.ErrorCode.REFUSED,
+                    f"hello: namespace {key} is attached by {other.describe()}; one engine per "
+                    "namespace (give each tensor-parallel rank its tp_rank)",
+                )
+        session.key, session.engine, session.pid = key, args.engine, args.pid
+        return {
+            "session": session.id,
+            "protocol": p.PROTOCOL_VERSION,
+            "heartbeat_timeout_s": self.service.heartbeat_timeout_s,
+            "load_slots": self.service.load_slots,
+            "shm_dir": str(self.service.shm_dir),
+        }
+
+    async def _register_pools(self, session: Session, args: p.RegisterPools) -> dict[str, Any]:
+        assert session.key is not None
+        if session.pools is not None:
+            raise p.RequestError(p.ErrorCode.REFUSED, "register_pools: pools already registered")
+        try:
+            pools = map_pools(args.model_dump(), self.geometries, self.service.shm_dir)
+        except (ManifestError, HicacheError) as exc:
+            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
+        counters = CounterFile.create(self.service.shm_dir, self.service.load_slots)
+        try:
+            namespace = self.namespaces.get(session.key)
+            if namespace is None:
+                namespace = await Namespace.start(
+                    session.key,
+                    self.deployment,
+                    self.layer_map,
+                    self.backend,
+                    self.store,
+                    pools,
+                    self._tg,
+                )
+                self.namespaces[session.key] = namespace
+            namespace.attach(session.id, pools)
+        except BaseException:
+            counters.unlink()
+            raise
+        session.namespace, session.pools, session.counters = namespace, pools, counters
+        session.pool_path = Path(args.path)
+        session.free_slots = list(range(self.service.load_slots - 1, -1, -1))
+        return {"counters": str(counters.path), "slots": counters.slots}
+
+    def _ready(self, session: Session, op: str) -> Namespace:
+        if session.namespace is None:
+            raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send register_pools first")
+        return session.namespace
+
+    def _check_pages(self, session: Session, op: str, device_pages: dict[str, list[int]]) -> None:
+        assert session.pools is not None
+        for group, pages in device_pages.items():
+            pool = session.pools.get(group)
+            if pool is None:
+                raise p.RequestError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"{op}.device_pages: group {group!r} is not in the layout; groups: "
+                    f"{', '.join(sorted(session.pools))}",
+                )
+            bad = [page for page in pages if page >= pool.num_pages]
+            if bad:
+                raise p.RequestError(
+                    p.ErrorCode.OUT_OF_RANGE,
+                    f"{op}.device_pages.{group}: pages {bad[:5]} are outside the registered "
+                    f"pool of {pool.num_pages} pages (0..{pool.num_pages - 1})",
+                )
+        missing = set(session.pools) - set(device_pages)
+        if missing:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{op}.device_pages: groups {sorted(missing)} missing; every group of the "
+                "layout needs its pages",
+            )
+
+    async def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+        hit = self._ready(session, "lookup").cache.lookup(args.tokens)
+        self.metrics.lookup(hit.tokens_l2, hit.tokens_total, len(args.tokens))
+        return {
+            "page_size_tokens": hit.page_size_tokens,
+            "tokens_l2": hit.tokens_l2,
+            "tokens_total": hit.tokens_total,
+        }
+
+    async def _store(self, session: Session, args: p.PagesRequest) -> dict[str, Any]:
+        namespace = self._ready(session, "store")
+        self._check_pages(session, "store", args.device_pages)
+        result = await namespace.cache.store(args.tokens, args.device_pages)
+        self.metrics.evictions.inc(result.pages_evicted)
+        return asdict(result)
+
+    async def _prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+        pages = await self._ready(session, "prefetch").cache.prefetch(args.tokens)
+        return {"pages_fetched": pages}
+
+    async def _load(self, session: Session, args: p.PagesRequest) -> dict[str, Any]:
+        namespace = self._ready(session, "load")
+        self._check_pages(session, "load", args.device_pages)
+        counters = session.counters
+        assert counters is not None
+        if not session.free_slots:
+            raise p.RequestError(
+                p.ErrorCode.BUSY,
+                f"load: all {counters.slots} load slots hold unreleased loads; release "
+                "finished loads (LoadHandle.done() does) or raise service.load_slots",
+            )
+        slot = session.free_slots.pop()
+        load_id = next(self._load_ids)
+        num_layers = len(self.layer_map.stage_layer_ids)
+        counters.start(slot, load_id, num_layers)
+        row = counters.array[slot]
+
+        def on_layer(upto: int) -> None:  # the copy thread, as each layer lands
+            row[1] = upto
+
+        try:
+            handle, hit = await namespace.cache.load(
+                args.tokens, args.device_pages, on_layer=on_layer
+            )
+        except BaseException:
+            row[2] = LoadState.FREE
+            session.free_slots.append(slot)
+            raise
+        failed = {group: list(positions) for group, positions in hit.failed.items()}
+        if handle is None:
+            row[2] = LoadState.FREE
+            session.free_slots.append(slot)
+            return {"load_id": None, "tokens": 0, "failed": failed}
+        entry = LoadEntry(slot, handle)
+        session.loads[load_id] = entry
+
+        def finished(result: OpResult) -> None:
+            row[2] = _FINAL.get(result.state, LoadState.FAILED)
+            self.metrics.moved("load", result.bytes_moved, result.seconds)
+            if entry.released:
+                self._free(session, load_id)
+
+        handle.add_done_callback(finished)
+        return {
+            "load_id": load_id,
+            "slot": slot,
+            "tokens": hit.tokens_total,
+            "num_layers": num_layers,
+            "failed": failed,
+        }
+
+    def _free(self, session: Session, load_id: int) -> None:
+        entry = session.loads.pop(load_id, None)
+        if entry is not None and session.counters is not None:
+            session.counters.array[entry.slot][2] = LoadState.FREE
+            session.free_slots.append(entry.slot)
+
+    async def _release(self, session: Session, args: p.Release) -> dict[str, Any]:
+        self._ready(session, "release")
+        entry = session.loads.get(args.load_id)
+        if entry is None:
+            raise p.RequestError(
+                p.ErrorCode.OUT_OF_RANGE,
+                f"release.load_id: {args.load_id} is not a load of this session in flight or "
+                "unreleased",
+            )
+        entry.released = True
+        if entry.handle.result is None:
+            entry.handle.cancel()  # the engine gave up on it; pins go when it ends
+            return {"state": "cancelling"}
+        self._free(session, args.load_id)
+        return {"state": "released"}
+
+    async def _stats(self, session: Session, args: p.Empty) -> dict[str, Any]:
+        namespace = self._ready(session, "stats")
+        return namespace_stats(namespace)
+
+    async def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:
+        for stall in args.layer_stall_s:
+            self.metrics.layer_stall.observe(stall)
+        return {"now": time.time()}
+
+    # ---- session end --------------------------------------------------------------------------
+
+    async def _end_session(self, session: Session, reason: str) -> None:
+        running = [e.handle for e in session.loads.values() if e.handle.result is None]
+        for handle in running:
+            handle.cancel()
+        if running:
+            await asyncio.gather(*(h.done() for h in running))
+        namespace = session.namespace
+        if namespace is not None and namespace.owner == session.id:
+            namespace.detach()
+        if session.counters is not None:
+            session.counters.unlink()
+        session.loads.clear()
+        session.pools = None
+        if session.pool_path is not None and session.pid and not _alive(session.pid):
+            # the engine died without removing its pool file; nobody else can use it
+            with contextlib.suppress(OSError):
+                if session.pool_path.resolve().is_relative_to(self.service.shm_dir.resolve()):
+                    session.pool_path.unlink()
+        self.sessions.pop(session.id, None)
+        self.metrics.sessions.set(len(self.sessions))
+        with contextlib.suppress(Exception):
+            session.writer.close()
+        log.info(
+            "session ended",
+            extra={
+                "fields": {
+                    "session": session.id,
+                    "reason": reason,
+                    "loads_cancelled": len(running),
+                }
+            },
+        )
+
+    async def _watchdog(self) -> None:
+        timeout = self.service.heartbeat_timeout_s
+        while True:
+            await asyncio.sleep(min(timeout / 4, 1.0))
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                if now - session.last_seen > timeout:
+                    log.warning(
+                        "engine missed heartbeats",
+                        extra={"fields": {"session": session.id, "timeout_s": timeout}},
+                    )
+                    transport = session.writer.transport
+                    transport.abort()  # the connection task ends the session
+
+    # ---- drain ----------------------------------------------------------------------------------
+
+    async def drain(self) -> DrainReport:
+        """Stop listening; let in-flight loads finish within service.drain_timeout_s (then
+        cancel them); close sessions; persist what the write policy owes to L3."""
+        self._draining = True
+        for server in self._servers:
+            server.close()
+        if self._watchdog_task is not None:
+            self._watchdog_task.cancel()
+        handles = [e.handle for s in self.sessions.values() for e in s.loads.values()]
+        pending = [h for h in handles if h.result is None]
+        cancelled = 0
+        if pending:
+            _done, late = await asyncio.wait(
+                [asyncio.ensure_future(h.done()) for h in pending],
+                timeout=self.service.drain_timeout_s,
+            )
+            for handle in pending:
+                if handle.result is None:
+                    handle.cancel()
+                    cancelled += 1
+            if late:
+                await asyncio.gather(*late)
+        for session in list(self.sessions.values()):
+            session.writer.transport.abort()
+        if self._connections:
+            await asyncio.gather(*self._connections, return_exceptions=True)
+        flushed = 0
+        for namespace in self.namespaces.values():
+            flushed += await namespace.cache.flush()
+            await namespace.close()
+        with contextlib.suppress(OSError):
+            self.service.socket_path.unlink()
+        return DrainReport(len(pending) - cancelled, cancelled, flushed)
+
+
+def namespace_stats(namespace: Namespace) -> dict[str, Any]:
+    cache = namespace.cache
+    sched = cache.embedded.scheduler.stats()
+    groups = {}
+    for group in cache.index.rules:
+        pool = cache.embedded.host_tier.pool(group)
+        groups[group] = {
+            "l2_pages": cache.index.l2_pages(group),
+            "l2_capacity_pages": pool.num_pages,
+            "pinned_pages": cache.index.pinned_pages(group),
+            "l3_pages_known": cache.index.l3_pages(group),
+        }
+    return {
+        "namespace": str(namespace.key),
+        "attached_session": namespace.owner,
+        "groups": groups,
+        "queued_loads": sched.queued_loads,
+        "queued_backups": sched.queued_backups,
+        "in_flight_bytes": sched.in_flight_bytes,
+        "in_flight_walks": sched.in_flight_walks,
+        "ops_by_state": dict(sched.ops_by_state),
+        "load": asdict(sched.load),
+        "backup": asdict(sched.backup),
+    }
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,245 @@
+"""Shared memory between an engine process and the sidecar: the engine's KV pool and the
+per-load layer counters. Bytes never cross the socket; only a manifest of where they live.
+
+Pool file (CPU data plane). The engine creates it (`SharedPools.create`) under the sidecar's
+`service.shm_dir`: per cache group, per layer, per tensor one contiguous `[slots, *shape]`
+tensor, each at a 4 KiB-aligned offset. `register_pools` sends the manifest (path, size, per
+tensor offsets); the sidecar maps the same file (`map_pools`) after checking the file (a regular
+file under shm_dir, ours, of the stated size) and every offset (in bounds, aligned, no two
+tensors overlapping). The engine unlinks the file when it closes; a mapping outlives the name.
+
+Counter file. The sidecar creates one per session: `slots` rows of four int64
+`[load_id, layers_done, state, num_layers]`. A load's row is written before its reply is sent;
+the copy thread bumps `layers_done` as layers land (stage-local count); the op's end sets
+`state`. The engine's `wait_layer(i)` reads `layers_done > i` from its own mapping — no message
+per layer. Aligned int64 stores are single writes on x86-64 and arm64, and each store follows
+the copy it reports in program order (x86-64 TSO; CUDA loads report after their event).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import stat
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hicache.errors import PoolShapeError
+from hicache.memory import DevicePool, GroupGeometry
+
+ALIGN_BYTES = 4096
+COUNTER_FIELDS = 4  # load_id, layers_done, state, num_layers
+
+
+class LoadState(IntEnum):
+    FREE = 0
+    RUNNING = 1
+    DONE = 2
+    FAILED = 3
+    CANCELLED = 4
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
+
+
+def _tensor_bytes(geometry: GroupGeometry, num_pages: int, shape: tuple[int, ...]) -> int:
+    n = num_pages * geometry.slots_per_page * geometry.itemsize
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _create_file(directory: Path, prefix: str, nbytes: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, nbytes)
+    finally:
+        os.close(fd)
+    return path
+
+
+def _map(path: Path, nbytes: int) -> torch.Tensor:
+    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+
+
+@dataclass
+class SharedPools:
+    """The engine's side: KV pools in one shared file, as tensors the engine computes with."""
+
+    path: Path
+    nbytes: int
+    geometries: dict[str, GroupGeometry]
+    num_pages: dict[str, int]
+    offsets: dict[str, list[list[int]]]  # group -> layer -> offset per tensor (geometry order)
+    buffer: torch.Tensor
+
+    @classmethod
+    def create(
+        cls,
+        geometries: Mapping[str, GroupGeometry],
+        num_pages: int | Mapping[str, int],
+        directory: Path | str = "/dev/shm",
+    ) -> SharedPools:
+        pages = {
+            name: num_pages if isinstance(num_pages, int) else num_pages[name]
+            for name in geometries
+        }
+        offsets: dict[str, list[list[int]]] = {}
+        cursor = 0
+        for name, geom in geometries.items():
+            if pages[name] < 1:
+                raise PoolShapeError(f"group {name!r}: num_pages {pages[name]} must be >= 1")
+            offsets[name] = []
+            for _ in range(geom.num_layers):
+                row = []
+                for _tensor, shape in geom.tensors:
+                    row.append(cursor)
+                    cursor = _align(cursor + _tensor_bytes(geom, pages[name], shape))
+                offsets[name].append(row)
+        nbytes = max(cursor, ALIGN_BYTES)
+        path = _create_file(Path(directory), "hicache-pool", nbytes)
+        return cls(path, nbytes, dict(geometries), pages, offsets, _map(path, nbytes))
+
+    def manifest(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            "nbytes": self.nbytes,
+            "groups": {
+                name: {"num_pages": self.num_pages[name], "offsets": self.offsets[name]}
+                for name in self.geometries
+            },
+        }
+
+    def device_pools(self) -> dict[str, DevicePool]:
+        return _views(self.buffer, self.geometries, self.num_pages, self.offsets)
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _views(
+    buffer: torch.Tensor,
+    geometries: Mapping[str, GroupGeometry],
+    num_pages: Mapping[str, int],
+    offsets: Mapping[str, Sequence[Sequence[int]]],
+) -> dict[str, DevicePool]:
+    pools = {}
+    for name, geom in geometries.items():
+        layers = []
+        for layer_offsets in offsets[name]:
+            tensors = {}
+            for (tensor, shape), offset in zip(geom.tensors, layer_offsets, strict=True):
+                size = _tensor_bytes(geom, num_pages[name], shape)
+                slots = num_pages[name] * geom.slots_per_page
+                flat = buffer[offset : offset + size].view(geom.dtype)
+                tensors[tensor] = flat.view(slots, *shape)
+            layers.append(tensors)
+        pools[name] = DevicePool(geom, layers)
+    return pools
+
+
+class ManifestError(ValueError):
+    """A `register_pools` manifest that does not describe a usable shared pool."""
+
+
+def map_pools(
+    manifest: Mapping[str, Any], geometries: Mapping[str, GroupGeometry], shm_dir: Path
+) -> dict[str, DevicePool]:
+    """The sidecar's side: check the manifest against the file and the geometries, then map."""
+    path = Path(manifest["path"])
+    nbytes = manifest["nbytes"]
+    root = shm_dir.resolve()
+    resolved = path.resolve()
+    if not resolved.is_relative_to(root):
+        raise ManifestError(f"path {str(path)!r} is outside the shared-memory dir {str(root)!r}")
+    try:
+        info = os.stat(resolved)
+    except FileNotFoundError:
+        raise ManifestError(f"path {str(path)!r} does not exist") from None
+    if not stat.S_ISREG(info.st_mode):
+        raise ManifestError(f"path {str(path)!r} is not a regular file")
+    if info.st_uid != os.getuid():
+        raise ManifestError(f"path {str(path)!r} belongs to uid {info.st_uid}, not {os.getuid()}")
+    if info.st_size != nbytes:
+        raise ManifestError(f"nbytes {nbytes} does not match the file's size {info.st_size}")
+    groups = manifest["groups"]
+    if set(groups) != set(geometries):
+        raise ManifestError(
+            f"groups {sorted(groups)} given; the layout's groups are {sorted(geometries)}"
+        )
+    spans: list[tuple[int, int, str]] = []
+    for name, geom in geometries.items():
+        entry = groups[name]
+        pages, offsets = entry["num_pages"], entry["offsets"]
+        if len(offsets) != geom.num_layers:
+            raise ManifestError(
+                f"groups.{name}.offsets: {len(offsets)} layers; the group has {geom.num_layers}"
+            )
+        for local_id, layer_offsets in enumerate(offsets):
+            if len(layer_offsets) != len(geom.tensors):
+                raise ManifestError(
+                    f"groups.{name}.offsets[{local_id}]: {len(layer_offsets)} tensors; "
+                    f"expected {len(geom.tensors)} ({', '.join(t for t, _ in geom.tensors)})"
+                )
+            for (tensor, shape), offset in zip(geom.tensors, layer_offsets, strict=True):
+                where = f"groups.{name}.offsets[{local_id}] ({tensor})"
+                size = _tensor_bytes(geom, pages, shape)
+                if offset % geom.itemsize:
+                    raise ManifestError(f"{where}: offset {offset} is not {geom.itemsize}-aligned")
+                if offset + size > nbytes:
+                    raise ManifestError(
+                        f"{where}: bytes {offset}..{offset + size} run past the file's {nbytes}"
+                    )
+                spans.append((offset, offset + size, where))
+    spans.sort()
+    for (_, end, first), (start, _, second) in itertools.pairwise(spans):
+        if start < end:
+            raise ManifestError(f"{second} overlaps {first}")
+    buffer = _map(resolved, nbytes)
+    pages_of = {name: groups[name]["num_pages"] for name in geometries}
+    return _views(buffer, geometries, pages_of, {n: groups[n]["offsets"] for n in geometries})
+
+
+class CounterFile:
+    """Per-session load counters in shared memory (`slots` rows of four int64)."""
+
+    def __init__(self, path: Path, slots: int, array: np.ndarray[Any, np.dtype[np.int64]]):
+        self.path = path
+        self.slots = slots
+        self.array = array
+        self._tensor: torch.Tensor | None = None  # keeps the mapping alive
+
+    @classmethod
+    def create(cls, directory: Path, slots: int) -> CounterFile:
+        nbytes = max(slots * COUNTER_FIELDS * 8, 8)
+        path = _create_file(directory, "hicache-counters", nbytes)
+        return cls.open(path, slots)
+
+    @classmethod
+    def open(cls, path: Path | str, slots: int) -> CounterFile:
+        path = Path(path)
+        tensor = _map(path, slots * COUNTER_FIELDS * 8)
+        array = tensor.numpy().view(np.int64).reshape(slots, COUNTER_FIELDS)
+        counters = cls(path, slots, array)
+        counters._tensor = tensor
+        return counters
+
+    def start(self, slot: int, load_id: int, num_layers: int) -> None:
+        row = self.array[slot]
+        row[1] = 0
+        row[3] = num_layers
+        row[2] = LoadState.RUNNING
+        row[0] = load_id
+
+    def unlink(self) -> None:
+        self.path.unlink(missing_ok=True)
