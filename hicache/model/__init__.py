@@ -31,8 +31,9 @@ __all__ = [
 ]
 
 
-def load_layout(path: Path) -> ModelLayout:
+def load_layout(path: Path | str) -> ModelLayout:
     """A layout from a `config.json` or from a YAML file holding an explicit layer list."""
+    path = Path(path)
     if path.suffix == ".json":
         return load_hf_layout(path)
     if path.suffix in {".yaml", ".yml"}:

@@ -462,11 +462,8 @@ class EngineServer:
             session.counters.unlink()
         session.loads.clear()
         session.pools = None
-        if session.pool_path is not None and session.pid and not _alive(session.pid):
-            # the engine died without removing its pool file; nobody else can use it
-            with contextlib.suppress(OSError):
-                if session.pool_path.resolve().is_relative_to(self.service.shm_dir.resolve()):
-                    session.pool_path.unlink()
+        if session.pool_path is not None and session.pid:
+            self._tg.create_task(self._reap_pool_file(session.pid, session.pool_path))
         self.sessions.pop(session.id, None)
         self.metrics.sessions.set(len(self.sessions))
         with contextlib.suppress(Exception):
@@ -481,6 +478,19 @@ class EngineServer:
                 }
             },
         )
+
+    async def _reap_pool_file(self, pid: int, path: Path, wait_s: float = 5.0) -> None:
+        """An engine that dies leaves its pool file in shared memory; once its process is gone
+        (its socket closes a moment before it exits), remove the file. A live engine that
+        merely disconnected keeps it: it re-registers the same file on reconnect."""
+        deadline = time.monotonic() + wait_s
+        while _alive(pid):
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.05)
+        with contextlib.suppress(OSError):
+            if path.resolve().is_relative_to(self.service.shm_dir.resolve()):
+                path.unlink()
 
     async def _watchdog(self) -> None:
         timeout = self.service.heartbeat_timeout_s
@@ -560,10 +570,15 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
 
 
 def _alive(pid: int) -> bool:
+    """The process exists and is not a zombie (exited, not yet reaped by its parent)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True

@@ -202,5 +202,6 @@ def test_schema_has_every_section() -> None:
         "host",
         "storage",
         "scheduler",
+        "cache",
         "service",
     }

@@ -1,0 +1,242 @@
+"""The engine channel's boundary against a real `hicache serve`: every bad request gets an
+error reply naming what is wrong (tested message by message), a fuzzed frame gets an error
+reply or a clean close, and the server answers a valid request afterwards."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hicache.client import ClientError, connect
+from hicache.config import load_deployment
+from hicache.service import protocol as p
+from hicache.service.process import SidecarProcess
+from tests.service.conftest import write_config
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[SidecarProcess, Path]]:
+    tmp = tmp_path_factory.mktemp("channel")
+    config = write_config(tmp, max_frame_bytes="64KiB")
+    proc = SidecarProcess(config).start()
+    try:
+        yield proc, config
+    finally:
+        assert proc.stop() == 0
+
+
+def raw(proc: SidecarProcess) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    sock.connect(proc.socket)
+    return sock
+
+
+def send(sock: socket.socket, body: bytes) -> None:
+    sock.sendall(struct.pack("<I", len(body)) + body)
+
+
+def recv(sock: socket.socket) -> Any:
+    header = b""
+    while len(header) < 4:
+        chunk = sock.recv(4 - len(header))
+        if not chunk:
+            return None  # a clean close
+        header += chunk
+    (size,) = struct.unpack("<I", header)
+    body = b""
+    while len(body) < size:
+        chunk = sock.recv(size - len(body))
+        assert chunk, "the server closed mid-reply"
+        body += chunk
+    return msgpack.unpackb(body)
+
+
+def ask(sock: socket.socket, message: Any) -> Any:
+    send(sock, msgpack.packb(message))
+    return recv(sock)
+
+
+def client_for(config: Path, **kwargs: Any):  # type: ignore[no-untyped-def]
+    loaded = load_deployment(config)
+    d = loaded.deployment
+    return connect(
+        d.service.socket_path, loaded.layer_map(), page_size_tokens=16, heartbeat=False, **kwargs
+    )
+
+
+def error_of(reply: Any) -> tuple[str, str]:
+    assert reply["ok"] is False, reply
+    return reply["error"]["code"], reply["error"]["message"]
+
+
+def test_requests_before_hello_and_unknown_ops(served: tuple[SidecarProcess, Path]) -> None:
+    proc, _ = served
+    with raw(proc) as sock:
+        assert error_of(ask(sock, {"op": "lookup", "id": 1, "args": {"tokens": [1]}})) == (
+            "not_ready",
+            "lookup: send hello first",
+        )
+        code, message = error_of(ask(sock, {"op": "explode", "id": 2}))
+        assert code == "unknown_op"
+        assert message.startswith("op 'explode' is not known; allowed: heartbeat, hello, load")
+        code, message = error_of(ask(sock, {"op": "lookup", "id": 3, "oops": 1}))
+        assert (code, message) == (
+            "bad_request",
+            "unknown request fields ['oops']; allowed: op, id, args",
+        )
+        send(sock, b"\xc1not msgpack")
+        code, message = error_of(recv(sock))
+        assert code == "bad_frame"
+        assert message.startswith("frame is not valid msgpack")
+
+
+def test_argument_errors_name_field_value_and_rule(served: tuple[SidecarProcess, Path]) -> None:
+    proc, config = served
+    with client_for(config) as client:
+        with pytest.raises(ClientError) as info:
+            client.call("lookup", {"tokens": [1, -5]})
+        assert info.value.code == "bad_request"
+        assert info.value.message == (
+            "lookup.tokens.1: Input should be greater than or equal to 0 (got -5)"
+        )
+        with pytest.raises(ClientError) as info:
+            client.call("lookup", {"tokens": "abc"})
+        assert info.value.message == "lookup.tokens: Input should be a valid list (got 'abc')"
+        with pytest.raises(ClientError) as info:
+            client.call("store", {"tokens": [1] * 16, "device_pages": {"full": [0]}})
+        assert info.value.message == "store: send register_pools first"
+
+
+def test_oversized_frame_gets_an_error_then_close(served: tuple[SidecarProcess, Path]) -> None:
+    proc, _ = served
+    with raw(proc) as sock:
+        sock.sendall(struct.pack("<I", 10 * 2**20))
+        code, message = error_of(recv(sock))
+        assert code == "bad_frame"
+        assert message == (
+            "frame of 10485760 bytes exceeds service.max_frame_bytes (65536); closing the "
+            "connection"
+        )
+        assert recv(sock) is None
+
+
+def test_hello_refusals_name_the_difference(served: tuple[SidecarProcess, Path]) -> None:
+    proc, config = served
+    with raw(proc) as sock:
+        code, message = error_of(
+            ask(sock, {"op": "hello", "id": 1, "args": {"protocol": 99, "layout": {}}})
+        )
+        assert (code, message) == (
+            "refused",
+            "hello.protocol: engine speaks version 99; this sidecar speaks 1",
+        )
+    with pytest.raises(ClientError) as info:
+        client_for(config, dtype="float16")
+    assert info.value.code == "refused"
+    assert info.value.message == (
+        "hello.layout: the engine's KV layout differs from the sidecar's model; dtype: engine "
+        "'float16', sidecar 'bfloat16'"
+    )
+
+
+def test_register_pools_and_page_range_errors(served: tuple[SidecarProcess, Path]) -> None:
+    _, config = served
+    with client_for(config) as client:
+        pools = client.create_pools(4)
+        try:
+            manifest = pools.manifest()
+            bad = {**manifest, "nbytes": manifest["nbytes"] + 1}
+            with pytest.raises(ClientError) as info:
+                client.call("register_pools", bad)
+            assert info.value.message == (
+                f"register_pools.nbytes {manifest['nbytes'] + 1} does not match the file's "
+                f"size {manifest['nbytes']}"
+            )
+            outside = {**manifest, "path": "/etc/passwd"}
+            with pytest.raises(ClientError) as info:
+                client.call("register_pools", outside)
+            assert "path '/etc/passwd' is outside the shared-memory dir" in info.value.message
+            groups = {k: dict(v) for k, v in manifest["groups"].items()}
+            groups["full"]["offsets"] = [list(o) for o in groups["full"]["offsets"]]
+            groups["full"]["offsets"][1][0] = groups["full"]["offsets"][0][0]
+            with pytest.raises(ClientError) as info:
+                client.call("register_pools", {**manifest, "groups": groups})
+            assert info.value.message.endswith("overlaps groups.full.offsets[0] (k)")
+            client.register_pools(pools)
+            tokens = list(range(32))
+            with pytest.raises(ClientError) as info:
+                client.store(tokens, {"full": [0, 9], "conv": [0]})
+            assert info.value.code == "out_of_range"
+            assert info.value.message == (
+                "store.device_pages.full: pages [9] are outside the registered pool of 4 "
+                "pages (0..3)"
+            )
+            with pytest.raises(ClientError) as info:
+                client.store(tokens, {"full": [0, 1]})
+            assert info.value.message == (
+                "store.device_pages: groups ['conv'] missing; every group of the layout "
+                "needs its pages"
+            )
+            # the session still works after every refusal
+            assert client.store(tokens, {"full": [0, 1], "conv": [0]})["pages_stored"] == 3
+            with pytest.raises(ClientError) as info:
+                client.call("release", {"load_id": 12345})
+            assert info.value.code == "out_of_range"
+        finally:
+            pools.unlink()
+
+
+_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=5), st.dictionaries(st.text(max_size=10), inner, max_size=5)
+    ),
+    max_leaves=20,
+)
+_requests = st.fixed_dictionaries(
+    {"op": st.sampled_from([*p.ARGS, "nope"]), "id": st.integers(0, 2**31)},
+    optional={"args": st.dictionaries(st.text(max_size=12), _values, max_size=6)},
+)
+_frames = st.one_of(
+    _requests.map(lambda m: msgpack.packb(m)),
+    _values.map(lambda v: msgpack.packb(v)),
+    st.binary(max_size=64),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(frame=_frames)
+def test_fuzzed_frames_get_an_error_or_a_clean_close(
+    served: tuple[SidecarProcess, Path], frame: bytes
+) -> None:
+    proc, _ = served
+    with raw(proc) as sock:
+        send(sock, frame)
+        reply = recv(sock)
+        if reply is not None:
+            assert set(reply) >= {"id", "ok"}
+            if reply["ok"] is False:
+                assert reply["error"]["code"] in vars(p.ErrorCode).values()
+                assert reply["error"]["message"]
+            # and the connection still answers a valid request
+            assert ask(sock, {"op": "heartbeat", "id": 7})["id"] == 7
+    with raw(proc) as sock:  # the server is up for everyone else
+        assert ask(sock, {"op": "heartbeat", "id": 8})["error"]["code"] == "not_ready"
+

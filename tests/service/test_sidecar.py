@@ -1,0 +1,98 @@
+"""The sidecar with real processes: a `hicache serve` child and engine children speaking only
+through `hicache.client` and shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import stat
+import time
+from pathlib import Path
+
+from hicache.service.process import SidecarProcess
+from tests.service.conftest import engine, engine_result, read_event
+
+
+def test_hybrid_round_trip_across_processes_is_byte_exact(
+    sidecar: SidecarProcess, deploy: Path
+) -> None:
+    result = engine_result(engine("roundtrip", deploy, "--prompts", "3"))
+    # 3 prompts x (6 full-attention pages + 1 conv-state snapshot), every byte checked
+    assert result == {"verified": 21, "mismatches": 0, "tokens_loaded": 3 * 96}
+    stats = sidecar.get_json("/v1/stats")
+    (ns,) = stats["namespaces"]
+    assert ns["namespace"] == "tp_rank=0 tenant=''"
+    assert all(g["pinned_pages"] == 0 for g in ns["groups"].values())
+    assert stats["sessions"] == []  # the engine closed; its session ended
+
+
+def test_socket_is_private(sidecar: SidecarProcess) -> None:
+    mode = stat.S_IMODE(os.stat(sidecar.socket).st_mode)
+    assert mode == 0o600
+
+
+def test_killed_engine_releases_pins_and_a_second_engine_works(
+    sidecar: SidecarProcess, deploy: Path
+) -> None:
+    first = engine("load-loop", deploy)
+    assert read_event(first)["event"] == "registered"
+    assert read_event(first)["event"] == "looping"
+    time.sleep(0.5)  # loads are running back to back
+    first.kill()
+    first.wait()
+    deadline = time.monotonic() + 2 * 2.0  # heartbeat_timeout_s is 2 in the test config
+    while time.monotonic() < deadline:
+        stats = sidecar.get_json("/v1/stats")
+        pinned = sum(g["pinned_pages"] for ns in stats["namespaces"] for g in ns["groups"].values())
+        if not stats["sessions"] and pinned == 0:
+            break
+        time.sleep(0.05)
+    assert stats["sessions"] == [], stats
+    assert pinned == 0, stats
+    assert stats["namespaces"][0]["attached_session"] is None
+    while time.monotonic() < deadline + 5 and list(Path("/dev/shm").glob(f"hicache-*-{first.pid}-*")):
+        time.sleep(0.05)
+    # the dead engine's pool file was removed by the sidecar
+    assert list(Path("/dev/shm").glob(f"hicache-*-{first.pid}-*")) == []
+    second = engine_result(engine("roundtrip", deploy, "--prompts", "2"))
+    assert second["mismatches"] == 0
+    assert second["verified"] == 14
+
+
+def test_sigterm_mid_store_never_serves_half_written_pages(tmp_path: Path, deploy: Path) -> None:
+    first = SidecarProcess(deploy).start()
+    writer = engine("store-loop", deploy, "--prompts", "400")
+    assert read_event(writer)["event"] == "registered"
+    acknowledged = -1
+    while acknowledged < 5:
+        acknowledged = read_event(writer)["stored"]
+    assert first.stop(signal.SIGTERM) == 0  # drains and exits cleanly mid-stream
+    writer.wait(timeout=60)
+    log = deploy.with_suffix(".serve.log").read_text()
+    assert "draining" in log
+    assert "stopped" in log
+    # restart over the same file L3: what was persisted is servable, and every byte checks
+    with SidecarProcess(deploy) as second:
+        result = engine_result(engine("verify", deploy, "--prompts", str(acknowledged + 1)))
+        assert result["mismatches"] == 0
+        assert result["prompts_hit"] == acknowledged + 1  # write-through: acked means persisted
+        assert second.get("/healthz")[0] == 200
+
+
+def test_second_engine_in_same_namespace_is_refused_other_rank_is_not(
+    sidecar: SidecarProcess, deploy: Path
+) -> None:
+    first = engine("load-loop", deploy)
+    read_event(first)
+    read_event(first)
+    try:
+        same = engine("roundtrip", deploy, "--prompts", "1")
+        _, err = same.communicate(timeout=60)
+        assert same.returncode != 0
+        assert "namespace tp_rank=0 tenant='' is attached by session" in err
+        other = engine_result(engine("roundtrip", deploy, "--prompts", "1", "--tp-rank", "1"))
+        assert other["mismatches"] == 0
+        assert other["verified"] == 7
+    finally:
+        first.kill()
+        first.wait()
