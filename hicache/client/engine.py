@@ -101,6 +101,9 @@ class LoadHandle:
         self._current = current_generation
         self._stalls = stalls
         self._final: str | None = None
+        # ns from a layer landing (sidecar's clock) to this engine seeing it, for the layers
+        # it had to wait for; CLOCK_MONOTONIC is one clock for every process of the machine
+        self.signal_ns: list[int] = []
 
     def _check(self) -> None:
         if self._current() != self._generation or int(self._row[0]) != self.load_id:
@@ -132,6 +135,9 @@ class LoadHandle:
                     raise LoadFailedError(
                         f"load {self.load_id}: layer {layer_id} did not land in {timeout_s} s"
                     )
+        seen = time.monotonic_ns()
+        if row[1] == index + 1:
+            self.signal_ns.append(seen - int(row[4]))
         self._stalls.append(time.perf_counter() - started)
 
     def state(self) -> str:
@@ -300,8 +306,17 @@ class Client(_Base):
         assert self._sock is not None
         request_id, data = self._request(op, args)
         self._sock.sendall(data)
-        (size,) = p.HEADER.unpack(self._recv_exact(p.HEADER.size))
-        return self._result(request_id, p.unpack(self._recv_exact(size)))
+        # one recv holds a small reply whole (header and body): one syscall, not two
+        first = self._sock.recv(65536)
+        if len(first) < p.HEADER.size:
+            if not first:
+                raise ConnectionResetError("the sidecar closed the connection")
+            first += self._recv_exact(p.HEADER.size - len(first))
+        (size,) = p.HEADER.unpack_from(first)
+        body = first[p.HEADER.size :]
+        if len(body) < size:
+            body += self._recv_exact(size - len(body))
+        return self._result(request_id, p.unpack(body))
 
     def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
         with self._lock:

@@ -26,7 +26,7 @@ def page_bytes(pool: DevicePool, seed: int) -> bytes:
     return np.random.default_rng(seed).bytes(pool.geometry.page_bytes)
 
 
-def _rows(pool: DevicePool, page: int) -> list[np.ndarray]:  # type: ignore[type-arg]
+def _rows(pool: DevicePool, page: int) -> list[np.ndarray]:
     return [
         rows[page].numpy()
         for local_id in range(pool.geometry.num_layers)

@@ -9,8 +9,10 @@ Partial trailing pages get no key.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import json
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Literal
@@ -61,11 +63,21 @@ class PageKeyer:
     def keys(self, token_ids: Sequence[int]) -> list[PageKey]:
         """One key per full page of `token_ids`, each chained on the one before."""
         size = self.namespace.page_size_tokens
+        full = len(token_ids) // size * size
+        try:
+            words = array.array("I", token_ids[:full])  # uint32, as the wire carries them
+        except OverflowError:
+            raise ConfigError(
+                f"token ids must be in 0..{2**32 - 1} (got one outside among {full} tokens)"
+            ) from None
+        if sys.byteorder == "big":
+            words.byteswap()  # keys are defined over little-endian token bytes
+        data = words.tobytes()
+        step = 4 * size
         out: list[PageKey] = []
         previous = self._root
-        for start in range(0, len(token_ids) - size + 1, size):
-            page = token_ids[start : start + size]
-            payload = b"".join(t.to_bytes(4, "little", signed=False) for t in page)
-            previous = self._hash(previous + payload)
+        hash_ = self._hash
+        for start in range(0, len(data), step):
+            previous = hash_(previous + data[start : start + step])
             out.append(previous)
         return out

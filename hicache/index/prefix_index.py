@@ -40,6 +40,15 @@ class GroupRule:
     def of(cls, group: CacheGroup) -> GroupRule:
         return cls(group.kind, group.spec.window_tokens, group.spec.chunk_tokens)
 
+    @property
+    def needs_whole_prefix(self) -> bool:
+        """Every page of a prefix is needed to serve it (full attention, MLA, sparse)."""
+        if not self.kind.is_token_cache:
+            return False
+        if self.kind is CacheKind.SLIDING and self.window_tokens is not None:
+            return False
+        return not (self.kind is CacheKind.CHUNKED and self.chunk_tokens is not None)
+
     def needed(self, pages: int, page_size_tokens: int) -> range:
         """Page positions this group needs to serve a prefix of `pages` pages."""
         if pages == 0:
@@ -139,10 +148,28 @@ class PrefixIndex:
         return Hit(self.page_size_tokens, pages_l2, pages_total, needed)
 
     def _longest(self, keys: Mapping[str, list[PageKey]], pages: int, *, l2_only: bool) -> int:
-        for h in range(pages, 0, -1):
-            if all(self._serves(group, keys[group], h, l2_only) for group in keys):
+        """The longest prefix every group can serve. Whole-prefix groups bound it in one pass
+        (their longest present run); only the others (windows, chunks, state snapshots,
+        whose needs are not monotonic in the prefix) are checked per candidate length."""
+        limit = pages
+        others = []
+        for group, group_keys in keys.items():
+            if self.rules[group].needs_whole_prefix:
+                limit = min(limit, self._present_run(group, group_keys, limit, l2_only))
+            else:
+                others.append(group)
+        for h in range(limit, 0, -1):
+            if all(self._serves(group, keys[group], h, l2_only) for group in others):
                 return h
         return 0
+
+    def _present_run(self, group: str, keys: list[PageKey], limit: int, l2_only: bool) -> int:
+        records = self._records[group]
+        for i in range(limit):
+            record = records.get(keys[i])
+            if record is None or (record.l2_page is None and (l2_only or not record.in_l3)):
+                return i
+        return limit
 
     def _serves(self, group: str, keys: list[PageKey], pages: int, l2_only: bool) -> bool:
         records = self._records[group]

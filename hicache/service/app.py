@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import sys
@@ -68,6 +69,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
                 "model": layer_map.model_type,
                 "l3": d.storage.kind,
             }
+            gc.freeze()  # start-up objects (torch's among them) leave the collector's scans
             log.info("serving", extra={"fields": fields})
             print(
                 "hicache serve: ready "

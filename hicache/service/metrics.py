@@ -11,10 +11,10 @@ bytes, L3 breaker state and failures) are read from stats snapshots at scrape ti
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hicache.storage import GuardedStore
@@ -43,19 +43,9 @@ class ServiceMetrics:
             "hicache_request_errors", "Error replies, by error code", ["code"], registry=r
         )
         self.sessions = Gauge("hicache_sessions", "Engine sessions attached", registry=r)
-        self.hit_tokens = Counter(
-            "hicache_lookup_tokens",
-            "Prompt tokens looked up, by the tier that can serve them (hybrid-aware: a token "
-            "counts as a hit only when every cache group can serve it)",
-            ["tier"],
-            registry=r,
-        )
-        self.hit_pages = Counter(
-            "hicache_lookup_pages",
-            "Prompt pages (keys) looked up, by the tier that can serve them",
-            ["tier"],
-            registry=r,
-        )
+        # lookups are the most frequent request: plain ints here, exported at scrape time
+        self.hit_tokens = {"l2": 0, "l3": 0, "miss": 0}
+        self.hit_pages = {"l2": 0, "l3": 0, "miss": 0}
         self.transfer_bytes = Histogram(
             "hicache_transfer_bytes",
             "Bytes moved per op, by direction",
@@ -80,15 +70,23 @@ class ServiceMetrics:
             "hicache_l2_evictions", "Host (L2) pages evicted to make room", registry=r
         )
         self.page_size_tokens = 1
+        self._requests: dict[str, Any] = {}  # children bound once (labels() takes a lock)
+
+    def request(self, op: str, seconds: float) -> None:
+        child = self._requests.get(op)
+        if child is None:
+            child = self._requests[op] = self.requests.labels(op)
+        child.observe(seconds)
 
     def lookup(self, tokens_l2: int, tokens_total: int, tokens_asked: int) -> None:
         page = self.page_size_tokens
-        self.hit_tokens.labels("l2").inc(tokens_l2)
-        self.hit_tokens.labels("l3").inc(tokens_total - tokens_l2)
-        self.hit_tokens.labels("miss").inc(tokens_asked - tokens_total)
-        self.hit_pages.labels("l2").inc(tokens_l2 // page)
-        self.hit_pages.labels("l3").inc((tokens_total - tokens_l2) // page)
-        self.hit_pages.labels("miss").inc(tokens_asked // page - tokens_total // page)
+        tokens, pages = self.hit_tokens, self.hit_pages
+        tokens["l2"] += tokens_l2
+        tokens["l3"] += tokens_total - tokens_l2
+        tokens["miss"] += tokens_asked - tokens_total
+        pages["l2"] += tokens_l2 // page
+        pages["l3"] += (tokens_total - tokens_l2) // page
+        pages["miss"] += tokens_asked // page - tokens_total // page
 
     def moved(self, direction: str, nbytes: int, seconds: float) -> None:
         self.transfer_bytes.labels(direction).observe(nbytes)
@@ -99,7 +97,7 @@ class ServiceMetrics:
         namespaces: Callable[[], Iterable[Namespace]],
         store: Callable[[], GuardedStore | None],
     ) -> None:
-        self.registry.register(StateCollector(namespaces, store))
+        self.registry.register(StateCollector(namespaces, store, self))
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
@@ -110,11 +108,30 @@ class StateCollector(Collector):
         self,
         namespaces: Callable[[], Iterable[Namespace]],
         store: Callable[[], GuardedStore | None],
+        metrics: ServiceMetrics,
     ):
         self._namespaces = namespaces
         self._store = store
+        self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(
+            "hicache_lookup_tokens",
+            "Prompt tokens looked up, by the tier that can serve them (hybrid-aware: a token "
+            "counts as a hit only when every cache group can serve it)",
+            labels=["tier"],
+        )
+        pages = CounterMetricFamily(
+            "hicache_lookup_pages",
+            "Prompt pages (keys) looked up, by the tier that can serve them",
+            labels=["tier"],
+        )
+        for tier, count in self._metrics.hit_tokens.items():
+            tokens.add_metric([tier], count)
+        for tier, count in self._metrics.hit_pages.items():
+            pages.add_metric([tier], count)
+        yield tokens
+        yield pages
         queue = GaugeMetricFamily("hicache_queue_depth", "Ops queued", labels=["kind"])
         inflight = GaugeMetricFamily("hicache_inflight_bytes", "Bytes of walks in flight")
         used = GaugeMetricFamily(

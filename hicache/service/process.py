@@ -62,9 +62,7 @@ class SidecarProcess:
                     f"({self.log_path}):\n{self.log_path.read_text()[-4000:]}"
                 )
             if line.startswith("hicache serve: ready"):
-                self.ready = dict(
-                    part.split("=", 1) for part in line.split()[3:] if "=" in part
-                )
+                self.ready = dict(part.split("=", 1) for part in line.split()[3:] if "=" in part)
                 return self
         self.stop(signal.SIGKILL)
         raise SidecarStartError(f"hicache serve was not ready in {self.start_timeout_s} s")

@@ -21,10 +21,11 @@ import itertools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hicache.config import Deployment
 from hicache.errors import HicacheError
@@ -58,7 +59,7 @@ class LoadEntry:
 @dataclass
 class Session:
     id: int
-    writer: asyncio.StreamWriter
+    transport: asyncio.Transport
     last_seen: float
     engine: str = ""
     pid: int = 0
@@ -85,6 +86,7 @@ class DrainReport:
 
 
 Handler = Callable[[Session, Any], Coroutine[Any, Any, dict[str, Any]]]
+InlineHandler = Callable[[Session, Any], dict[str, Any]]
 
 
 class EngineServer:
@@ -113,16 +115,18 @@ class EngineServer:
         self._session_ids = itertools.count(1)
         self._load_ids = itertools.count(1)
         self._servers: list[asyncio.Server] = []
-        self._connections: set[asyncio.Task[None]] = set()
+        self._connections: set[EngineConnection] = set()
         self._draining = False
         self._watchdog_task: asyncio.Task[None] | None = None
         self._handlers: dict[str, Handler] = {
             "hello": self._hello,
             "register_pools": self._register_pools,
-            "lookup": self._lookup,
             "store": self._store,
             "load": self._load,
             "prefetch": self._prefetch,
+        }
+        self._inline: dict[str, InlineHandler] = {
+            "lookup": self._lookup,
             "release": self._release,
             "stats": self._stats,
             "heartbeat": self._heartbeat,
@@ -131,20 +135,19 @@ class EngineServer:
     # ---- listening ------------------------------------------------------------------------
 
     async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         path = self.service.socket_path
         path.parent.mkdir(parents=True, exist_ok=True)
         path.unlink(missing_ok=True)
         old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
-            self._servers.append(
-                await asyncio.start_unix_server(self._accept, path=str(path), limit=2**20)
-            )
+            self._servers.append(await self._loop.create_unix_server(self._accept, path=str(path)))
         finally:
             os.umask(old)
         if self.service.tcp_port is not None:
             self._servers.append(
-                await asyncio.start_server(
-                    self._accept, self.service.tcp_host, self.service.tcp_port, limit=2**20
+                await self._loop.create_server(
+                    self._accept, self.service.tcp_host, self.service.tcp_port
                 )
             )
         self._watchdog_task = self._tg.create_task(
@@ -170,54 +173,42 @@ class EngineServer:
                 return int(sock.getsockname()[1])
         return None
 
-    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.ensure_future(self._connection(reader, writer))
-        self._connections.add(task)
-        task.add_done_callback(self._connections.discard)
+    def _accept(self) -> EngineConnection:
+        return EngineConnection(self)
 
-    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _open(self, connection: EngineConnection) -> Session | None:
         if self._draining or len(self.sessions) >= self.service.max_sessions:
             reason = "draining" if self._draining else f"{len(self.sessions)} sessions (max)"
-            writer.write(p.error(0, p.ErrorCode.BUSY, f"sidecar refuses connections: {reason}"))
-            writer.close()
-            return
-        session = Session(next(self._session_ids), writer, time.monotonic())
+            connection.transport.write(
+                p.error(0, p.ErrorCode.BUSY, f"sidecar refuses connections: {reason}")
+            )
+            connection.transport.close()
+            return None
+        session = Session(next(self._session_ids), connection.transport, time.monotonic())
         self.sessions[session.id] = session
         self.metrics.sessions.set(len(self.sessions))
-        reason = "closed by engine"
+        return session
+
+    def answer_now(self, session: Session, payload: bytes) -> bytes | None:
+        """Answer a request inline when its op needs no await (lookup, heartbeat, stats,
+        release — most of the small traffic); None: it must go through `answer`."""
         try:
-            reason = await self._serve(session, reader)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            reason = "connection lost"
-        finally:
-            await self._end_session(session, reason)
+            request_id, op, args = p.parse_request(payload)
+        except p.RequestError as exc:
+            self.metrics.errors.labels(exc.code).inc()
+            return p.error(0, exc.code, exc.message)
+        handler = self._inline.get(op)
+        if handler is None or session.key is None:
+            return None
+        started = time.perf_counter()
+        try:
+            reply = p.ok(request_id, handler(session, args))
+        except Exception as exc:
+            reply = self._error_reply(session, request_id, op, exc)
+        self.metrics.request(op, time.perf_counter() - started)
+        return reply
 
-    async def _serve(self, session: Session, reader: asyncio.StreamReader) -> str:
-        limit = self.service.max_frame_bytes
-        writer = session.writer
-        while True:
-            try:
-                header = await reader.readexactly(p.HEADER.size)
-            except asyncio.IncompleteReadError:
-                return "closed by engine"
-            (size,) = p.HEADER.unpack(header)
-            if size > limit:
-                writer.write(
-                    p.error(
-                        0,
-                        p.ErrorCode.BAD_FRAME,
-                        f"frame of {size} bytes exceeds service.max_frame_bytes ({limit}); "
-                        "closing the connection",
-                    )
-                )
-                await writer.drain()
-                self.metrics.errors.labels(p.ErrorCode.BAD_FRAME).inc()
-                return "oversized frame"
-            payload = await reader.readexactly(size)
-            session.last_seen = time.monotonic()
-            writer.write(await self._answer(session, payload))
-
-    async def _answer(self, session: Session, payload: bytes) -> bytes:
+    async def answer(self, session: Session, payload: bytes) -> bytes:
         request_id = 0
         op = "?"
         started = time.perf_counter()
@@ -225,22 +216,27 @@ class EngineServer:
             request_id, op, args = p.parse_request(payload)
             if session.key is None and op != "hello":
                 raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
-            result = await self._handlers[op](session, args)
+            inline = self._inline.get(op)
+            if inline is not None:
+                result = inline(session, args)
+            else:
+                result = await self._handlers[op](session, args)
             reply = p.ok(request_id, result)
-        except p.RequestError as exc:
-            self.metrics.errors.labels(exc.code).inc()
-            reply = p.error(request_id, exc.code, exc.message)
-        except HicacheError as exc:
-            self.metrics.errors.labels(p.ErrorCode.BAD_REQUEST).inc()
-            reply = p.error(request_id, p.ErrorCode.BAD_REQUEST, f"{op}: {exc}")
-        except Exception as exc:  # the server stays up; the engine learns what happened
-            log.exception("request failed", extra={"fields": {"op": op, "session": session.id}})
-            self.metrics.errors.labels(p.ErrorCode.INTERNAL).inc()
-            reply = p.error(request_id, p.ErrorCode.INTERNAL, f"{op}: {type(exc).__name__}: {exc}")
-        self.metrics.requests.labels(op if op in self._handlers else "invalid").observe(
-            time.perf_counter() - started
-        )
+        except Exception as exc:
+            reply = self._error_reply(session, request_id, op, exc)
+        self.metrics.request(op, time.perf_counter() - started)
         return reply
+
+    def _error_reply(self, session: Session, request_id: int, op: str, exc: Exception) -> bytes:
+        if isinstance(exc, p.RequestError):
+            code, message = exc.code, exc.message
+        elif isinstance(exc, HicacheError):
+            code, message = p.ErrorCode.BAD_REQUEST, f"{op}: {exc}"
+        else:  # the server stays up; the engine learns what happened
+            log.exception("request failed", extra={"fields": {"op": op, "session": session.id}})
+            code, message = p.ErrorCode.INTERNAL, f"{op}: {type(exc).__name__}: {exc}"
+        self.metrics.errors.labels(code).inc()
+        return p.error(request_id, code, message)
 
     # ---- ops ----------------------------------------------------------------------------------
 
@@ -345,7 +341,7 @@ class EngineServer:
                 "layout needs its pages",
             )
 
-    async def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+    def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
         hit = self._ready(session, "lookup").cache.lookup(args.tokens)
         self.metrics.lookup(hit.tokens_l2, hit.tokens_total, len(args.tokens))
         return {
@@ -383,6 +379,7 @@ class EngineServer:
         row = counters.array[slot]
 
         def on_layer(upto: int) -> None:  # the copy thread, as each layer lands
+            row[4] = time.monotonic_ns()
             row[1] = upto
 
         try:
@@ -422,7 +419,7 @@ class EngineServer:
             session.counters.array[entry.slot][2] = LoadState.FREE
             session.free_slots.append(entry.slot)
 
-    async def _release(self, session: Session, args: p.Release) -> dict[str, Any]:
+    def _release(self, session: Session, args: p.Release) -> dict[str, Any]:
         self._ready(session, "release")
         entry = session.loads.get(args.load_id)
         if entry is None:
@@ -438,11 +435,11 @@ class EngineServer:
         self._free(session, args.load_id)
         return {"state": "released"}
 
-    async def _stats(self, session: Session, args: p.Empty) -> dict[str, Any]:
+    def _stats(self, session: Session, args: p.Empty) -> dict[str, Any]:
         namespace = self._ready(session, "stats")
         return namespace_stats(namespace)
 
-    async def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:
+    def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:
         for stall in args.layer_stall_s:
             self.metrics.layer_stall.observe(stall)
         return {"now": time.time()}
@@ -467,7 +464,7 @@ class EngineServer:
         self.sessions.pop(session.id, None)
         self.metrics.sessions.set(len(self.sessions))
         with contextlib.suppress(Exception):
-            session.writer.close()
+            session.transport.close()
         log.info(
             "session ended",
             extra={
@@ -488,9 +485,7 @@ class EngineServer:
             if time.monotonic() > deadline:
                 return
             await asyncio.sleep(0.05)
-        with contextlib.suppress(OSError):
-            if path.resolve().is_relative_to(self.service.shm_dir.resolve()):
-                path.unlink()
+        _remove_under(path, self.service.shm_dir)
 
     async def _watchdog(self) -> None:
         timeout = self.service.heartbeat_timeout_s
@@ -503,8 +498,7 @@ class EngineServer:
                         "engine missed heartbeats",
                         extra={"fields": {"session": session.id, "timeout_s": timeout}},
                     )
-                    transport = session.writer.transport
-                    transport.abort()  # the connection task ends the session
+                    session.transport.abort()  # connection_lost ends the session
 
     # ---- drain ----------------------------------------------------------------------------------
 
@@ -531,9 +525,10 @@ class EngineServer:
             if late:
                 await asyncio.gather(*late)
         for session in list(self.sessions.values()):
-            session.writer.transport.abort()
-        if self._connections:
-            await asyncio.gather(*self._connections, return_exceptions=True)
+            session.transport.abort()
+        ending = [c.ended for c in self._connections if c.ended is not None]
+        if ending:
+            await asyncio.gather(*ending, return_exceptions=True)
         flushed = 0
         for namespace in self.namespaces.values():
             flushed += await namespace.cache.flush()
@@ -582,3 +577,94 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return True
+
+
+class EngineConnection(asyncio.Protocol):
+    """One engine connection: frames in, replies out, in request order. Cheap ops are answered
+    inside `data_received` (no task, no await); the first op that must await starts a worker
+    task that drains the queue in order, so a later cheap op never overtakes it."""
+
+    def __init__(self, server: EngineServer):
+        self.server = server
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.session: Session | None = None
+        self.buffer = bytearray()
+        self.queue: deque[bytes] = deque()
+        self.worker: asyncio.Task[None] | None = None
+        self.ended: asyncio.Task[None] | None = None
+        self.reason = "closed by engine"
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.session = self.server._open(self)
+        if self.session is not None:
+            self.server._connections.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        session = self.session
+        if session is None or self.transport.is_closing():
+            return
+        session.last_seen = time.monotonic()
+        buffer = self.buffer
+        buffer += data
+        header = p.HEADER.size
+        limit = self.server.service.max_frame_bytes
+        while len(buffer) >= header:
+            (size,) = p.HEADER.unpack_from(buffer)
+            if size > limit:
+                self.transport.write(
+                    p.error(
+                        0,
+                        p.ErrorCode.BAD_FRAME,
+                        f"frame of {size} bytes exceeds service.max_frame_bytes ({limit}); "
+                        "closing the connection",
+                    )
+                )
+                self.server.metrics.errors.labels(p.ErrorCode.BAD_FRAME).inc()
+                self.reason = "oversized frame"
+                self.transport.close()
+                return
+            if len(buffer) < header + size:
+                break
+            payload = bytes(buffer[header : header + size])
+            del buffer[: header + size]
+            if self.worker is None:
+                reply = self.server.answer_now(session, payload)
+                if reply is not None:
+                    self.transport.write(reply)
+                    continue
+            self.queue.append(payload)
+            if self.worker is None:
+                self.worker = asyncio.ensure_future(self._drain(session))
+
+    async def _drain(self, session: Session) -> None:
+        try:
+            while self.queue:
+                reply = await self.server.answer(session, self.queue.popleft())
+                if not self.transport.is_closing():
+                    self.transport.write(reply)
+        finally:
+            self.worker = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.session is None:
+            return
+        if exc is not None and self.reason == "closed by engine":
+            self.reason = "connection lost"
+        self.ended = asyncio.ensure_future(self._end())
+
+    async def _end(self) -> None:
+        assert self.session is not None
+        if self.worker is not None:  # let the op in hand finish before its pools go away
+            await asyncio.gather(self.worker, return_exceptions=True)
+        self.queue.clear()
+        try:
+            await self.server._end_session(self.session, self.reason)
+        finally:
+            self.server._connections.discard(self)
+
+
+def _remove_under(path: Path, root: Path) -> None:
+    with contextlib.suppress(OSError):
+        if path.resolve().is_relative_to(root.resolve()):
+            path.unlink()

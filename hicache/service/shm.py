@@ -8,12 +8,14 @@ tensor offsets); the sidecar maps the same file (`map_pools`) after checking the
 file under shm_dir, ours, of the stated size) and every offset (in bounds, aligned, no two
 tensors overlapping). The engine unlinks the file when it closes; a mapping outlives the name.
 
-Counter file. The sidecar creates one per session: `slots` rows of four int64
-`[load_id, layers_done, state, num_layers]`. A load's row is written before its reply is sent;
-the copy thread bumps `layers_done` as layers land (stage-local count); the op's end sets
-`state`. The engine's `wait_layer(i)` reads `layers_done > i` from its own mapping — no message
-per layer. Aligned int64 stores are single writes on x86-64 and arm64, and each store follows
-the copy it reports in program order (x86-64 TSO; CUDA loads report after their event).
+Counter file. The sidecar creates one per session: `slots` rows of five int64
+`[load_id, layers_done, state, num_layers, landed_ns]` (landed_ns: CLOCK_MONOTONIC when the
+latest layer landed, so the engine can measure how late it saw it). A load's row is written
+before its reply is sent; the copy thread bumps `layers_done` as layers land (stage-local
+count); the op's end sets `state`. The engine's `wait_layer(i)` reads `layers_done > i` from its
+own mapping — no message per layer. Aligned int64 stores are single writes on x86-64 and
+arm64, and each store follows the copy it reports in program order (x86-64 TSO; CUDA loads
+report after their event).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from hicache.errors import PoolShapeError
 from hicache.memory import DevicePool, GroupGeometry
 
 ALIGN_BYTES = 4096
-COUNTER_FIELDS = 4  # load_id, layers_done, state, num_layers
+COUNTER_FIELDS = 5  # load_id, layers_done, state, num_layers, landed_ns
 
 
 class LoadState(IntEnum):
@@ -211,7 +213,7 @@ def map_pools(
 
 
 class CounterFile:
-    """Per-session load counters in shared memory (`slots` rows of four int64)."""
+    """Per-session load counters in shared memory (`slots` rows of five int64)."""
 
     def __init__(self, path: Path, slots: int, array: np.ndarray[Any, np.dtype[np.int64]]):
         self.path = path
@@ -238,6 +240,7 @@ class CounterFile:
         row = self.array[slot]
         row[1] = 0
         row[3] = num_layers
+        row[4] = 0
         row[2] = LoadState.RUNNING
         row[0] = load_id
 

@@ -1,0 +1,166 @@
+"""The sidecar's overheads against the embedded stack, measured in one run.
+
+Starts `hicache serve` (a real child process) for gpt-oss-20b's layout (sliding + full) and
+drives it from this process with the blocking client, then runs the same pages through the
+embedded `TieredCache` in this process. Figures:
+
+  rtt_p50_us               a small request (lookup of one page of tokens), round trip
+  ops_per_s                small requests back to back from one engine
+  layer_signal_p50_us      a layer landing in the sidecar's copy thread -> the engine's
+                           wait_layer seeing it through shared memory (both stamp
+                           CLOCK_MONOTONIC; only layers the engine was waiting for count)
+  load_ratio_vs_embedded   sidecar load GB/s / embedded load GB/s, same pages, each load timed
+                           from the request to every layer seen and the op done; the two are
+                           interleaved trial by trial so machine noise hits both alike
+
+    python benchmarks/sidecar.py        # last line: one JSON object
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+from hicache.client import connect
+from hicache.config import load_deployment
+from hicache.embedded import EmbeddedCache
+from hicache.scheduler import run
+from hicache.service.process import SidecarProcess
+from hicache.tiered import TieredCache
+
+REPO = Path(__file__).resolve().parents[1]
+PAGES, SMALL, TRIALS, LOADS_PER_TRIAL = 64, 5000, 5, 10
+
+
+def write_config(tmp: Path) -> Path:
+    data = {
+        "model": {"config_path": str(REPO / "configs/models/gpt-oss-20b.json")},
+        "device": {"pool_capacity_bytes": "128MiB"},
+        "host": {"capacity_bytes": "256MiB"},
+        "storage": {"kind": "none"},
+        "service": {"socket_path": str(tmp / "e.sock"), "http_port": None},
+    }
+    path = tmp / "deploy.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def pages_of(geometries: dict, first: int) -> dict[str, list[int]]:  # type: ignore[type-arg]
+    return {
+        name: list(range(first, first + PAGES)) if g.group.kind.is_token_cache else [first]
+        for name, g in geometries.items()
+    }
+
+
+def consume(handle, layer_ids) -> None:  # type: ignore[no-untyped-def]
+    for layer_id in layer_ids:
+        handle.wait_layer(layer_id)
+
+
+def sidecar_trial(client, tokens, dst) -> tuple[float, list[int]]:  # type: ignore[no-untyped-def]
+    signals: list[int] = []
+    start = time.perf_counter()
+    for _ in range(LOADS_PER_TRIAL):
+        handle = client.load(tokens, dst)
+        consume(handle, client.layer_map.stage_layer_ids)
+        assert handle.done() == "done"
+        signals += handle.signal_ns
+    return time.perf_counter() - start, signals
+
+
+async def embedded_trials(config: Path, tokens: list[int], results: list[float]) -> None:
+    embedded = EmbeddedCache.from_config(load_deployment(config))
+    cache = TieredCache.build(embedded)
+    layer_ids = embedded.layer_map.stage_layer_ids
+    async with embedded.scheduler.running():
+        await cache.store(tokens, pages_of(embedded.geometries, 0))
+        dst = pages_of(embedded.geometries, PAGES)
+        for _ in range(TRIALS + 1):
+            start = time.perf_counter()
+            for _ in range(LOADS_PER_TRIAL):
+                handle, _ = await cache.load(tokens, dst)
+                assert handle is not None
+                consumer = threading.Thread(target=consume, args=(handle, layer_ids))
+                consumer.start()
+                result = await handle.done()
+                await asyncio.to_thread(consumer.join)
+                assert result.ok
+            results.append(time.perf_counter() - start)
+            await asyncio.sleep(0)
+    embedded.close()
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        config = write_config(tmp)
+        loaded = load_deployment(config)
+        tokens = list(range(PAGES * loaded.deployment.model.page_size_tokens))
+        with SidecarProcess(config) as sidecar:
+            client = connect(sidecar.socket, loaded.layer_map(), heartbeat=False)
+            pools = client.create_pools(2 * PAGES)
+            client.register_pools(pools)
+            small = tokens[:16]
+            for _ in range(500):
+                client.lookup(small)
+            rtts = []
+            for _ in range(2000):
+                t0 = time.perf_counter_ns()
+                client.lookup(small)
+                rtts.append(time.perf_counter_ns() - t0)
+            t0 = time.perf_counter()
+            for _ in range(SMALL):
+                client.lookup(small)
+            ops_per_s = SMALL / (time.perf_counter() - t0)
+            client.store(tokens, pages_of(client.geometries, 0))
+            dst = pages_of(client.geometries, PAGES)
+            sidecar_trial(client, tokens, dst)  # warm-up
+            side_times, signals = [], []
+            for _ in range(TRIALS):
+                seconds, sig = sidecar_trial(client, tokens, dst)
+                side_times.append(seconds)
+                signals += sig
+            bytes_per_load = client.stats()["load"]["bytes"] // client.stats()["load"]["ops"]
+            client.close()
+        emb_times: list[float] = []
+        run(embedded_trials(config, tokens, emb_times))
+        emb_times = emb_times[1:]  # the first is the warm-up
+    side = statistics.median(side_times)
+    emb = statistics.median(emb_times)
+    load_bytes = bytes_per_load * LOADS_PER_TRIAL
+    figures = {
+        "rtt_p50_us": round(statistics.median(rtts) / 1e3, 1),
+        "rtt_p99_us": round(sorted(rtts)[int(len(rtts) * 0.99)] / 1e3, 1),
+        "ops_per_s": round(ops_per_s),
+        "layer_signal_p50_us": round(statistics.median(signals) / 1e3, 1) if signals else None,
+        "layer_signals_measured": len(signals),
+        "sidecar_load_gbps": round(load_bytes / side / 1e9, 3),
+        "embedded_load_gbps": round(load_bytes / emb / 1e9, 3),
+        "load_ratio_vs_embedded": round(emb / side, 3),
+        "bytes_per_load": bytes_per_load,
+    }
+    print(
+        f"small request: rtt p50 {figures['rtt_p50_us']} us (target <= 100), "
+        f"{figures['ops_per_s']} ops/s (target >= 10000)"
+    )
+    print(
+        f"layer signal p50 {figures['layer_signal_p50_us']} us over "
+        f"{len(signals)} waited layers (target <= 50)"
+    )
+    print(
+        f"load {bytes_per_load / 2**20:.1f} MiB: sidecar {figures['sidecar_load_gbps']} GB/s, "
+        f"embedded {figures['embedded_load_gbps']} GB/s, ratio "
+        f"{figures['load_ratio_vs_embedded']} (target >= 0.9)"
+    )
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
