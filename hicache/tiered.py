@@ -153,10 +153,12 @@ class TieredCache:
             last = len(group_keys)
             positions = range(last) if token_group else range(last - 1, last)
             pages = list(device_pages[group])
+            # a page the index knows (L2, or L3 only) is not backed up again: L3's copy is as
+            # good, and the engine may not hold it (a sliding window's evicted pages)
             wanted = [
                 (i, pages[i] if token_group else pages[0])
                 for i in positions
-                if i >= 0 and self._l2_page(group, group_keys[i]) is None
+                if i >= 0 and self.index.record(group, group_keys[i]) is None
             ]
             if not wanted:
                 continue
@@ -178,10 +180,6 @@ class TieredCache:
                     to_persist.setdefault(group, []).append(record)
         persisted = await self._persist(to_persist)
         return StoreResult(stored, persisted, evicted)
-
-    def _l2_page(self, group: str, key: bytes) -> int | None:
-        record = self.index.record(group, key)
-        return None if record is None else record.l2_page
 
     async def _make_room(self, group: str, count: int) -> int:
         pool = self.embedded.host_tier.pool(group)
@@ -220,12 +218,15 @@ class TieredCache:
         device_pages: Mapping[str, Sequence[int]],
         *,
         on_layer: LayerListener | None = None,
+        skip_pages: int = 0,
     ) -> tuple[OpHandle | None, Hit]:
         """Load the usable prefix into the given device pages; returns the handle (None when
-        nothing hits) and the hit actually loaded — shorter than `lookup`'s when L3 pages
-        could not be fetched in time, with those pages' positions in `hit.failed`."""
+        nothing beyond `skip_pages` hits) and the hit actually loaded — shorter than
+        `lookup`'s when L3 pages could not be fetched in time, with those pages' positions in
+        `hit.failed`. `skip_pages`: the engine's own device cache holds the prompt's first
+        pages; only later ones move."""
         await self.discover(token_ids)
-        hit = self.index.lookup(token_ids)
+        hit = self.index.lookup(token_ids, skip_pages=skip_pages)
         await self._persist_hot(hit)
         failed: dict[str, tuple[int, ...]] = {}
         if hit.pages_total > hit.pages_l2:
@@ -235,15 +236,17 @@ class TieredCache:
                 for group, rows in hit.needed.items()
                 if (lost := tuple(i for i, r in rows if r.l2_page is None))
             }
-            hit = self.index.lookup(token_ids, touch=False)
+            hit = self.index.lookup(token_ids, touch=False, skip_pages=skip_pages)
         pages, size = hit.pages_l2, hit.page_size_tokens
-        if pages == 0:
+        if pages <= skip_pages:
             return None, Hit(size, 0, 0, {}, failed)
         keys = self.index.keys(token_ids)
         needed: dict[str, tuple[tuple[int, PageRecord], ...]] = {}
         for group, group_keys in keys.items():
             rows: list[tuple[int, PageRecord]] = []
             for i in self.index.rules[group].needed(pages, size):
+                if i < skip_pages:
+                    continue
                 record = self.index.record(group, group_keys[i])
                 assert record is not None
                 assert record.l2_page is not None

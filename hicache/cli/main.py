@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -37,9 +38,28 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the sidecar until SIGTERM/SIGINT")
     serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
 
-    demo = sub.add_parser("demo", help="the main job on the embedded defaults")
+    demo = sub.add_parser(
+        "demo", help="the main job: a sidecar and a synthetic engine replaying a chat trace"
+    )
     demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    demo.add_argument("--model", type=Path, help="a config.json to use instead of the config's")
+    demo.add_argument("--json", action="store_true", help="end with one JSON line of figures")
+    demo.add_argument("--host-capacity", default="96MiB", help="the sidecar's L2, scaled down")
+    demo.add_argument("--device-pages", type=int, default=128, help="the engine's pool per group")
+    demo.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
+    demo.add_argument("--keep", action="store_true", help="keep the run directory")
+    trace = demo.add_argument_group("trace")
+    for name, value in _trace_defaults():
+        trace.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
     return parser
+
+
+def _trace_defaults() -> list[tuple[str, int]]:
+    from dataclasses import asdict
+
+    from hicache.demo.trace import TraceOptions
+
+    return list(asdict(TraceOptions()).items())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -131,14 +151,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from hicache.config import load_deployment
+    from hicache.demo import run_demo
+    from hicache.demo.trace import TraceOptions
     from hicache.model.render import layout_table
 
-    loaded = load_deployment(args.config)
-    print(f"== deployment {args.config}")
-    print(format_effective(loaded.effective()))
-    print()
-    print("== layout")
-    print(layout_table(loaded.layer_map()))
-    from hicache.demo import run_demo
-
-    return run_demo(loaded)
+    env = dict(os.environ)
+    if args.model is not None:
+        env["HICACHE_MODEL__CONFIG_PATH"] = str(args.model.resolve())
+    loaded = load_deployment(args.config, env=env)
+    if not args.json:
+        print(f"== deployment {args.config}")
+        print(format_effective(loaded.effective()))
+        print()
+        print("== layout")
+        print(layout_table(loaded.layer_map()))
+    trace = TraceOptions(**{name: getattr(args, name) for name, _ in _trace_defaults()})
+    return run_demo(
+        args.config,
+        storage_kind=loaded.deployment.storage.kind,
+        model=args.model,
+        trace=trace,
+        host_bytes=args.host_capacity,
+        device_pages=args.device_pages,
+        prefill_tokens_per_s=args.prefill_tokens_per_s,
+        as_json=args.json,
+        keep=args.keep,
+    )

@@ -364,9 +364,21 @@ class Client(_Base):
         return self.call("store", {"tokens": list(tokens), "device_pages": _pages(device_pages)})
 
     def load(
-        self, tokens: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+        self,
+        tokens: Sequence[int],
+        device_pages: Mapping[str, Sequence[int]],
+        skip_pages: int = 0,
     ) -> LoadHandle | None:
-        reply = self.call("load", {"tokens": list(tokens), "device_pages": _pages(device_pages)})
+        """Load the prompt's hit into `device_pages` (per group, in token order; one snapshot
+        page for a state group). `skip_pages`: the first pages are on the device already."""
+        reply = self.call(
+            "load",
+            {
+                "tokens": list(tokens),
+                "device_pages": _pages(device_pages),
+                "skip_pages": skip_pages,
+            },
+        )
         return self._handle(reply, self.release)
 
     def prefetch(self, tokens: Sequence[int]) -> int:
@@ -503,10 +515,18 @@ class AsyncClient(_Base):
         )
 
     async def load(
-        self, tokens: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+        self,
+        tokens: Sequence[int],
+        device_pages: Mapping[str, Sequence[int]],
+        skip_pages: int = 0,
     ) -> LoadHandle | None:
         reply = await self.call(
-            "load", {"tokens": list(tokens), "device_pages": _pages(device_pages)}
+            "load",
+            {
+                "tokens": list(tokens),
+                "device_pages": _pages(device_pages),
+                "skip_pages": skip_pages,
+            },
         )
         loop = asyncio.get_running_loop()
 

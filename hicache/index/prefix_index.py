@@ -127,17 +127,21 @@ class PrefixIndex:
     def keys(self, token_ids: Sequence[int]) -> dict[str, list[PageKey]]:
         return {group: keyer.keys(token_ids) for group, keyer in self.keyers.items()}
 
-    def lookup(self, token_ids: Sequence[int], *, touch: bool = True) -> Hit:
+    def lookup(self, token_ids: Sequence[int], *, touch: bool = True, skip_pages: int = 0) -> Hit:
+        """The hit per tier. `skip_pages`: the engine holds the prompt's first pages already
+        (its own device cache); they count as served, and `needed` lists only later pages."""
         keys = self.keys(token_ids)
         pages = min((len(k) for k in keys.values()), default=0)
-        pages_l2 = self._longest(keys, pages, l2_only=True)
-        pages_total = self._longest(keys, pages, l2_only=False)
+        skip = min(skip_pages, pages)
+        pages_l2 = self._longest(keys, pages, l2_only=True, skip=skip)
+        pages_total = self._longest(keys, pages, l2_only=False, skip=skip)
         needed = {}
         for group, group_keys in keys.items():
             records = self._records[group]
             rows = tuple(
                 (i, records[group_keys[i]])
                 for i in self.rules[group].needed(pages_total, self.page_size_tokens)
+                if i >= skip
             )
             needed[group] = rows
             if touch:
@@ -147,7 +151,9 @@ class PrefixIndex:
                         self._policies[group].touch(record.key)
         return Hit(self.page_size_tokens, pages_l2, pages_total, needed)
 
-    def _longest(self, keys: Mapping[str, list[PageKey]], pages: int, *, l2_only: bool) -> int:
+    def _longest(
+        self, keys: Mapping[str, list[PageKey]], pages: int, *, l2_only: bool, skip: int = 0
+    ) -> int:
         """The longest prefix every group can serve. Whole-prefix groups bound it in one pass
         (their longest present run); only the others (windows, chunks, state snapshots,
         whose needs are not monotonic in the prefix) are checked per candidate length."""
@@ -155,25 +161,33 @@ class PrefixIndex:
         others = []
         for group, group_keys in keys.items():
             if self.rules[group].needs_whole_prefix:
-                limit = min(limit, self._present_run(group, group_keys, limit, l2_only))
+                limit = min(limit, self._present_run(group, group_keys, limit, l2_only, skip))
             else:
                 others.append(group)
         for h in range(limit, 0, -1):
-            if all(self._serves(group, keys[group], h, l2_only) for group in others):
+            if h <= skip or all(
+                self._serves(group, keys[group], h, l2_only, skip) for group in others
+            ):
                 return h
         return 0
 
-    def _present_run(self, group: str, keys: list[PageKey], limit: int, l2_only: bool) -> int:
+    def _present_run(
+        self, group: str, keys: list[PageKey], limit: int, l2_only: bool, skip: int
+    ) -> int:
         records = self._records[group]
-        for i in range(limit):
+        for i in range(min(skip, limit), limit):
             record = records.get(keys[i])
             if record is None or (record.l2_page is None and (l2_only or not record.in_l3)):
                 return i
         return limit
 
-    def _serves(self, group: str, keys: list[PageKey], pages: int, l2_only: bool) -> bool:
+    def _serves(
+        self, group: str, keys: list[PageKey], pages: int, l2_only: bool, skip: int = 0
+    ) -> bool:
         records = self._records[group]
         for i in self.rules[group].needed(pages, self.page_size_tokens):
+            if i < skip:
+                continue
             record = records.get(keys[i])
             if record is None or (record.l2_page is None and (l2_only or not record.in_l3)):
                 return False

@@ -26,7 +26,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from hicache.config.schema import Deployment, StorageSection
 from hicache.service.metrics import ServiceMetrics
-from hicache.service.server import EngineServer, namespace_stats
+from hicache.service.server import EngineServer, namespace_stats, store_stats
 from hicache.storage import GuardedStore
 from hicache.storage.factory import make_backend
 from hicache.storage.guarded import BreakerState
@@ -112,18 +112,7 @@ class ControlApi:
                     for s in self.server.sessions.values()
                 ],
                 "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
-                "l3": None
-                if store is None
-                else {
-                    "breaker": store.breaker.state.value,
-                    "puts": store.stats.puts,
-                    "stored": store.stats.stored,
-                    "gets": store.stats.gets,
-                    "hits": store.stats.hits,
-                    "misses": store.stats.misses,
-                    "corrupt_dropped": store.stats.corrupt_dropped,
-                    "failures": dict(store.stats.failures),
-                },
+                "l3": store_stats(store),
             }
         )
 

@@ -83,6 +83,11 @@ class PagesRequest(Msg):
     device_pages: Annotated[dict[Name, PageIds], Field(max_length=64)]
 
 
+class LoadRequest(PagesRequest):
+    # the engine's own device cache holds the prompt's first pages: load only later ones
+    skip_pages: int = Field(default=0, ge=0, le=PAGE_ID_MAX)
+
+
 class Release(Msg):
     load_id: int = Field(ge=0)
 
@@ -103,7 +108,7 @@ ARGS: dict[str, type[Msg]] = {
     "register_pools": RegisterPools,
     "lookup": Tokens,
     "store": PagesRequest,
-    "load": PagesRequest,
+    "load": LoadRequest,
     "prefetch": Tokens,
     "release": Release,
     "stats": Empty,

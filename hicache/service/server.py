@@ -361,7 +361,7 @@ class EngineServer:
         pages = await self._ready(session, "prefetch").cache.prefetch(args.tokens)
         return {"pages_fetched": pages}
 
-    async def _load(self, session: Session, args: p.PagesRequest) -> dict[str, Any]:
+    async def _load(self, session: Session, args: p.LoadRequest) -> dict[str, Any]:
         namespace = self._ready(session, "load")
         self._check_pages(session, "load", args.device_pages)
         counters = session.counters
@@ -384,7 +384,7 @@ class EngineServer:
 
         try:
             handle, hit = await namespace.cache.load(
-                args.tokens, args.device_pages, on_layer=on_layer
+                args.tokens, args.device_pages, on_layer=on_layer, skip_pages=args.skip_pages
             )
         except BaseException:
             row[2] = LoadState.FREE
@@ -437,7 +437,7 @@ class EngineServer:
 
     def _stats(self, session: Session, args: p.Empty) -> dict[str, Any]:
         namespace = self._ready(session, "stats")
-        return namespace_stats(namespace)
+        return {**namespace_stats(namespace), "l3": store_stats(self.store)}
 
     def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:
         for stall in args.layer_stall_s:
@@ -561,6 +561,27 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "ops_by_state": dict(sched.ops_by_state),
         "load": asdict(sched.load),
         "backup": asdict(sched.backup),
+    }
+
+
+def store_stats(store: GuardedStore | None) -> dict[str, Any] | None:
+    if store is None:
+        return None
+    s = store.stats
+    return {
+        "breaker": store.breaker.state.value,
+        "puts": s.puts,
+        "stored": s.stored,
+        "gets": s.gets,
+        "hits": s.hits,
+        "misses": s.misses,
+        "corrupt_dropped": s.corrupt_dropped,
+        "skipped_open": s.skipped_open,
+        "put_bytes": s.put_bytes,
+        "put_seconds": s.put_seconds,
+        "get_bytes": s.get_bytes,
+        "get_seconds": s.get_seconds,
+        "failures": dict(s.failures),
     }
 
 

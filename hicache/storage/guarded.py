@@ -93,6 +93,10 @@ class StoreStats:
     misses: int = 0
     corrupt_dropped: int = 0
     skipped_open: int = 0
+    put_bytes: int = 0  # payload bytes acknowledged stored
+    put_seconds: float = 0.0
+    get_bytes: int = 0  # payload bytes returned verified
+    get_seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
 
 
@@ -143,6 +147,7 @@ class GuardedStore:
         no fresh allocation, so no first-touch page faults, on the put path); puts are
         serialized so the arena is never shared by two batches in flight."""
         async with self._arena_lock:
+            started = time.perf_counter()
             self.stats.puts += len(items)
             sizes = [object_format.encoded_size(key, memoryview(p).nbytes) for key, p in items]
             nbytes = sum(sizes)
@@ -168,6 +173,10 @@ class GuardedStore:
                     self._arena = bytearray()
             stored = result if result is not None else [False] * len(items)
             self.stats.stored += sum(stored)
+            self.stats.put_bytes += sum(
+                memoryview(p).nbytes for (_, p), ok in zip(items, stored, strict=True) if ok
+            )
+            self.stats.put_seconds += time.perf_counter() - started
             return stored
 
     async def get(self, keys: Sequence[bytes], expected_bytes: int = 0) -> list[memoryview | None]:
@@ -178,6 +187,7 @@ class GuardedStore:
         """Like `get`, and says whether the backend answered: a None then means the object is
         definitively absent or corrupt, not that the backend could not be asked."""
         self.stats.gets += len(keys)
+        started = time.perf_counter()
         result = await self._call("get", expected_bytes, lambda: self.backend.get_many(keys))
         answered = result is not None
         raw: list[bytes | None] = result if result is not None else [None] * len(keys)
@@ -196,6 +206,8 @@ class GuardedStore:
             self.stats.corrupt_dropped += len(corrupt)
             await self._call("delete", 0, lambda: self.backend.delete_many(corrupt))
         hits = sum(v is not None for v in out)
+        self.stats.get_bytes += sum(v.nbytes for v in out if v is not None)
+        self.stats.get_seconds += time.perf_counter() - started
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits
         return Fetched(out, answered)
