@@ -95,10 +95,16 @@ def test_errors_exit_2_with_one_clear_line(tmp_path: Path) -> None:
     assert "cannot read model config '/does/not/exist.json'" in missing.stderr
 
 
-def test_demo_prints_layout_and_config() -> None:
-    result = hicache("demo")
+def test_demo_prints_layout_config_and_summary() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "hicache", "demo", "--conversations", "4", "--turns", "2"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     assert "pattern: (S F)×12" in result.stdout
     assert "host.capacity_bytes" in result.stdout
-    assert "host tier: " in result.stdout
+    assert "hit rate L1 / L2 / L3" in result.stdout
     assert result.stdout.rstrip().endswith("mismatches: 0")

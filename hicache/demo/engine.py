@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hicache.demo.engine")
     parser.add_argument("--config", required=True)
     parser.add_argument("--socket", required=True)
-    parser.add_argument("--device-pages", type=int, default=128)
+    parser.add_argument("--device-pages", type=int, default=64)
     parser.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
     for name, default in asdict(TraceOptions()).items():
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)

@@ -2,9 +2,9 @@
 
 A few system prompts are shared by many conversations; each conversation grows turn by turn
 (the next prompt is the previous one plus the reply and a new user message); a few cold
-requests share nothing. Turns are interleaved across conversations (every conversation's
-turn 1, then every turn 2, ...), so by a conversation's next turn its pages have been pushed
-out of the engine's pool (L1) and, as the trace grows, out of host memory (L2) into L3.
+requests share nothing. Turns of different conversations interleave at random (users come
+back after varied pauses), so a conversation's earlier pages may still be in the engine's
+pool (L1), in host memory (L2), or only in L3 by the time its next turn arrives.
 """
 
 from __future__ import annotations
@@ -40,19 +40,21 @@ def build_trace(opts: TraceOptions) -> list[Request]:
 
     systems = [tokens(opts.system_tokens) for _ in range(opts.system_prompts)]
     histories = [list(systems[c % opts.system_prompts]) for c in range(opts.conversations)]
+    turns_left = [opts.turns] * opts.conversations
     total = opts.conversations * opts.turns
-    cold_at = sorted(rng.sample(range(total), min(opts.cold_requests, total)))
+    cold_at = set(rng.sample(range(total), min(opts.cold_requests, total)))
     trace: list[Request] = []
     colds = 0
-    step = 0
-    for turn in range(opts.turns):
-        for conv in range(opts.conversations):
-            histories[conv] += tokens(opts.turn_tokens)
-            trace.append(Request(f"conv{conv}/turn{turn}", tuple(histories[conv])))
-            while colds < len(cold_at) and cold_at[colds] == step:
-                trace.append(Request(f"cold{colds}", tuple(tokens(opts.cold_tokens))))
-                colds += 1
-            step += 1
+    for step in range(total):
+        # users come back after varied pauses: any open conversation may be next
+        conv = rng.choice([c for c, left in enumerate(turns_left) if left])
+        turn = opts.turns - turns_left[conv]
+        turns_left[conv] -= 1
+        histories[conv] += tokens(opts.turn_tokens)
+        trace.append(Request(f"conv{conv}/turn{turn}", tuple(histories[conv])))
+        if step in cold_at:
+            trace.append(Request(f"cold{colds}", tuple(tokens(opts.cold_tokens))))
+            colds += 1
     while colds < opts.cold_requests:
         trace.append(Request(f"cold{colds}", tuple(tokens(opts.cold_tokens))))
         colds += 1

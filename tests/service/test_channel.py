@@ -221,7 +221,9 @@ _frames = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(frame=_frames)
 def test_fuzzed_frames_get_an_error_or_a_clean_close(
     served: tuple[SidecarProcess, Path], frame: bytes
@@ -239,4 +241,3 @@ def test_fuzzed_frames_get_an_error_or_a_clean_close(
             assert ask(sock, {"op": "heartbeat", "id": 7})["id"] == 7
     with raw(proc) as sock:  # the server is up for everyone else
         assert ask(sock, {"op": "heartbeat", "id": 8})["error"]["code"] == "not_ready"
-

@@ -50,7 +50,9 @@ def test_killed_engine_releases_pins_and_a_second_engine_works(
     assert stats["sessions"] == [], stats
     assert pinned == 0, stats
     assert stats["namespaces"][0]["attached_session"] is None
-    while time.monotonic() < deadline + 5 and list(Path("/dev/shm").glob(f"hicache-*-{first.pid}-*")):
+    while time.monotonic() < deadline + 5 and list(
+        Path("/dev/shm").glob(f"hicache-*-{first.pid}-*")
+    ):
         time.sleep(0.05)
     # the dead engine's pool file was removed by the sidecar
     assert list(Path("/dev/shm").glob(f"hicache-*-{first.pid}-*")) == []
