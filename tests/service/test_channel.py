@@ -100,7 +100,7 @@ def test_requests_before_hello_and_unknown_ops(served: tuple[SidecarProcess, Pat
 
 
 def test_argument_errors_name_field_value_and_rule(served: tuple[SidecarProcess, Path]) -> None:
-    proc, config = served
+    _, config = served
     with client_for(config) as client:
         with pytest.raises(ClientError) as info:
             client.call("lookup", {"tokens": [1, -5]})

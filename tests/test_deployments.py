@@ -1,0 +1,94 @@
+"""Every shipped deployment validates, with the layout its comments promise, and the docker
+files reference what exists: compose's build files and mounts, and the config it mounts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hicache.config import load_deployment
+from hicache.model import CacheKind
+from tests.conftest import CONFIGS, REPO
+
+EXPECTED = {
+    # file: (model_type, layers, {group: kind}, storage kind)
+    "default.yaml": ("gpt_oss", 24, {"sliding": "sliding", "full": "full"}, "file"),
+    "llama-3.1-8b.yaml": ("llama", 32, {"full": "full"}, "file"),
+    "gpt-oss-120b.yaml": ("gpt_oss", 36, {"sliding": "sliding", "full": "full"}, "redis"),
+    "qwen3-next-80b.yaml": ("qwen3_next", 48, {"linear": "linear", "full": "full"}, "mooncake"),
+    "deepseek-v3.2.yaml": ("deepseek_v32", 61, {"sparse": "sparse"}, "file"),
+    "compose.yaml": ("gpt_oss", 24, {"sliding": "sliding", "full": "full"}, "redis"),
+    "compose-mooncake.yaml": ("gpt_oss", 24, {"sliding": "sliding", "full": "full"}, "mooncake"),
+}
+
+
+def test_every_config_is_covered() -> None:
+    assert {p.name for p in CONFIGS.glob("*.yaml")} == set(EXPECTED)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_deployment_validates_with_its_layout(name: str) -> None:
+    model_type, layers, groups, storage = EXPECTED[name]
+    # a token is required where a listener is exposed (gpt-oss-120b binds 0.0.0.0)
+    loaded = load_deployment(CONFIGS / name, env={"HICACHE_SERVICE__TOKEN": "t"})
+    layer_map = loaded.layer_map()
+    assert layer_map.model_type == model_type
+    assert layer_map.layout.num_layers == layers
+    assert {g.name: g.kind.value for g in layer_map.groups} == groups
+    assert loaded.deployment.storage.kind == storage
+    if name == "deepseek-v3.2.yaml":  # DSA layers are sparse, never "full attention"
+        assert layer_map.layout.full_attention_layer_ids == ()
+        assert not layer_map.is_full_attention_layer(0)
+        assert layer_map.groups[0].kind is CacheKind.SPARSE
+
+
+def test_exposed_deployment_without_token_is_refused() -> None:
+    from hicache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="http_host=0.0.0.0 binds beyond loopback"):
+        load_deployment(CONFIGS / "gpt-oss-120b.yaml", env={})
+
+
+def test_compose_references_existing_files_and_a_valid_config() -> None:
+    compose_path = REPO / "docker" / "compose.yaml"
+    compose = yaml.safe_load(compose_path.read_text())
+    services = compose["services"]
+    assert {"hicache", "redis", "mooncake-master"} <= set(services)
+    for name, service in services.items():
+        build = service.get("build")
+        if build:
+            context = (compose_path.parent / build["context"]).resolve()
+            assert (context / build["dockerfile"]).exists(), name
+        assert "healthcheck" in service, f"{name} has no healthcheck"
+    hicache = services["hicache"]
+    assert "/healthz" in " ".join(hicache["healthcheck"]["test"])
+    mounts = {}
+    for volume in hicache["volumes"]:
+        source, target, *_ = volume.split(":")
+        if source.startswith("."):
+            path = (compose_path.parent / source).resolve()
+            assert path.exists(), f"compose mounts {source}, which does not exist"
+            mounts[target] = path
+    config = mounts["/etc/hicache/deploy.yaml"]
+    env = {
+        k: str(v).replace("${HICACHE_TOKEN:?set HICACHE_TOKEN}", "t")
+        for k, v in hicache["environment"].items()
+    }
+    loaded = load_deployment(config, env=env)
+    assert loaded.deployment.service.http_host == "0.0.0.0"
+    assert loaded.deployment.storage.kind == "redis"
+    # the config's model path, resolved inside the container, is a mounted file
+    container_model = Path("/etc/hicache") / "models" / "gpt-oss-20b.json"
+    assert container_model.parent.as_posix() in mounts
+    assert (mounts[container_model.parent.as_posix()] / container_model.name).exists()
+
+
+def test_dockerfiles_serve_with_a_healthcheck_as_non_root() -> None:
+    for dockerfile in sorted((REPO / "docker").glob("Dockerfile*")):
+        text = dockerfile.read_text()
+        assert "HEALTHCHECK" in text
+        assert "/healthz" in text
+        assert '"serve"' in text
+        assert "USER hicache" in text
