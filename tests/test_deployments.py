@@ -3,6 +3,7 @@ files reference what exists: compose's build files and mounts, and the config it
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -47,7 +48,7 @@ def test_deployment_validates_with_its_layout(name: str) -> None:
 def test_exposed_deployment_without_token_is_refused() -> None:
     from hicache.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="http_host=0.0.0.0 binds beyond loopback"):
+    with pytest.raises(ConfigError, match=re.escape("http_host=0.0.0.0 binds beyond loopback")):
         load_deployment(CONFIGS / "gpt-oss-120b.yaml", env={})
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.errors import HicacheError
-from hicache.memory import GroupGeometry, torch_dtype
+from hicache.memory import DevicePool, GroupGeometry, torch_dtype
 from hicache.model import LayerMap
 from hicache.service import protocol as p
 from hicache.service.shm import CounterFile, LoadState, SharedPools
@@ -196,6 +196,7 @@ class _Base:
         self._ids = itertools.count(1)
         self.session: dict[str, Any] = {}
         self.pools: SharedPools | None = None
+        self._registration: tuple[str, dict[str, Any]] | None = None  # replayed on reconnect
         self.counters: CounterFile | None = None
         self.generation = 0
         self.stalls: list[float] = []
@@ -288,8 +289,8 @@ class Client(_Base):
         sock.connect(addr)
         self._sock = sock
         self.session = self._exchange("hello", self._hello)
-        if self.pools is not None:
-            self._pools_registered(self._exchange("register_pools", self.pools.manifest()))
+        if self._registration is not None:
+            self._pools_registered(self._exchange(*self._registration))
 
     def _recv_exact(self, n: int) -> bytes:
         assert self._sock is not None
@@ -351,8 +352,18 @@ class Client(_Base):
     # ---- the API ---------------------------------------------------------------------------
 
     def register_pools(self, pools: SharedPools) -> None:
+        """Share a pool made by `create_pools` (the CPU data plane)."""
         self.pools = pools
-        self._pools_registered(self.call("register_pools", pools.manifest()))
+        self._registration = ("register_pools", pools.manifest())
+        self._pools_registered(self.call(*self._registration))
+
+    def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
+        """Share the engine's CUDA pools by IPC handle (a sidecar with device.kind: cuda); keep
+        the tensors alive while registered."""
+        from hicache.service.cuda_ipc import export_cuda_pools
+
+        self._registration = ("register_cuda_pools", export_cuda_pools(pools))
+        self._pools_registered(self.call(*self._registration))
 
     def lookup(self, tokens: Sequence[int]) -> Lookup:
         r = self.call("lookup", {"tokens": list(tokens)})
@@ -450,8 +461,8 @@ class AsyncClient(_Base):
         else:
             self._reader, self._writer = await asyncio.open_connection(*addr)
         self.session = await self._exchange("hello", self._hello)
-        if self.pools is not None:
-            self._pools_registered(await self._exchange("register_pools", self.pools.manifest()))
+        if self._registration is not None:
+            self._pools_registered(await self._exchange(*self._registration))
 
     async def _exchange(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
         assert self._reader is not None
@@ -501,7 +512,14 @@ class AsyncClient(_Base):
 
     async def register_pools(self, pools: SharedPools) -> None:
         self.pools = pools
-        self._pools_registered(await self.call("register_pools", pools.manifest()))
+        self._registration = ("register_pools", pools.manifest())
+        self._pools_registered(await self.call(*self._registration))
+
+    async def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
+        from hicache.service.cuda_ipc import export_cuda_pools
+
+        self._registration = ("register_cuda_pools", export_cuda_pools(pools))
+        self._pools_registered(await self.call(*self._registration))
 
     async def lookup(self, tokens: Sequence[int]) -> Lookup:
         r = await self.call("lookup", {"tokens": list(tokens)})

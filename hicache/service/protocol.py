@@ -74,6 +74,32 @@ class RegisterPools(Msg):
     groups: Annotated[dict[Name, GroupManifest], Field(max_length=64)]
 
 
+class CudaTensor(Msg):
+    device: int = Field(ge=0, le=1024)
+    handle: bytes = Field(max_length=256)
+    storage_bytes: int = Field(ge=0)
+    storage_offset_bytes: int = Field(ge=0)
+    ref_handle: bytes = Field(max_length=4096)
+    ref_offset: int = Field(ge=0)
+    event_handle: bytes = Field(max_length=256)
+    event_sync: bool
+    shape: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]
+    stride: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=8)]
+    offset: int = Field(ge=0)
+    dtype: str = Field(max_length=32)
+
+
+class CudaGroup(Msg):
+    num_pages: int = Field(ge=1, le=PAGE_ID_MAX)
+    tensors: Annotated[
+        list[Annotated[list[CudaTensor], Field(max_length=16)]], Field(max_length=4096)
+    ]
+
+
+class RegisterCudaPools(Msg):
+    groups: Annotated[dict[Name, CudaGroup], Field(max_length=64)]
+
+
 class Tokens(Msg):
     tokens: TokenIds
 
@@ -106,6 +132,7 @@ class Heartbeat(Msg):
 ARGS: dict[str, type[Msg]] = {
     "hello": Hello,
     "register_pools": RegisterPools,
+    "register_cuda_pools": RegisterCudaPools,
     "lookup": Tokens,
     "store": PagesRequest,
     "load": LoadRequest,

@@ -121,6 +121,7 @@ class EngineServer:
         self._handlers: dict[str, Handler] = {
             "hello": self._hello,
             "register_pools": self._register_pools,
+            "register_cuda_pools": self._register_cuda_pools,
             "store": self._store,
             "load": self._load,
             "prefetch": self._prefetch,
@@ -281,13 +282,48 @@ class EngineServer:
         }
 
     async def _register_pools(self, session: Session, args: p.RegisterPools) -> dict[str, Any]:
-        assert session.key is not None
-        if session.pools is not None:
-            raise p.RequestError(p.ErrorCode.REFUSED, "register_pools: pools already registered")
+        """The CPU data plane: the engine's pool is a file in shared memory we map."""
+        if self.deployment.device.kind != "cpu":
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                "register_pools: this sidecar copies on CUDA (device.kind: cuda); export the "
+                "engine's CUDA pools with register_cuda_pools",
+            )
+        self._check_unregistered(session, "register_pools")
         try:
             pools = map_pools(args.model_dump(), self.geometries, self.service.shm_dir)
         except (ManifestError, HicacheError) as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
+        reply = await self._attach(session, pools)
+        session.pool_path = Path(args.path)
+        return reply
+
+    async def _register_cuda_pools(
+        self, session: Session, args: p.RegisterCudaPools
+    ) -> dict[str, Any]:
+        """The CUDA data plane: the engine's pool tensors arrive as CUDA IPC handles."""
+        if self.deployment.device.kind != "cuda":
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu); share the "
+                "pool through shared memory with register_pools, or run the sidecar with "
+                "device.kind: cuda",
+            )
+        self._check_unregistered(session, "register_cuda_pools")
+        from hicache.service.cuda_ipc import map_cuda_pools  # torch.cuda only when used
+
+        try:
+            pools = map_cuda_pools(args.model_dump(), self.geometries)
+        except (ManifestError, HicacheError) as exc:
+            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_cuda_pools.{exc}") from None
+        return await self._attach(session, pools)
+
+    def _check_unregistered(self, session: Session, op: str) -> None:
+        if session.pools is not None:
+            raise p.RequestError(p.ErrorCode.REFUSED, f"{op}: pools already registered")
+
+    async def _attach(self, session: Session, pools: dict[str, DevicePool]) -> dict[str, Any]:
+        assert session.key is not None
         counters = CounterFile.create(self.service.shm_dir, self.service.load_slots)
         try:
             namespace = self.namespaces.get(session.key)
@@ -307,7 +343,6 @@ class EngineServer:
             counters.unlink()
             raise
         session.namespace, session.pools, session.counters = namespace, pools, counters
-        session.pool_path = Path(args.path)
         session.free_slots = list(range(self.service.load_slots - 1, -1, -1))
         return {"counters": str(counters.path), "slots": counters.slots}
 

@@ -18,10 +18,11 @@ from hicache.service.process import SidecarProcess
 from tests.conftest import REPO, shared_model
 
 
-def write_config(tmp_path: Path, **service: Any) -> Path:
+def write_config(tmp_path: Path, device: str = "cpu", **service: Any) -> Path:
     # Unix socket paths are limited to ~108 bytes; keep the socket short and in the test dir
     data = {
         "model": {"config_path": str(shared_model("lfm2_350m.json")), "page_size_tokens": 16},
+        "device": {"kind": device},
         "host": {"capacity_bytes": "16MiB"},
         "storage": {"kind": "file", "path": str(tmp_path / "l3")},
         "cache": {"prefetch_policy": "wait_complete"},

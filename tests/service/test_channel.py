@@ -171,6 +171,12 @@ def test_register_pools_and_page_range_errors(served: tuple[SidecarProcess, Path
             with pytest.raises(ClientError) as info:
                 client.call("register_pools", {**manifest, "groups": groups})
             assert info.value.message.endswith("overlaps groups.full.offsets[0] (k)")
+            with pytest.raises(ClientError) as info:
+                client.call("register_cuda_pools", {"groups": {}})
+            assert info.value.code == "refused"
+            assert info.value.message.startswith(
+                "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu)"
+            )
             client.register_pools(pools)
             tokens = list(range(32))
             with pytest.raises(ClientError) as info:

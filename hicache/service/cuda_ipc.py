@@ -1,0 +1,129 @@
+"""The CUDA data plane between an engine and the sidecar: the engine's pool tensors, exported as
+CUDA IPC handles, mapped by the sidecar, which copies on its own streams (CudaCopyBackend).
+
+Engine side: `export_cuda_pools(pools)` -> a manifest of plain values (msgpack-safe): per
+group, per layer, per tensor the IPC handle of its allocation and the tensor's place in it
+(what `torch.multiprocessing` sends, without pickling). Sidecar side: `map_cuda_pools`
+rebuilds each tensor from its handle and wraps it in a `DevicePool`, which checks every shape
+and dtype against the layout. The engine must keep its tensors alive while registered (CUDA
+IPC maps the allocation, not a copy); the sidecar drops its mappings when the session ends.
+
+Per-layer completion crosses the process boundary through the same shared-memory counter as
+on CPU: the sidecar's completion thread waits each layer's event and bumps the counter, and the
+engine's `wait_layer(i)` returns once it sees layer i — before it launches layer i's kernels,
+so they are ordered after the copy. (A GPU-side wait on IPC events would let the engine queue
+work earlier; see docs/design.md.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from hicache.memory import DevicePool, GroupGeometry, torch_dtype
+from hicache.service.shm import ManifestError
+
+
+def _export(tensor: torch.Tensor) -> dict[str, Any]:
+    if tensor.device.type != "cuda":
+        raise ManifestError(f"a CUDA pool tensor is on {tensor.device}, not a CUDA device")
+    storage = tensor.untyped_storage()
+    (
+        device,
+        handle,
+        size_bytes,
+        offset_bytes,
+        ref_handle,
+        ref_offset,
+        event_handle,
+        event_sync,
+    ) = storage._share_cuda_()  # type: ignore[no-untyped-call]
+    return {
+        "device": int(device),
+        "handle": bytes(handle),
+        "storage_bytes": int(size_bytes),
+        "storage_offset_bytes": int(offset_bytes),
+        "ref_handle": bytes(ref_handle),
+        "ref_offset": int(ref_offset),
+        "event_handle": bytes(event_handle) if event_handle else b"",
+        "event_sync": bool(event_sync),
+        "shape": list(tensor.shape),
+        "stride": list(tensor.stride()),
+        "offset": int(tensor.storage_offset()),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+    }
+
+
+def export_cuda_pools(pools: Mapping[str, DevicePool]) -> dict[str, Any]:
+    """The `register_cuda_pools` manifest of the engine's CUDA pools."""
+    return {
+        "groups": {
+            name: {
+                "num_pages": pool.num_pages,
+                "tensors": [
+                    [_export(layer[tensor]) for tensor, _ in pool.geometry.tensors]
+                    for layer in pool.tensors
+                ],
+            }
+            for name, pool in pools.items()
+        }
+    }
+
+
+def _rebuild(entry: Mapping[str, Any], where: str) -> torch.Tensor:
+    try:
+        dtype = torch_dtype(entry["dtype"])
+        return rebuild_cuda_tensor(  # type: ignore[no-untyped-call,no-any-return]
+            torch.Tensor,
+            torch.Size(entry["shape"]),
+            tuple(entry["stride"]),
+            entry["offset"],
+            torch.storage.UntypedStorage,
+            dtype,
+            entry["device"],
+            entry["handle"],
+            entry["storage_bytes"],
+            entry["storage_offset_bytes"],
+            False,
+            entry["ref_handle"],
+            entry["ref_offset"],
+            entry["event_handle"] or None,
+            entry["event_sync"],
+        )
+    except (RuntimeError, KeyError, TypeError, ValueError) as exc:
+        raise ManifestError(f"{where}: cannot open the CUDA IPC handle: {exc}") from None
+
+
+def map_cuda_pools(
+    manifest: Mapping[str, Any], geometries: Mapping[str, GroupGeometry]
+) -> dict[str, DevicePool]:
+    groups = manifest["groups"]
+    if set(groups) != set(geometries):
+        raise ManifestError(
+            f"groups {sorted(groups)} given; the layout's groups are {sorted(geometries)}"
+        )
+    pools = {}
+    for name, geom in geometries.items():
+        layers = groups[name]["tensors"]
+        if len(layers) != geom.num_layers:
+            raise ManifestError(
+                f"groups.{name}.tensors: {len(layers)} layers; the group has {geom.num_layers}"
+            )
+        rebuilt = []
+        for local_id, entries in enumerate(layers):
+            if len(entries) != len(geom.tensors):
+                raise ManifestError(
+                    f"groups.{name}.tensors[{local_id}]: {len(entries)} tensors; expected "
+                    f"{len(geom.tensors)} ({', '.join(t for t, _ in geom.tensors)})"
+                )
+            rebuilt.append(
+                {
+                    tensor: _rebuild(entry, f"groups.{name}.tensors[{local_id}] ({tensor})")
+                    for (tensor, _), entry in zip(geom.tensors, entries, strict=True)
+                }
+            )
+        pools[name] = DevicePool(geom, rebuilt)
+    return pools
