@@ -4,6 +4,7 @@
     python3 dev.py demo [ARGS]   the main job on the embedded defaults (`hicache demo`)
     python3 dev.py test [ARGS]   the test suite (pytest)
     python3 dev.py lint          ruff and mypy, as CI runs them
+    python3 dev.py docs          regenerate the README's configuration and metrics references
 
 Set-up is idempotent: a virtual environment in `.venv/`, the CPU build of torch
 (`pip install torch==2.13.0`), then this package with its dev extras. A stamp file holds the
@@ -54,7 +55,7 @@ def ensure_env() -> Path:
 
 
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"demo", "test", "lint", "setup"}:
+    if not argv or argv[0] not in {"demo", "test", "lint", "setup", "docs"}:
         print(__doc__, file=sys.stderr)
         return 2
     task, rest = argv[0], argv[1:]
@@ -65,6 +66,8 @@ def main(argv: list[str]) -> int:
         cmd = [python, "-m", "hicache", "demo", *rest]
     elif task == "test":
         cmd = [python, "-m", "pytest", *rest]
+    elif task == "docs":
+        cmd = [python, "-m", "hicache.cli.docs"]
     else:
         code = subprocess.run([str(python), "-m", "ruff", "check", "."], cwd=ROOT).returncode
         code |= subprocess.run(

@@ -4,7 +4,9 @@ Starts `hicache serve` (a real child process) for gpt-oss-20b's layout (sliding 
 drives it from this process with the blocking client, then runs the same pages through the
 embedded `TieredCache` in this process. Figures:
 
-  rtt_p50_us               a small request (lookup of one page of tokens), round trip
+  rtt_p50_us               a small request (lookup of one page of tokens), round trip; beside
+                           it, rtt_floor_us: a bare uvloop echo of the same bytes over a Unix
+                           socket between two Python processes (the floor of any design here)
   ops_per_s                small requests back to back from one engine
   layer_signal_p50_us      a layer landing in the sidecar's copy thread -> the engine's
                            wait_layer seeing it through shared memory (both stamp
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -33,10 +38,49 @@ from hicache.config import load_deployment
 from hicache.embedded import EmbeddedCache
 from hicache.scheduler import run
 from hicache.service.process import SidecarProcess
+from hicache.service.protocol import frame
 from hicache.tiered import TieredCache
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES, SMALL, TRIALS, LOADS_PER_TRIAL = 64, 5000, 5, 10
+
+
+ECHO_SERVER = """
+import asyncio, os, sys, uvloop
+class Echo(asyncio.Protocol):
+    def connection_made(self, transport): self.transport = transport
+    def data_received(self, data): self.transport.write(data)
+async def main():
+    server = await asyncio.get_running_loop().create_unix_server(Echo, sys.argv[1])
+    print("ready", flush=True)
+    await asyncio.sleep(3600)
+uvloop.run(main())
+"""
+
+
+def echo_floor_us(tmp: Path, frame: bytes) -> float:
+    """p50 round trip of `frame` through a bare uvloop echo server in another process."""
+    path = tmp / "echo.sock"
+    proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, str(path)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None
+        proc.stdout.readline()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.connect(str(path))
+        samples = []
+        for i in range(2500):
+            t0 = time.perf_counter_ns()
+            sock.sendall(frame)
+            got = 0
+            while got < len(frame):
+                got += len(sock.recv(65536))
+            if i >= 500:
+                samples.append(time.perf_counter_ns() - t0)
+        sock.close()
+        return statistics.median(samples) / 1e3
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def write_config(tmp: Path) -> Path:
@@ -129,6 +173,8 @@ def main() -> None:
                 signals += sig
             bytes_per_load = client.stats()["load"]["bytes"] // client.stats()["load"]["ops"]
             client.close()
+        request = frame({"op": "lookup", "id": 1, "args": {"tokens": small}})
+        floor = echo_floor_us(tmp, request)
         emb_times: list[float] = []
         run(embedded_trials(config, tokens, emb_times))
         emb_times = emb_times[1:]  # the first is the warm-up
@@ -138,6 +184,8 @@ def main() -> None:
     figures = {
         "rtt_p50_us": round(statistics.median(rtts) / 1e3, 1),
         "rtt_p99_us": round(sorted(rtts)[int(len(rtts) * 0.99)] / 1e3, 1),
+        "rtt_floor_us": round(floor, 1),
+        "rtt_vs_floor": round(statistics.median(rtts) / 1e3 / floor, 2),
         "ops_per_s": round(ops_per_s),
         "layer_signal_p50_us": round(statistics.median(signals) / 1e3, 1) if signals else None,
         "layer_signals_measured": len(signals),
@@ -147,7 +195,8 @@ def main() -> None:
         "bytes_per_load": bytes_per_load,
     }
     print(
-        f"small request: rtt p50 {figures['rtt_p50_us']} us (target <= 100), "
+        f"small request: rtt p50 {figures['rtt_p50_us']} us (target <= 100; bare echo "
+        f"{figures['rtt_floor_us']} us), "
         f"{figures['ops_per_s']} ops/s (target >= 10000)"
     )
     print(

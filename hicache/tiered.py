@@ -45,6 +45,8 @@ class StoreResult:
     pages_stored: int  # new L2 pages across groups
     pages_persisted: int  # pages written to L3 by the write policy
     pages_evicted: int
+    bytes_backed_up: int = 0  # L1 -> L2
+    backup_seconds: float = 0.0
 
 
 def _read_page(pool: HostPool, page: int) -> bytes:
@@ -179,7 +181,7 @@ class TieredCache:
                 if self.write_policy.on_store(record):
                     to_persist.setdefault(group, []).append(record)
         persisted = await self._persist(to_persist)
-        return StoreResult(stored, persisted, evicted)
+        return StoreResult(stored, persisted, evicted, result.bytes_moved, result.seconds)
 
     async def _make_room(self, group: str, count: int) -> int:
         pool = self.embedded.host_tier.pool(group)

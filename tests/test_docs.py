@@ -45,3 +45,33 @@ def test_docker_copies_only_existing_paths() -> None:
                     assert (REPO / source).exists(), f"{dockerfile.name}: {source} missing"
             if line.startswith("USER "):
                 assert line.split()[1] not in ("root", "0")
+
+
+def test_readme_client_example_runs_against_a_real_sidecar(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from hicache.service.process import SidecarProcess
+
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"<!-- example: client -->\n```python\n(.*?)```", text, re.S)
+    assert match, "README lost its client example"
+    # the README's server command, on the default config (its socket), L3 and HTTP moved aside
+    env = {"HICACHE_STORAGE__PATH": str(tmp_path / "l3"), "HICACHE_SERVICE__HTTP_PORT": "0"}
+    with SidecarProcess(REPO / "configs" / "default.yaml", env=env, log_path=tmp_path / "s.log"):
+        result = subprocess.run(
+            [sys.executable, "-c", match.group(1)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "done 64 tokens loaded"
+
+
+def test_readme_generated_references_are_current() -> None:
+    from hicache.cli.docs import SECTIONS, generated, section_pattern
+
+    text = (REPO / "README.md").read_text()
+    for name in SECTIONS:
+        match = section_pattern(name).search(text)
+        assert match, f"README lost its {name} reference"
+        assert match.group(2) == generated(name), f"run `python3 dev.py docs` ({name})"

@@ -34,6 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("file", type=Path)
     show.add_argument("--json", action="store_true")
     config_sub.add_parser("schema", help="the deployment JSON Schema")
+    config_sub.add_parser("reference", help="the configuration reference (Markdown)")
 
     serve = sub.add_parser("serve", help="run the sidecar until SIGTERM/SIGINT")
     serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
@@ -115,6 +116,11 @@ def cmd_config(args: argparse.Namespace) -> int:
 
     if args.config_command == "schema":
         print(json.dumps(Deployment.model_json_schema(), indent=2))
+        return 0
+    if args.config_command == "reference":
+        from hicache.config.reference import config_reference
+
+        print(config_reference(), end="")
         return 0
     loaded = load_deployment(args.file)
     layer_map = loaded.layer_map()

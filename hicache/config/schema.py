@@ -45,7 +45,9 @@ class ModelSection(Section):
     model_type: str = Field(default="explicit", description="name for an explicit layer list")
     layers: list[LayerEntry] | None = Field(default=None, description="explicit layer list")
     dtype: Dtype = Field(default="bfloat16", description="KV cache dtype (fp8 stored as uint8)")
-    page_size_tokens: int = Field(default=16, ge=1, le=4096)
+    page_size_tokens: int = Field(
+        default=16, ge=1, le=4096, description="tokens per page; match the engine's page size"
+    )
     start_layer: int = Field(default=0, ge=0, description="first layer of this pipeline stage")
     end_layer: int | None = Field(default=None, ge=1, description="end (exclusive) of the stage")
 
@@ -59,27 +61,52 @@ class ModelSection(Section):
 class DeviceSection(Section):
     """L1: the engine's pool. The demo allocates one of `pool_capacity_bytes` itself."""
 
-    kind: Literal["cpu", "cuda"] = "cpu"
-    index: int = Field(default=0, ge=0)
-    pool_capacity_bytes: ByteSize = Field(default=parse_bytes("64MiB"), gt=0)
+    kind: Literal["cpu", "cuda"] = Field(
+        default="cpu", description="where the engine's KV lives and the copies run"
+    )
+    index: int = Field(default=0, ge=0, description="CUDA device index")
+    pool_capacity_bytes: ByteSize = Field(
+        default=parse_bytes("64MiB"),
+        gt=0,
+        description="L1 pool the embedded stack allocates when no engine gives its own",
+    )
 
 
 class HostSection(Section):
     """L2: one preallocated, prefaulted host buffer per cache group, pinned when CUDA is used."""
 
-    capacity_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
-    layout: Literal["layer_first", "page_first"] = "layer_first"
-    pin_memory: Literal["auto", "always", "never"] = "auto"
-    pin_chunk_bytes: ByteSize = Field(default=parse_bytes("64GiB"), gt=0, le=parse_bytes("64GiB"))
-    prefault: bool = True
+    capacity_bytes: ByteSize = Field(
+        default=parse_bytes("256MiB"),
+        gt=0,
+        description="L2 per engine namespace, split into equal page counts per cache group",
+    )
+    layout: Literal["layer_first", "page_first"] = Field(
+        default="layer_first",
+        description="layer_first: a layer's pages are contiguous (layer-wise loads); "
+        "page_first: a page's layers are contiguous (one L3 object per page)",
+    )
+    pin_memory: Literal["auto", "always", "never"] = Field(
+        default="auto", description="page-lock L2 for DMA; auto: when CUDA is used"
+    )
+    pin_chunk_bytes: ByteSize = Field(
+        default=parse_bytes("64GiB"),
+        gt=0,
+        le=parse_bytes("64GiB"),
+        description="pin (cudaHostRegister) in chunks of at most this size",
+    )
+    prefault: bool = Field(
+        default=True, description="touch every page at start (no first-use faults)"
+    )
 
 
 class FileStorage(Section):
     """L3 on a local directory: one object per page, atomic writes, survives restarts."""
 
     kind: Literal["file"] = "file"
-    path: Path = Path(".hicache/l3")
-    capacity_bytes: ByteSize = Field(default=parse_bytes("1GiB"), gt=0)
+    path: Path = Field(default=Path(".hicache/l3"), description="directory; relative to the YAML")
+    capacity_bytes: ByteSize = Field(
+        default=parse_bytes("1GiB"), gt=0, description="on-disk budget; oldest objects go first"
+    )
 
 
 class RedisStorage(Section):
@@ -87,22 +114,28 @@ class RedisStorage(Section):
 
     kind: Literal["redis"]
     url: str = Field(default="redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL")
-    key_prefix: str = "hicache:"
-    max_connections: int = Field(default=16, ge=1)
-    socket_timeout_s: float = Field(default=2.0, gt=0)
+    key_prefix: str = Field(default="hicache:", description="prefix of every key")
+    max_connections: int = Field(default=16, ge=1, description="connection pool size")
+    socket_timeout_s: float = Field(default=2.0, gt=0, description="per socket operation")
 
 
 class MooncakeStorage(Section):
     """L3 on a Mooncake Store cluster (TCP, or RDMA with `rdma_devices`)."""
 
     kind: Literal["mooncake"]
-    master_address: str = "127.0.0.1:50051"
-    local_hostname: str = "127.0.0.1"
+    master_address: str = Field(default="127.0.0.1:50051", description="mooncake_master host:port")
+    local_hostname: str = Field(
+        default="127.0.0.1", description="this node's address as other clients reach it"
+    )
     metadata_server: str = Field(default="P2PHANDSHAKE", description="or an etcd/http URL")
-    global_segment_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
-    local_buffer_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
-    protocol: Literal["tcp", "rdma"] = "tcp"
-    rdma_devices: str = ""
+    global_segment_bytes: ByteSize = Field(
+        default=parse_bytes("256MiB"), gt=0, description="memory this node adds to the store"
+    )
+    local_buffer_bytes: ByteSize = Field(
+        default=parse_bytes("256MiB"), gt=0, description="registered buffer for transfers"
+    )
+    protocol: Literal["tcp", "rdma"] = Field(default="tcp", description="transfer protocol")
+    rdma_devices: str = Field(default="", description="e.g. mlx5_0,mlx5_1 (rdma only)")
 
 
 class NoStorage(Section):
@@ -117,9 +150,15 @@ StorageSection = Annotated[
 
 
 class SchedulerSection(Section):
+    """The transfer scheduler: queue, byte budget, deadlines and the layer-done counter ring."""
+
     queue_depth: int = Field(default=64, ge=1, le=65536, description="ops waiting, at most")
-    inflight_bytes: ByteSize = Field(default=parse_bytes("256MiB"), gt=0)
-    op_timeout_s: float = Field(default=30.0, gt=0)
+    inflight_bytes: ByteSize = Field(
+        default=parse_bytes("256MiB"), gt=0, description="bytes of walks in flight, at most"
+    )
+    op_timeout_s: float = Field(
+        default=30.0, gt=0, description="an op not done by then expires (pins released)"
+    )
     move_policy: Literal["hybrid", "full_attention_only"] = Field(
         default="hybrid",
         description="hybrid: every group moves what it needs; full_attention_only: the plain "
@@ -140,8 +179,12 @@ class CacheSection(Section):
         description="how long a load waits for L3 -> L2: not at all (fetch in the background), "
         "until complete, or a deadline growing with the tokens asked for",
     )
-    eviction: Literal["lru", "s3fifo"] = "lru"
-    key_algorithm: Literal["xxh3_128", "blake2b", "sha256"] = "xxh3_128"
+    eviction: Literal["lru", "s3fifo"] = Field(
+        default="lru", description="L2 eviction; s3fifo resists one-off scans"
+    )
+    key_algorithm: Literal["xxh3_128", "blake2b", "sha256"] = Field(
+        default="xxh3_128", description="page-key hash (chained over each page's token ids)"
+    )
     tenant_salt: str = Field(default="", description="mixed into every page key")
 
 
@@ -152,21 +195,35 @@ class ServiceSection(Section):
         default=Path(".hicache/engine.sock"), description="engine channel; created mode 0600"
     )
     tcp_host: str = Field(default="127.0.0.1", description="engine channel over TCP, if tcp_port")
-    tcp_port: int | None = Field(default=None, ge=0, le=65535)
-    http_host: str = "127.0.0.1"
-    http_port: int | None = Field(default=9400, ge=0, le=65535, description="null: no HTTP API")
+    tcp_port: int | None = Field(
+        default=None, ge=0, le=65535, description="engine channel over TCP too (null: off)"
+    )
+    http_host: str = Field(default="127.0.0.1", description="HTTP control API address")
+    http_port: int | None = Field(
+        default=9400, ge=0, le=65535, description="null: no HTTP API; 0: any free port"
+    )
     token: SecretStr | None = Field(
         default=None,
         description="shared secret: required from engines and for admin endpoints; mandatory "
         "when a listener binds beyond loopback",
     )
-    heartbeat_timeout_s: float = Field(default=30.0, gt=0)
-    max_frame_bytes: ByteSize = Field(default=parse_bytes("16MiB"), ge=1024)
-    max_sessions: int = Field(default=64, ge=1)
+    heartbeat_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="an engine silent this long is dropped: its loads cancelled, pins released",
+    )
+    max_frame_bytes: ByteSize = Field(
+        default=parse_bytes("16MiB"), ge=1024, description="larger requests are refused"
+    )
+    max_sessions: int = Field(default=64, ge=1, description="engines attached at once")
     load_slots: int = Field(default=64, ge=1, le=4096, description="unreleased loads per engine")
     shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared pools may live")
-    drain_timeout_s: float = Field(default=10.0, gt=0)
-    log_format: Literal["text", "json"] = "text"
+    drain_timeout_s: float = Field(
+        default=10.0, gt=0, description="on SIGTERM, in-flight loads get this long to finish"
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="one line per event: key=value text or JSON"
+    )
 
     @model_validator(mode="after")
     def _token_when_exposed(self) -> ServiceSection:

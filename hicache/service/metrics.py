@@ -48,7 +48,7 @@ class ServiceMetrics:
         self.hit_pages = {"l2": 0, "l3": 0, "miss": 0}
         self.transfer_bytes = Histogram(
             "hicache_transfer_bytes",
-            "Bytes moved per op, by direction",
+            "Bytes moved per op, by direction (load: L2 to L1, backup: L1 to L2)",
             ["direction"],
             buckets=_BYTES_BUCKETS,
             registry=r,
@@ -132,17 +132,23 @@ class StateCollector(Collector):
             pages.add_metric([tier], count)
         yield tokens
         yield pages
-        queue = GaugeMetricFamily("hicache_queue_depth", "Ops queued", labels=["kind"])
+        queue = GaugeMetricFamily(
+            "hicache_queue_depth", "Ops queued, by kind (load, backup)", labels=["kind"]
+        )
         inflight = GaugeMetricFamily("hicache_inflight_bytes", "Bytes of walks in flight")
         used = GaugeMetricFamily(
-            "hicache_host_pool_used_bytes", "Host (L2) bytes holding pages", labels=["group"]
+            "hicache_host_pool_used_bytes",
+            "Host (L2) bytes holding pages, by cache group",
+            labels=["group"],
         )
         capacity = GaugeMetricFamily(
-            "hicache_host_pool_capacity_bytes", "Host (L2) pool size", labels=["group"]
+            "hicache_host_pool_capacity_bytes",
+            "Host (L2) pool size, by cache group",
+            labels=["group"],
         )
         pinned = GaugeMetricFamily(
             "hicache_host_pool_pinned_bytes",
-            "Host (L2) bytes pinned by loads in flight",
+            "Host (L2) bytes pinned by loads in flight, by cache group",
             labels=["group"],
         )
         q_load = q_backup = inflight_bytes = 0
@@ -171,15 +177,25 @@ class StateCollector(Collector):
         store = self._store()
         breaker = GaugeMetricFamily(
             "hicache_l3_breaker_state",
-            "L3 circuit breaker: 0 closed, 1 half-open, 2 open; absent without L3",
+            "L3 circuit breaker: 0 closed, 1 half-open, 2 open (no sample without L3)",
         )
-        failures = GaugeMetricFamily(
-            "hicache_l3_failures", "L3 call failures since start, by reason", labels=["reason"]
+        failures = CounterMetricFamily(
+            "hicache_l3_failures",
+            "L3 calls failed, by reason (op:error; each becomes misses, never an engine error)",
+            labels=["reason"],
         )
-        l3 = GaugeMetricFamily(
-            "hicache_l3_objects", "L3 objects since start, by outcome", labels=["outcome"]
+        l3 = CounterMetricFamily(
+            "hicache_l3_objects",
+            "L3 objects by outcome (stored, hit, miss, corrupt_dropped, skipped_open)",
+            labels=["outcome"],
         )
-        if store is not None:
+        l3_bytes = CounterMetricFamily(
+            "hicache_l3_bytes", "L3 payload bytes, by direction (put, get)", labels=["direction"]
+        )
+        l3_seconds = CounterMetricFamily(
+            "hicache_l3_seconds", "Time in L3 calls, by direction (put, get)", labels=["direction"]
+        )
+        if store is not None:  # without L3 the families are exported empty
             breaker.add_metric([], _BREAKER[store.breaker.state])
             for reason, count in store.stats.failures.items():
                 failures.add_metric([reason], count)
@@ -192,4 +208,19 @@ class StateCollector(Collector):
                 ("skipped_open", s.skipped_open),
             ):
                 l3.add_metric([outcome], count)
-            yield from (breaker, failures, l3)
+            l3_bytes.add_metric(["put"], s.put_bytes)
+            l3_bytes.add_metric(["get"], s.get_bytes)
+            l3_seconds.add_metric(["put"], s.put_seconds)
+            l3_seconds.add_metric(["get"], s.get_seconds)
+        yield from (breaker, failures, l3, l3_bytes, l3_seconds)
+
+
+def metrics_reference() -> str:
+    """The README's metrics table: every family a sidecar exports, with its type and help."""
+    metrics = ServiceMetrics()
+    metrics.watch(list, lambda: None)
+    rows = ["| metric | type | meaning |", "|---|---|---|"]
+    for family in metrics.registry.collect():
+        name = family.name + ("_total" if family.type == "counter" else "")
+        rows.append(f"| `{name}` | {family.type} | {family.documentation} |")
+    return "\n".join(rows) + "\n"

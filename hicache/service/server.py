@@ -390,6 +390,8 @@ class EngineServer:
         self._check_pages(session, "store", args.device_pages)
         result = await namespace.cache.store(args.tokens, args.device_pages)
         self.metrics.evictions.inc(result.pages_evicted)
+        if result.bytes_backed_up:
+            self.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
         return asdict(result)
 
     async def _prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:

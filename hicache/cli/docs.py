@@ -1,0 +1,40 @@
+"""Keep the README's generated sections current: the configuration reference (from the
+schema) and the metrics reference (from a sidecar's registry). `python3 dev.py docs` rewrites
+them; a test fails when the README and the generators disagree."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from hicache.config.reference import config_reference
+from hicache.service.metrics import metrics_reference
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+SECTIONS = {"config": config_reference, "metrics": metrics_reference}
+
+
+def section_pattern(name: str) -> re.Pattern[str]:
+    return re.compile(rf"(<!-- reference: {name} -->\n)(.*?)(<!-- end: {name} -->)", re.S)
+
+
+def generated(name: str) -> str:
+    return SECTIONS[name]()
+
+
+def refresh_readme(path: Path = README) -> bool:
+    """Rewrite the generated sections; True when something changed."""
+    text = path.read_text()
+    new = text
+    for name in SECTIONS:
+        pattern = section_pattern(name)
+        if not pattern.search(new):
+            raise ValueError(f"{path}: no '<!-- reference: {name} -->' section")
+        new = pattern.sub(lambda m, n=name: m.group(1) + generated(n) + m.group(3), new)
+    if new != text:
+        path.write_text(new)
+    return new != text
+
+
+if __name__ == "__main__":
+    print("README updated" if refresh_readme() else "README already current")
