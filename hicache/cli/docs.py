@@ -30,7 +30,8 @@ def refresh_readme(path: Path = README) -> bool:
         pattern = section_pattern(name)
         if not pattern.search(new):
             raise ValueError(f"{path}: no '<!-- reference: {name} -->' section")
-        new = pattern.sub(lambda m, n=name: m.group(1) + generated(n) + m.group(3), new)
+        body = generated(name)
+        new = pattern.sub(lambda m: m.group(1) + body + m.group(3), new)
     if new != text:
         path.write_text(new)
     return new != text
