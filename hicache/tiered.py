@@ -122,6 +122,18 @@ class TieredCache:
     def lookup(self, token_ids: Sequence[int]) -> Hit:
         return self.index.lookup(token_ids)
 
+    def needs_discovery(self, token_ids: Sequence[int], hit: Hit) -> bool:
+        """Could L3 extend this hit with pages the index does not know (persisted before a
+        restart, or by another process)? Only then is a lookup worth an L3 round trip."""
+        if self.l3 is None:
+            return False
+        keys = self.index.keys(token_ids)
+        return any(
+            self.index.record(group, key) is None
+            for group, group_keys in keys.items()
+            for key in group_keys[hit.pages_total :]
+        )
+
     async def discover(self, token_ids: Sequence[int]) -> int:
         """Ask L3 which of the prompt's pages it holds that the index does not know of (after
         a restart, or pages another process persisted), and record them. Returns how many."""

@@ -30,8 +30,9 @@ def refresh_readme(path: Path = README) -> bool:
         pattern = section_pattern(name)
         if not pattern.search(new):
             raise ValueError(f"{path}: no '<!-- reference: {name} -->' section")
-        body = generated(name)
-        new = pattern.sub(lambda m: m.group(1) + body + m.group(3), new)
+        match = pattern.search(new)
+        assert match is not None
+        new = new[: match.start(2)] + generated(name) + new[match.end(2) :]
     if new != text:
         path.write_text(new)
     return new != text

@@ -141,11 +141,16 @@ class LoadHandle:
         self._stalls.append(time.perf_counter() - started)
 
     def state(self) -> str:
+        """running / done / failed / cancelled. A load that ended before its connection was
+        reset keeps its final state (the old counter mapping is never reused)."""
         if self._final is not None:
             return self._final
+        if int(self._row[0]) == self.load_id:
+            final = _STATES.get(LoadState(int(self._row[2])))
+            if final is not None:
+                return final
         self._check()
-        state = LoadState(int(self._row[2]))
-        return _STATES.get(state, "running")
+        return "running"
 
     def done(self, timeout_s: float = 60.0) -> str:
         """Wait for the load to end; returns done / failed / cancelled and frees its slot."""
@@ -156,6 +161,19 @@ class LoadHandle:
             if time.perf_counter() > deadline:
                 raise LoadFailedError(f"load {self.load_id} did not end in {timeout_s} s")
             time.sleep(20e-6)
+        self._final = state
+        self._release(self.load_id)
+        return state
+
+    async def finished(self, timeout_s: float = 60.0) -> str:
+        """`done()` for an event loop: waits without blocking it."""
+        if self._final is not None:
+            return self._final
+        deadline = time.perf_counter() + timeout_s
+        while (state := self.state()) == "running":
+            if time.perf_counter() > deadline:
+                raise LoadFailedError(f"load {self.load_id} did not end in {timeout_s} s")
+            await asyncio.sleep(100e-6)
         self._final = state
         self._release(self.load_id)
         return state

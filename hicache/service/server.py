@@ -29,6 +29,7 @@ from typing import Any, cast
 
 from hicache.config import Deployment
 from hicache.errors import HicacheError
+from hicache.index import Hit
 from hicache.memory import DevicePool, GroupGeometry, torch_dtype
 from hicache.model import LayerMap
 from hicache.scheduler import OpHandle, OpResult, OpState
@@ -85,6 +86,10 @@ class DrainReport:
     pages_flushed: int
 
 
+class _Defer(Exception):
+    """An inline handler found it must await after all (a lookup that L3 may extend)."""
+
+
 Handler = Callable[[Session, Any], Coroutine[Any, Any, dict[str, Any]]]
 InlineHandler = Callable[[Session, Any], dict[str, Any]]
 
@@ -125,6 +130,7 @@ class EngineServer:
             "store": self._store,
             "load": self._load,
             "prefetch": self._prefetch,
+            "lookup": self._lookup_discovering,  # when the inline lookup defers
         }
         self._inline: dict[str, InlineHandler] = {
             "lookup": self._lookup,
@@ -204,6 +210,8 @@ class EngineServer:
         started = time.perf_counter()
         try:
             reply = p.ok(request_id, handler(session, args))
+        except _Defer:
+            return None
         except Exception as exc:
             reply = self._error_reply(session, request_id, op, exc)
         self.metrics.request(op, time.perf_counter() - started)
@@ -217,11 +225,11 @@ class EngineServer:
             request_id, op, args = p.parse_request(payload)
             if session.key is None and op != "hello":
                 raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
-            inline = self._inline.get(op)
-            if inline is not None:
-                result = inline(session, args)
+            handler = self._handlers.get(op)
+            if handler is not None:
+                result = await handler(session, args)
             else:
-                result = await self._handlers[op](session, args)
+                result = self._inline[op](session, args)
             reply = p.ok(request_id, result)
         except Exception as exc:
             reply = self._error_reply(session, request_id, op, exc)
@@ -377,8 +385,19 @@ class EngineServer:
             )
 
     def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
-        hit = self._ready(session, "lookup").cache.lookup(args.tokens)
-        self.metrics.lookup(hit.tokens_l2, hit.tokens_total, len(args.tokens))
+        cache = self._ready(session, "lookup").cache
+        hit = cache.lookup(args.tokens)
+        if cache.needs_discovery(args.tokens, hit):
+            raise _Defer  # ask L3 first: the async path (`_lookup_discovering`)
+        return self._lookup_reply(hit, len(args.tokens))
+
+    async def _lookup_discovering(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+        cache = self._ready(session, "lookup").cache
+        await cache.discover(args.tokens)
+        return self._lookup_reply(cache.lookup(args.tokens), len(args.tokens))
+
+    def _lookup_reply(self, hit: Hit, asked: int) -> dict[str, Any]:
+        self.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked)
         return {
             "page_size_tokens": hit.page_size_tokens,
             "tokens_l2": hit.tokens_l2,

@@ -1,0 +1,161 @@
+"""The engine client against real `hicache serve` processes: the async flavour, reconnect
+across a sidecar restart, TCP with a token, and a hung engine dropped by the heartbeat
+watchdog."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.client import ClientError, LoadLostError, connect, connect_async
+from hicache.client.engine import LoadHandle
+from hicache.config import load_deployment
+from hicache.service.process import SidecarProcess
+from hicache.service.shm import CounterFile, LoadState
+from tests.service.conftest import engine, read_event, write_config
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def pages(first: int, n: int) -> dict[str, list[int]]:
+    return {"full": list(range(first, first + n)), "conv": [first]}
+
+
+@pytest.mark.asyncio
+async def test_async_client_round_trip(sidecar: SidecarProcess, deploy: Path) -> None:
+    loaded = load_deployment(deploy)
+    client = await connect_async(sidecar.socket, loaded.layer_map(), page_size_tokens=16)
+    try:
+        pools = client.create_pools(16)
+        await client.register_pools(pools)
+        device = pools.device_pools()
+        for layer in device["full"].tensors:
+            for t in layer.values():
+                t[: 3 * 16].normal_()
+        tokens = list(range(48))
+        assert (await client.lookup(tokens)).tokens_total == 0
+        stored = await client.store(tokens, pages(0, 3))
+        assert stored["pages_stored"] == 4  # 3 full-attention pages + 1 conv snapshot
+        assert (await client.lookup(tokens)).tokens_l2 == 48
+        handle = await client.load(tokens, pages(8, 3))
+        assert handle is not None
+        for layer_id in client.layer_map.stage_layer_ids:
+            handle.wait_layer(layer_id)
+        assert await handle.finished() == "done"
+        for layer in device["full"].tensors:
+            for t in layer.values():
+                assert torch.equal(t[8 * 16 : 11 * 16], t[:48])
+        stats = await client.stats()
+        assert stats["load"]["ops"] == 1
+        for _ in range(100):  # the release the handle sent is on the loop; let it through
+            if not sidecar.get_json("/v1/stats")["sessions"][0]["loads_unreleased"]:
+                break
+            await asyncio.sleep(0.01)
+        assert sidecar.get_json("/v1/stats")["sessions"][0]["loads_unreleased"] == 0
+    finally:
+        await client.close()
+
+
+def test_client_reconnects_after_sidecar_restart(deploy: Path) -> None:
+    loaded = load_deployment(deploy)
+    first = SidecarProcess(deploy).start()
+    client = connect(first.socket, loaded.layer_map(), page_size_tokens=16, heartbeat=False)
+    try:
+        pools = client.create_pools(16)
+        client.register_pools(pools)
+        tokens = list(range(64))
+        for layer in pools.device_pools()["full"].tensors:
+            for t in layer.values():
+                t[:64].normal_()
+        client.store(tokens, pages(0, 4))  # write-through: persisted to the file L3
+        handle = client.load(tokens, pages(8, 4))
+        assert handle is not None
+        assert handle.done() == "done"
+        pending = client.load(tokens, pages(8, 4))
+        assert pending is not None
+        assert first.stop() == 0
+        with SidecarProcess(deploy) as second:
+            # the next call reconnects, says hello and re-registers the same shared pool
+            hit = client.lookup(tokens)
+            assert hit.tokens_total == 64  # found in L3 by the new process (after discovery)
+            again = client.load(tokens, pages(8, 4))
+            assert again is not None
+            assert again.done() == "done"
+            assert pending.done() == "done"  # the drain let it finish before the restart
+            assert second.get_json("/v1/stats")["sessions"][0]["pid"] == os.getpid()
+    finally:
+        client.close()
+
+
+def test_tcp_needs_the_token(tmp_path: Path) -> None:
+    port = free_port()
+    config = write_config(tmp_path, tcp_host="127.0.0.1", tcp_port=port, token="tok")
+    loaded = load_deployment(config)
+    with SidecarProcess(config):
+        with pytest.raises(ClientError) as info:
+            connect(f"tcp://127.0.0.1:{port}", loaded.layer_map(), page_size_tokens=16)
+        assert info.value.code == "refused"
+        assert info.value.message == "hello.token: missing or wrong (service.token is set)"
+        client = connect(
+            f"tcp://127.0.0.1:{port}",
+            loaded.layer_map(),
+            page_size_tokens=16,
+            token="tok",
+            heartbeat=False,
+        )
+        pools = client.create_pools(8)
+        client.register_pools(pools)
+        assert client.lookup(list(range(32))).tokens_total == 0
+        client.close()
+
+
+def test_hung_engine_is_dropped_after_the_heartbeat_timeout(
+    sidecar: SidecarProcess, deploy: Path
+) -> None:
+    hung = engine("load-loop", deploy)
+    try:
+        assert read_event(hung)["event"] == "registered"
+        assert read_event(hung)["event"] == "looping"
+        os.kill(hung.pid, signal.SIGSTOP)  # alive, socket open, silent
+        stopped = time.monotonic()
+        while sidecar.get_json("/v1/stats")["sessions"]:
+            assert time.monotonic() - stopped < 2.0 + 5.0, "not dropped after the timeout"
+            time.sleep(0.1)
+        waited = time.monotonic() - stopped
+        assert waited >= 1.5  # heartbeat_timeout_s is 2: not before it (minus poll slack)
+        stats = sidecar.get_json("/v1/stats")
+        assert all(g["pinned_pages"] == 0 for g in stats["namespaces"][0]["groups"].values())
+        assert "engine missed heartbeats" in deploy.with_suffix(".serve.log").read_text()
+    finally:
+        os.kill(hung.pid, signal.SIGKILL)
+        hung.wait()
+
+
+def test_a_load_in_flight_when_the_connection_resets_is_lost(tmp_path: Path) -> None:
+    loaded = load_deployment(write_config(tmp_path))
+    counters = CounterFile.create(tmp_path, 4)
+    counters.start(2, load_id=7, num_layers=16)
+    generation = [1]
+    reply = {"load_id": 7, "slot": 2, "tokens": 32, "failed": {}}
+    handle = LoadHandle(
+        lambda load_id: None, loaded.layer_map(), counters, 1, lambda: generation[0], reply, []
+    )
+    assert handle.state() == "running"
+    counters.array[2][1] = 1  # layer 0 landed
+    handle.wait_layer(0)
+    generation[0] = 2  # the client reconnected: this load's session is gone
+    with pytest.raises(LoadLostError, match="load 7: the sidecar connection was reset"):
+        handle.wait_layer(1)
+    counters.array[2][2] = LoadState.DONE  # had it ended before the reset, it would say so
+    assert handle.state() == "done"
