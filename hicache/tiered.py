@@ -53,14 +53,6 @@ def _read_page(pool: HostPool, page: int) -> bytes:
     return b"".join(chunk.numpy().data for chunk in pool.page_chunks(page))  # one copy
 
 
-def _write_page(pool: HostPool, page: int, data: memoryview) -> None:
-    offset = 0
-    for chunk in pool.page_chunks(page):
-        size = chunk.numel()
-        chunk.numpy()[:] = memoryview(data)[offset : offset + size]
-        offset += size
-
-
 class TieredCache:
     def __init__(
         self,
@@ -373,19 +365,21 @@ class TieredCache:
                 continue
             pool = self.embedded.host_tier.pool(group)
             await self._make_room(group, len(missing))
-            nbytes = len(missing) * pool.geometry.page_bytes
-            fetched = await self.l3.fetch([r.key for r in missing], nbytes)
-            for record, data in zip(missing, fetched.values, strict=True):
-                if data is None or data.nbytes != pool.geometry.page_bytes:
-                    if fetched.answered:
-                        # L3 answered but has no valid copy: the index's entry is stale
-                        self.index.drop_l3(group, record.key)
-                    continue
+            # the payloads land straight in freshly allocated host pages (scatter reads where
+            # the backend has them) and are verified there; a page that fails is freed again
+            room = pool.allocator.stats().free_pages
+            take = missing[:room]  # a concurrent fetch may have taken some of the room
+            if not take:
+                continue
+            pages = pool.allocator.alloc(len(take))
+            targets = [[c.numpy().data for c in pool.page_chunks(p)] for p in pages]
+            ok, answered = await self.l3.fetch_into([r.key for r in take], targets)
+            for record, page, good in zip(take, pages, ok, strict=True):
                 current = self.index.record(group, record.key)
-                if current is None or current.l2_page is not None:
-                    continue  # dropped meanwhile, or another fetch brought it
-                if pool.allocator.stats().free_pages == 0:
-                    continue  # a concurrent fetch took the room; the page stays in L3
-                (page,) = pool.allocator.alloc(1)
-                _write_page(pool, page, data)
-                self.index.insert_l2(group, record.key, page)
+                if good and current is not None and current.l2_page is None:
+                    self.index.insert_l2(group, record.key, page)
+                    continue
+                pool.allocator.free([page])
+                if not good and answered and current is not None and current.in_l3:
+                    # L3 answered but has no valid copy: the index's entry is stale
+                    self.index.drop_l3(group, record.key)

@@ -31,5 +31,37 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def delete_many(self, keys: Sequence[bytes]) -> None: ...
 
+    # ---- zero-copy (optional): backends that move bytes to and from registered buffers ----
+
+    vectored_put: bool = False  # put_parts_many is implemented
+    vectored_get: bool = False  # get_parts_many is implemented
+
+    async def get_parts_many(
+        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        """Read each key's object into its target buffers in order (scatter: the header into
+        the first, the payload straight into the caller's memory); returns the bytes read, or
+        -1 where absent. An object longer than its targets reads truncated."""
+        raise NotImplementedError(f"{self.name} has no vectored reads")
+
+    async def put_parts_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
+        """Like `put_many`, each object given as parts to write back to back (header, then
+        the payload straight from the caller's memory): no copy into an encoding buffer."""
+        raise NotImplementedError(f"{self.name} has no vectored writes")
+
+    direct_get: bool = False  # get_into_many is implemented
+
+    def alloc_buffer(self, nbytes: int) -> memoryview:
+        """A writable buffer the caller encodes objects into before `put_many` (a backend
+        with registered memory returns memory it can send from without a copy)."""
+        return memoryview(bytearray(nbytes))
+
+    async def get_into_many(
+        self, keys: Sequence[bytes], buffer: memoryview, sizes: Sequence[int]
+    ) -> list[int]:
+        """Read each key's object into consecutive slices of `buffer` (from `alloc_buffer`),
+        slice i `sizes[i]` bytes long; returns each object's length, or -1 where absent."""
+        raise NotImplementedError(f"{self.name} has no direct reads")
+
     async def close(self) -> None:
         return None

