@@ -43,8 +43,8 @@ async def timed(fn: Callable[[], Awaitable[object]]) -> float:
 
 async def fetch_into(store: GuardedStore, keys: list[bytes], host: bytearray) -> None:
     """Our get as TieredCache runs it: each payload delivered into its host page and verified
-    there (file: scatter reads straight into the page; mooncake: into a registered arena,
-    then one copy into the page; redis: the client's bytes, then one copy)."""
+    there (file: readv, mooncake: batch_get_into_multi_buffers, both straight into the page;
+    redis: the client's bytes, then one copy)."""
     view = memoryview(host)
     targets = [[view[i * PAGE_BYTES : (i + 1) * PAGE_BYTES]] for i in range(len(keys))]
     ok, _ = await store.fetch_into(keys, targets)
@@ -61,6 +61,7 @@ async def compare(
     items = payloads()
     host = bytearray(PAGES * PAGE_BYTES)  # stands for the host pool's pages, prefaulted
     host[:] = b"\0" * len(host)
+    backend.register_memory(memoryview(host))  # as TieredCache registers its host pools
     keys = [k for k, _ in items]
     ours_put, ours_get, base_put, base_get = [], [], [], []
     for _ in range(TRIALS):  # alternate, so drift hits both sides alike

@@ -64,10 +64,19 @@ class TieredCache:
     ):
         self.embedded = embedded
         self.index = index
-        self.l3 = store
+        self.l3: GuardedStore | None = None
+        self.attach_l3(store)
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         self._background: set[asyncio.Task[None]] = set()  # best-effort prefetches
+
+    def attach_l3(self, store: GuardedStore | None) -> None:
+        """Use `store` as L3 (None: none); its backend registers the host pools, into which
+        fetches scatter and from which puts read."""
+        self.l3 = store
+        if store is not None:
+            for pool in self.embedded.host_tier.pools.values():
+                store.backend.register_memory(pool.buffer.numpy().data)
 
     @classmethod
     def build(

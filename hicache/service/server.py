@@ -170,7 +170,7 @@ class EngineServer:
         """Attach or detach L3 at runtime (the admin API); returns the previous store."""
         old, self.store = self.store, store
         for namespace in self.namespaces.values():
-            namespace.cache.l3 = store
+            namespace.cache.attach_l3(store)
         return old
 
     @property

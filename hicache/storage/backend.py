@@ -51,6 +51,11 @@ class StorageBackend(abc.ABC):
 
     direct_get: bool = False  # get_into_many is implemented
 
+    def register_memory(self, view: memoryview) -> None:
+        """Memory the caller will read into or write from (the host tier's pools): a backend
+        that moves bytes by DMA registers it; others ignore it."""
+        return None
+
     def alloc_buffer(self, nbytes: int) -> memoryview:
         """A writable buffer the caller encodes objects into before `put_many` (a backend
         with registered memory returns memory it can send from without a copy)."""

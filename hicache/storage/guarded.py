@@ -157,6 +157,7 @@ class GuardedStore:
         self._arena: memoryview | None = None
         self._arena_lock = asyncio.Lock()
         self._get_arena: memoryview | None = None
+        self._head_arena: memoryview | None = None
         self._get_lock = asyncio.Lock()
 
     def _timeout(self, nbytes: int) -> float:
@@ -357,13 +358,33 @@ class GuardedStore:
                     ok.append(True)
                 self.stats.gets -= len(keys)  # counted once, by fetching
                 return ok, fetched.answered
-        heads = [memoryview(bytearray(object_format.HEADER_BYTES + len(k))) for k in keys]
-        scatter = [[head, *target] for head, target in zip(heads, targets, strict=True)]
-        nbytes = sum(sum(t.nbytes for t in target) for target in targets)
-        read = await self._call("get", nbytes, lambda: self.backend.get_parts_many(keys, scatter))
-        if read is None:
-            self.stats.misses += len(keys)
-            return [False] * len(keys), False
+        async with self._get_lock:  # the headers land in the store's (registered) arena
+            head_sizes = [object_format.HEADER_BYTES + len(k) for k in keys]
+            if self._head_arena is None or self._head_arena.nbytes < sum(head_sizes):
+                self._head_arena = self.backend.alloc_buffer(max(sum(head_sizes), 4096))
+            heads, offset = [], 0
+            for size in head_sizes:
+                heads.append(self._head_arena[offset : offset + size])
+                offset += size
+            scatter = [[head, *target] for head, target in zip(heads, targets, strict=True)]
+            nbytes = sum(sum(t.nbytes for t in target) for target in targets)
+            read = await self._call(
+                "get", nbytes, lambda: self.backend.get_parts_many(keys, scatter)
+            )
+            if read is None:
+                self._head_arena = None  # a timed-out call may still write into it
+                self.stats.misses += len(keys)
+                return [False] * len(keys), False
+            return await self._verify_scattered(keys, heads, targets, read, started)
+
+    async def _verify_scattered(
+        self,
+        keys: Sequence[bytes],
+        heads: list[memoryview],
+        targets: Sequence[list[memoryview]],
+        read: list[int],
+        started: float,
+    ) -> tuple[list[bool], bool]:
         ok, corrupt = [], []
         for key, head, target, n in zip(keys, heads, targets, read, strict=True):
             if n < 0:

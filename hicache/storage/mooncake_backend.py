@@ -30,6 +30,9 @@ from hicache.storage.backend import Buffer, StorageBackend
 
 T = TypeVar("T")
 OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode for an absent key (RPC_FAIL, -900: master down)
+# what a scatter read returns when the object's size differs from its targets' (seen here:
+# -600 when they are smaller, -800 when larger): the object is there but is not ours
+SIZE_MISMATCH = (-600, -800)
 
 
 class MooncakeBackend(StorageBackend):
@@ -80,6 +83,14 @@ class MooncakeBackend(StorageBackend):
         self._registered.append((base, array.nbytes, array))
         return array.data
 
+    def register_memory(self, view: memoryview) -> None:
+        array = np.frombuffer(view, dtype=np.uint8)
+        base = int(array.ctypes.data)
+        if self._address(view) is not None:
+            return
+        if self._store.register_buffer(base, array.nbytes) == 0:
+            self._registered.append((base, array.nbytes, array))
+
     def _address(self, view: memoryview) -> int | None:
         """The address of a view lying inside a registered buffer, else None."""
         address = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
@@ -125,6 +136,39 @@ class MooncakeBackend(StorageBackend):
         status = await self._run("upsert", lambda: self._store.upsert_batch(names, values))
         self._check("upsert", status)
         return [status == 0] * len(items)
+
+    vectored_get = True
+
+    async def get_parts_many(
+        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        """Scatter each object into its targets (header buffer, then the host page's chunks)
+        with `batch_get_into_multi_buffers`: one copy, from the store into the host page.
+        Every target must lie in registered memory (the host tier registers its pools)."""
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        for target in targets:
+            addresses = [self._address(t) for t in target]
+            if any(a is None for a in addresses):
+                raise TierUnavailableError(
+                    "mooncake scatter read into memory that is not registered "
+                    "(register the host pools with register_memory)"
+                )
+            ptrs.append([a for a in addresses if a is not None])
+            sizes.append([t.nbytes for t in target])
+        names = self._names(keys)
+        got = await self._run(
+            "get_into", lambda: self._store.batch_get_into_multi_buffers(names, ptrs, sizes)
+        )
+        out = []
+        for n in got:
+            if n in SIZE_MISMATCH:
+                out.append(0)  # present, but not the size asked for: fails verification
+                continue
+            if n < 0 and n != OBJECT_NOT_FOUND:  # other errors fail the batch
+                self._check("get_into", n)
+            out.append(n if n > 0 else -1)
+        return out
 
     async def get_into_many(
         self, keys: Sequence[bytes], buffer: memoryview, sizes: Sequence[int]

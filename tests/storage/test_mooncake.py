@@ -128,3 +128,29 @@ def object_format_encode(key: bytes, payload: bytes) -> bytes:
     from hicache.storage import object_format
 
     return object_format.encode(key, payload)
+
+
+@pytest.mark.asyncio
+async def test_scatter_fetch_into_registered_host_memory(backend: MooncakeBackend) -> None:
+    store = GuardedStore(backend)
+    host = memoryview(bytearray(4 * 8192))
+    backend.register_memory(host)
+    items = [(bytes([i]) * 16, os.urandom(8192)) for i in range(3)]
+    assert await store.put(items) == [True] * 3
+    # each page lands in two chunks of the host buffer (as layer_first pages do)
+    targets = [
+        [host[i * 8192 : i * 8192 + 4096], host[i * 8192 + 4096 : (i + 1) * 8192]] for i in range(4)
+    ]
+    ok, answered = await store.fetch_into([k for k, _ in items] + [b"\xfd" * 16], targets)
+    assert answered
+    assert ok == [True, True, True, False]
+    assert [bytes(host[i * 8192 : (i + 1) * 8192]) for i in range(3)] == [d for _, d in items]
+    # an object of another size is present but not ours: a verified miss, dropped and counted
+    await backend.put_many([(b"\x07" * 16, b"short")])
+    ok, answered = await store.fetch_into([b"\x07" * 16], [targets[3]])
+    assert (ok, answered) == ([False], True)
+    assert store.stats.corrupt_dropped == 1
+    # memory nobody registered is refused, not read into
+    stray = memoryview(bytearray(8192))
+    ok, answered = await store.fetch_into([items[0][0]], [[stray]])
+    assert (ok, answered) == ([False], False)
