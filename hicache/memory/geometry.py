@@ -8,7 +8,7 @@ conv, ssm, ...); every size here is derived from the layout and the dtype, never
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,19 @@ class GroupGeometry:
     group: CacheGroup
     dtype: torch.dtype
     page_size_tokens: int
+    # derived once (the scheduler asks for them on every op)
+    _tensors: tuple[tuple[str, tuple[int, ...]], ...] = field(
+        init=False, repr=False, compare=False
+    )
+    _page_bytes_per_layer: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        spec = self.group.spec
+        tensors = spec.token_tensors() if spec.kind.is_token_cache else spec.state_shapes
+        object.__setattr__(self, "_tensors", tuple(tensors))
+        object.__setattr__(
+            self, "_page_bytes_per_layer", sum(self.row_bytes(name) for name, _ in tensors)
+        )
 
     @property
     def name(self) -> str:
@@ -53,8 +66,7 @@ class GroupGeometry:
     @property
     def tensors(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """(name, shape of one slot) for every tensor a layer of this group keeps."""
-        spec = self.group.spec
-        return spec.token_tensors() if spec.kind.is_token_cache else spec.state_shapes
+        return self._tensors
 
     @property
     def itemsize(self) -> int:
@@ -62,12 +74,14 @@ class GroupGeometry:
 
     def row_bytes(self, tensor: str) -> int:
         """Bytes of one page of one tensor of one layer."""
-        shape = dict(self.tensors)[tensor]
+        spec = self.group.spec
+        tensors = spec.token_tensors() if spec.kind.is_token_cache else spec.state_shapes
+        shape = dict(tensors)[tensor]
         return self.slots_per_page * math.prod(shape) * self.itemsize
 
     @property
     def page_bytes_per_layer(self) -> int:
-        return sum(self.row_bytes(name) for name, _ in self.tensors)
+        return self._page_bytes_per_layer
 
     @property
     def page_bytes(self) -> int:

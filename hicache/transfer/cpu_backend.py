@@ -65,6 +65,9 @@ class WalkProgress(WalkSignals):
     def is_done(self, position: int) -> bool:
         return self.done_upto > position
 
+    def all_done(self, num_layers: int) -> bool:
+        return self.done_upto >= num_layers  # layers land in order
+
 
 class CpuCopyBackend(CopyBackend):
     pins_host_memory = False
