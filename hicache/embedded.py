@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from hicache.config.loader import LoadedConfig
+from hicache.config.schema import Deployment
 from hicache.memory import DevicePool, GroupGeometry, HostTier, torch_dtype
 from hicache.memory.host_pool import HostLayout
 from hicache.model import LayerMap
@@ -88,12 +89,27 @@ class EmbeddedCache:
 
     @classmethod
     def from_config(cls, loaded: LoadedConfig, *, clock: Clock | None = None) -> EmbeddedCache:
+        """The stack with device pools of its own (`device.pool_capacity_bytes`)."""
         d = loaded.deployment
-        layer_map = loaded.layer_map()
+        return cls.from_deployment(d, loaded.layer_map(), clock=clock)
+
+    @classmethod
+    def from_deployment(
+        cls,
+        d: Deployment,
+        layer_map: LayerMap,
+        *,
+        backend: CopyBackend | None = None,
+        device_pools: Mapping[str, DevicePool] | None = None,
+        clock: Clock | None = None,
+    ) -> EmbeddedCache:
+        """The stack a deployment describes, on a given copy backend and the engine's device
+        pools when given (the sidecar shares one backend between namespaces)."""
         dtype = torch_dtype(d.model.dtype)
         geometries = [GroupGeometry(g, dtype, d.model.page_size_tokens) for g in layer_map.groups]
         per_page = sum(g.page_bytes for g in geometries)
-        backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
+        if backend is None:
+            backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
         return cls.build(
             layer_map,
             dtype=dtype,
@@ -102,6 +118,7 @@ class EmbeddedCache:
             device_pages=max(1, d.device.pool_capacity_bytes // per_page),
             host_layout=d.host.layout,
             backend=backend,
+            device_pools=device_pools,
             queue_depth=d.scheduler.queue_depth,
             inflight_bytes=d.scheduler.inflight_bytes,
             op_timeout_s=d.scheduler.op_timeout_s,

@@ -154,26 +154,28 @@ class LoadHandle:
 
     def done(self, timeout_s: float = 60.0) -> str:
         """Wait for the load to end; returns done / failed / cancelled and frees its slot."""
-        if self._final is not None:
-            return self._final
         deadline = time.perf_counter() + timeout_s
-        while (state := self.state()) == "running":
-            if time.perf_counter() > deadline:
-                raise LoadFailedError(f"load {self.load_id} did not end in {timeout_s} s")
+        while (state := self._poll(deadline, timeout_s)) is None:
             time.sleep(20e-6)
-        self._final = state
-        self._release(self.load_id)
         return state
 
     async def finished(self, timeout_s: float = 60.0) -> str:
         """`done()` for an event loop: waits without blocking it."""
+        deadline = time.perf_counter() + timeout_s
+        # the state is a word another process writes in shared memory: nothing to await on
+        while (state := self._poll(deadline, timeout_s)) is None:  # noqa: ASYNC110
+            await asyncio.sleep(100e-6)
+        return state
+
+    def _poll(self, deadline: float, timeout_s: float) -> str | None:
+        """The final state once the load ended (its slot released then), else None."""
         if self._final is not None:
             return self._final
-        deadline = time.perf_counter() + timeout_s
-        while (state := self.state()) == "running":
+        state = self.state()
+        if state == "running":
             if time.perf_counter() > deadline:
                 raise LoadFailedError(f"load {self.load_id} did not end in {timeout_s} s")
-            await asyncio.sleep(100e-6)
+            return None
         self._final = state
         self._release(self.load_id)
         return state

@@ -38,9 +38,7 @@ class GroupGeometry:
     dtype: torch.dtype
     page_size_tokens: int
     # derived once (the scheduler asks for them on every op)
-    _tensors: tuple[tuple[str, tuple[int, ...]], ...] = field(
-        init=False, repr=False, compare=False
-    )
+    _tensors: tuple[tuple[str, tuple[int, ...]], ...] = field(init=False, repr=False, compare=False)
     _page_bytes_per_layer: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from hicache.config import Deployment
 from hicache.embedded import EmbeddedCache
-from hicache.memory import DevicePool, torch_dtype
+from hicache.memory import DevicePool
 from hicache.model import LayerMap
 from hicache.storage import GuardedStore
 from hicache.tiered import TieredCache
@@ -51,19 +51,8 @@ class Namespace:
         tg: asyncio.TaskGroup,
     ) -> Namespace:
         d = deployment
-        embedded = EmbeddedCache.build(
-            layer_map,
-            dtype=torch_dtype(d.model.dtype),
-            page_size_tokens=d.model.page_size_tokens,
-            host_capacity_bytes=d.host.capacity_bytes,
-            host_layout=d.host.layout,
-            backend=backend,
-            device_pools=device_pools,
-            queue_depth=d.scheduler.queue_depth,
-            inflight_bytes=d.scheduler.inflight_bytes,
-            op_timeout_s=d.scheduler.op_timeout_s,
-            move_policy=d.scheduler.move_policy,
-            counter_ring_size=d.scheduler.counter_ring_size,
+        embedded = EmbeddedCache.from_deployment(
+            d, layer_map, backend=backend, device_pools=device_pools
         )
         cache = TieredCache.build(
             embedded,
