@@ -34,6 +34,7 @@ class StorageBackend(abc.ABC):
     # ---- zero-copy (optional): backends that move bytes to and from registered buffers ----
 
     vectored_put: bool = False  # put_parts_many is implemented
+    chunked_put: bool = False  # a batch split in chunks costs no extra round trips
     vectored_get: bool = False  # get_parts_many is implemented
 
     async def get_parts_many(

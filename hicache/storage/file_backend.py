@@ -183,6 +183,7 @@ class FileBackend(StorageBackend):
 
     direct_get = True  # any buffer will do: reads land with readinto
     vectored_put = True
+    chunked_put = True
     vectored_get = True  # readv: the payload lands in the caller's pages, no second copy
 
     async def get_parts_many(

@@ -259,15 +259,25 @@ class GuardedStore:
 
     async def _put_vectored(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
         """No encoding buffer: each object goes out as its header, then its payload from the
-        caller's memory (which the caller keeps unchanged until this returns), in one call.
-        (Chunking the batch to overlap the headers' checksums with the send measured slower
-        here: one round trip per chunk, and a third busy thread on two cores.)"""
+        caller's memory (which the caller keeps unchanged until this returns). Where a chunk
+        costs no extra round trip (`backend.chunked_put`: files), the headers of chunk k+1 —
+        their checksums — are computed on a worker thread while chunk k is written (xxhash and
+        write both release the GIL). For Redis one call measured faster: a round trip per
+        chunk, and a third busy thread beside redis-server on two cores."""
         started = time.perf_counter()
         self.stats.puts += len(items)
         sizes = [memoryview(p).nbytes for _, p in items]
-        parts = _headers([(item, size) for item, size in zip(items, sizes, strict=True)])
-        result = await self._call("put", sum(sizes), self._parts_sender(parts))
-        stored = result if result is not None else [False] * len(items)
+        chunk_bytes = self.chunk_bytes if self.backend.chunked_put else max(sum(sizes), 1)
+        stored: list[bool] = []
+        in_flight: tuple[asyncio.Future[list[bool] | None], int] | None = None
+        for chunk in _chunks(items, sizes, chunk_bytes):
+            parts = await asyncio.to_thread(_headers, chunk)
+            if in_flight is not None:
+                await _collect(in_flight, stored)
+            send = self._call("put", sum(size for _, size in chunk), self._parts_sender(parts))
+            in_flight = (asyncio.ensure_future(send), len(chunk))
+        if in_flight is not None:
+            await _collect(in_flight, stored)
         self.stats.stored += sum(stored)
         self.stats.put_bytes += sum(size for size, ok in zip(sizes, stored, strict=True) if ok)
         self.stats.put_seconds += time.perf_counter() - started
