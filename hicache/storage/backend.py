@@ -8,7 +8,7 @@ gets them alike. Methods are async; a blocking client runs in a worker thread.
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 Buffer = bytes | bytearray | memoryview
 
@@ -45,9 +45,10 @@ class StorageBackend(abc.ABC):
         -1 where absent. An object longer than its targets reads truncated."""
         raise NotImplementedError(f"{self.name} has no vectored reads")
 
-    async def put_parts_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
+    async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
         """Like `put_many`, each object given as parts to write back to back (header, then
-        the payload straight from the caller's memory): no copy into an encoding buffer."""
+        the payload straight from the caller's memory): no copy into an encoding buffer.
+        `items` may be produced lazily: consume it once, in order."""
         raise NotImplementedError(f"{self.name} has no vectored writes")
 
     direct_get: bool = False  # get_into_many is implemented

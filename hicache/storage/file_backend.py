@@ -14,7 +14,7 @@ import os
 import threading
 import uuid
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from hicache.storage.backend import Buffer, StorageBackend
@@ -193,7 +193,7 @@ class FileBackend(StorageBackend):
             lambda: [self._get_parts(k, t) for k, t in zip(keys, targets, strict=True)]
         )
 
-    async def put_parts_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
+    async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
         return await asyncio.to_thread(lambda: [self._put(k, list(p)) for k, p in items])
 
     async def get_into_many(

@@ -16,7 +16,7 @@ speed). Reads stay on the asyncio client.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import redis
 import redis.asyncio as aioredis
@@ -86,23 +86,21 @@ class RedisBackend(StorageBackend):
 
     vectored_put = True
 
-    async def put_parts_many(self, items: Sequence[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
-        names = [self._name(k).encode() for k, _ in items]
-
+    async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
         def send() -> list[bool]:
             pool = self._sync.connection_pool
             conn = pool.get_connection()
             try:
-                chunks: list[Buffer] = []
-                for name, (_, parts) in zip(names, items, strict=True):
+                sent = 0
+                # object by object, as the items are produced (a lazy producer computes each
+                # header here, while redis-server drains the previous object from the socket)
+                for key, parts in items:
+                    name = self._name(key).encode()
                     total = sum(memoryview(part).nbytes for part in parts)
-                    chunks.append(
-                        b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, total)
-                    )
-                    chunks.extend(parts)
-                    chunks.append(b"\r\n")
-                conn.send_packed_command(chunks)  # type: ignore[no-untyped-call]
-                return [conn.read_response() == b"OK" for _ in items]
+                    head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, total)
+                    conn.send_packed_command([head, *parts, b"\r\n"])  # type: ignore[no-untyped-call]
+                    sent += 1
+                return [conn.read_response() == b"OK" for _ in range(sent)]
             except (RedisError, OSError) as exc:
                 conn.disconnect()  # type: ignore[no-untyped-call]  # replies may be unread
                 raise TierUnavailableError(
