@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA check, for a machine with a GPU: gpu-marked tests, then the transfer benchmark on
 # CUDA for both host layouts, then a short table. Uses that machine's own CUDA build of torch
-# (python3), never the CPU wheel dev.py installs. Packages it lacks (pydantic, pytest-asyncio)
+# (python3), never the CPU wheel dev.py installs. Packages it lacks (pydantic, pytest-asyncio,
+# msgpack, aiohttp, prometheus-client, PyYAML, xxhash, uvloop)
 # can be carried as wheels in .whl/ (see README: "GPU check"); they are installed to /tmp/site.
 set -euo pipefail
 cd "$(dirname "$0")/.."
