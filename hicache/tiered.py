@@ -382,7 +382,11 @@ class TieredCache:
                 continue
             pages = pool.allocator.alloc(len(take))
             targets = [[c.numpy().data for c in pool.page_chunks(p)] for p in pages]
-            ok, answered = await self.l3.fetch_into([r.key for r in take], targets)
+            try:
+                ok, answered = await self.l3.fetch_into([r.key for r in take], targets)
+            except BaseException:  # cancelled mid-fetch: the pages were never indexed
+                pool.allocator.free(pages)
+                raise
             for record, page, good in zip(take, pages, ok, strict=True):
                 current = self.index.record(group, record.key)
                 if good and current is not None and current.l2_page is None:
