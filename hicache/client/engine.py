@@ -349,6 +349,8 @@ class Client(_Base):
                 return self._exchange(op, args or {})
             except (ConnectionError, BrokenPipeError, OSError) as exc:
                 if isinstance(exc, TimeoutError) or not self.reconnect:
+                    # a late reply would be read as the next request's: start afresh
+                    self._drop_socket()
                     raise
                 self._drop_socket()
                 self._connect()
@@ -503,8 +505,12 @@ class AsyncClient(_Base):
                 if self._writer is None:
                     await self._connect()
                 return await self._exchange(op, args or {})
+            except TimeoutError:
+                self._drop()  # a late reply would be read as the next request's
+                raise
             except (ConnectionError, asyncio.IncompleteReadError):
                 if not self.reconnect:
+                    self._drop()
                     raise
                 self._drop()
                 await self._connect()

@@ -71,6 +71,7 @@ class Session:
     counters: CounterFile | None = None
     loads: dict[int, LoadEntry] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
+    in_request: int = 0  # awaited requests in progress: a busy engine is not a silent one
 
     def describe(self) -> str:
         who = f"session {self.id}"
@@ -221,6 +222,7 @@ class EngineServer:
         request_id = 0
         op = "?"
         started = time.perf_counter()
+        session.in_request += 1
         try:
             request_id, op, args = p.parse_request(payload)
             if session.key is None and op != "hello":
@@ -233,6 +235,9 @@ class EngineServer:
             reply = p.ok(request_id, result)
         except Exception as exc:
             reply = self._error_reply(session, request_id, op, exc)
+        finally:
+            session.in_request -= 1
+            session.last_seen = time.monotonic()
         self.metrics.request(op, time.perf_counter() - started)
         return reply
 
@@ -549,7 +554,7 @@ class EngineServer:
             await asyncio.sleep(min(timeout / 4, 1.0))
             now = time.monotonic()
             for session in list(self.sessions.values()):
-                if now - session.last_seen > timeout:
+                if not session.in_request and now - session.last_seen > timeout:
                     log.warning(
                         "engine missed heartbeats",
                         extra={"fields": {"session": session.id, "timeout_s": timeout}},
