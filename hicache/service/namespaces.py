@@ -60,7 +60,8 @@ class Namespace:
             write_policy=d.cache.write_policy,
             prefetch_policy=d.cache.prefetch_policy,
             eviction=d.cache.eviction,
-            tenant_salt=d.cache.tenant_salt + key.tenant,
+            # a separator, so ("a", "bc") and ("ab", "c") never share keys
+            tenant_salt=f"{d.cache.tenant_salt}\x00{key.tenant}",
             tp_rank=key.tp_rank,
             key_algorithm=d.cache.key_algorithm,
         )
