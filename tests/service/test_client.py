@@ -159,3 +159,25 @@ def test_a_load_in_flight_when_the_connection_resets_is_lost(tmp_path: Path) -> 
         handle.wait_layer(1)
     counters.array[2][2] = LoadState.DONE  # had it ended before the reset, it would say so
     assert handle.state() == "done"
+
+
+def test_tenants_never_see_each_others_pages(sidecar: SidecarProcess, deploy: Path) -> None:
+    loaded = load_deployment(deploy)
+    tokens = list(range(64))
+    clients = {
+        tenant: connect(
+            sidecar.socket, loaded.layer_map(), page_size_tokens=16, tenant=tenant, heartbeat=False
+        )
+        for tenant in ("acme", "globex")
+    }
+    try:
+        for client in clients.values():
+            client.register_pools(client.create_pools(8))
+        assert clients["acme"].store(tokens, pages(0, 4))["pages_stored"] == 5
+        assert clients["acme"].lookup(tokens).tokens_total == 64
+        assert clients["globex"].lookup(tokens).tokens_total == 0  # same tokens, other tenant
+        namespaces = {ns["namespace"] for ns in sidecar.get_json("/v1/stats")["namespaces"]}
+        assert namespaces == {"tp_rank=0 tenant='acme'", "tp_rank=0 tenant='globex'"}
+    finally:
+        for client in clients.values():
+            client.close()
