@@ -35,7 +35,7 @@ from hicache.index import (
     WritePolicy,
 )
 from hicache.memory import HostPool
-from hicache.scheduler import GroupPages, OpHandle
+from hicache.scheduler import GroupPages, OpHandle, OpRequestError
 from hicache.storage import GuardedStore
 from hicache.transfer import LayerListener
 
@@ -160,6 +160,7 @@ class TieredCache:
         self, token_ids: Sequence[int], device_pages: Mapping[str, Sequence[int]]
     ) -> StoreResult:
         keys = self.index.keys(token_ids)
+        self._check_device_pages(device_pages, len(token_ids) // self.index.page_size_tokens)
         request: dict[str, GroupPages] = {}
         new_keys: dict[str, list[bytes]] = {}
         evicted = 0
@@ -195,6 +196,23 @@ class TieredCache:
                     to_persist.setdefault(group, []).append(record)
         persisted = await self._persist(to_persist)
         return StoreResult(stored, persisted, evicted, result.bytes_moved, result.seconds)
+
+    def _check_device_pages(self, device_pages: Mapping[str, Sequence[int]], pages: int) -> None:
+        """Every group lists a device page per full page of the prompt (state groups: one
+        snapshot page), before anything is pinned or moved."""
+        for group, rule in self.index.rules.items():
+            given = device_pages.get(group)
+            if given is None:
+                raise OpRequestError(
+                    f"device_pages has no group {group!r}; the layout's groups are "
+                    f"{sorted(self.index.rules)}"
+                )
+            need = pages if rule.kind.is_token_cache else min(pages, 1)
+            if len(given) < need:
+                raise OpRequestError(
+                    f"device_pages.{group}: {len(given)} pages given; the prompt's {pages} full "
+                    f"pages need {need}" + ("" if rule.kind.is_token_cache else " snapshot page")
+                )
 
     async def _make_room(self, group: str, count: int) -> int:
         pool = self.embedded.host_tier.pool(group)
@@ -240,6 +258,7 @@ class TieredCache:
         `lookup`'s when L3 pages could not be fetched in time, with those pages' positions in
         `hit.failed`. `skip_pages`: the engine's own device cache holds the prompt's first
         pages; only later ones move."""
+        self._check_device_pages(device_pages, len(token_ids) // self.index.page_size_tokens)
         await self.discover(token_ids)
         hit = self.index.lookup(token_ids, skip_pages=skip_pages)
         await self._persist_hot(hit)

@@ -181,3 +181,27 @@ def test_tenants_never_see_each_others_pages(sidecar: SidecarProcess, deploy: Pa
     finally:
         for client in clients.values():
             client.close()
+
+
+def test_too_few_device_pages_is_a_clear_error(sidecar: SidecarProcess, deploy: Path) -> None:
+    loaded = load_deployment(deploy)
+    client = connect(sidecar.socket, loaded.layer_map(), page_size_tokens=16, heartbeat=False)
+    try:
+        client.register_pools(client.create_pools(8))
+        tokens = list(range(64))  # 4 full pages
+        with pytest.raises(ClientError) as info:
+            client.store(tokens, {"full": [0, 1], "conv": [0]})
+        assert info.value.code == "bad_request"
+        assert info.value.message == (
+            "store: device_pages.full: 2 pages given; the prompt's 4 full pages need 4"
+        )
+        with pytest.raises(ClientError) as info:
+            client.load(tokens, {"full": [0, 1, 2, 3], "conv": []})
+        assert info.value.message == (
+            "load: device_pages.conv: 0 pages given; the prompt's 4 full pages need 1 snapshot page"
+        )
+        assert client.store(tokens, pages(0, 4))["pages_stored"] == 5  # nothing was pinned
+        stats = sidecar.get_json("/v1/stats")
+        assert all(g["pinned_pages"] == 0 for g in stats["namespaces"][0]["groups"].values())
+    finally:
+        client.close()
