@@ -15,9 +15,10 @@ what is allowed. Backend-native errors are mapped at the boundary (`raise X(...)
     │   └── PinError (ValueError)         freeing a pinned page, unpinning an unpinned one
     ├── TransferError                     a copy failed; the op's pages are listed
     ├── CounterMisuseError (RuntimeError) layer-done counter used against its protocol
-    └── StorageError                      an L3 backend failed (never reaches the engine)
-        ├── TierUnavailableError          the backend is down, slow or its breaker is open
-        └── ObjectCorruptError            a stored object failed its header or checksum
+    ├── StorageError                      an L3 backend failed (never reaches the engine)
+    │   ├── TierUnavailableError          the backend is down, slow or its breaker is open
+    │   └── ObjectCorruptError            a stored object failed its header or checksum
+    └── ServiceStartError                 `hicache serve` cannot listen where it is told to
 """
 
 from __future__ import annotations
@@ -89,3 +90,7 @@ class TierUnavailableError(StorageError):
 
 class ObjectCorruptError(StorageError):
     """A stored object's header, key or checksum does not match: it is not handed out."""
+
+
+class ServiceStartError(HicacheError):
+    """The sidecar cannot listen where its config says (socket path, port in use, ...)."""

@@ -18,6 +18,7 @@ import signal
 import sys
 
 from hicache.config import LoadedConfig
+from hicache.errors import HicacheError
 from hicache.service.http_api import start_http
 from hicache.service.logs import configure
 from hicache.service.metrics import ServiceMetrics
@@ -37,6 +38,17 @@ async def _probe_l3(server: EngineServer) -> None:
             await server.store.probe()
 
 
+def _first_hicache_error(group: BaseExceptionGroup[BaseException]) -> HicacheError | None:
+    for exc in group.exceptions:
+        if isinstance(exc, HicacheError):
+            return exc
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_hicache_error(exc)
+            if found is not None:
+                return found
+    return None
+
+
 async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     d = loaded.deployment
     configure(d.service.log_format)
@@ -50,6 +62,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     store = GuardedStore(store_backend) if store_backend is not None else None
     metrics = ServiceMetrics()
     metrics.page_size_tokens = d.model.page_size_tokens
+    server: EngineServer | None = None
     try:
         async with asyncio.TaskGroup() as tg:
             server = EngineServer(d, layer_map, backend, store, tg, metrics)
@@ -92,10 +105,20 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
                 }
             },
         )
+    except BaseExceptionGroup as group:
+        # the TaskGroup wraps what its body raised: a start-up error reaches the CLI as itself
+        if server is not None and server.listening:
+            with contextlib.suppress(OSError):
+                d.service.socket_path.unlink()  # no socket left behind that nobody serves
+        first = _first_hicache_error(group)
+        if first is None:
+            raise
+        raise first from None
     finally:
-        if server.store is not None:
+        live = server.store if server is not None else store
+        if live is not None:
             with contextlib.suppress(Exception):
-                await server.store.backend.close()
+                await live.backend.close()
         backend.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)

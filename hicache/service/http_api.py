@@ -25,6 +25,7 @@ from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from hicache.config.schema import Deployment, StorageSection
+from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer, namespace_stats, store_stats
 from hicache.storage import GuardedStore
@@ -172,7 +173,13 @@ async def start_http(
     runner = web.AppRunner(api.app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise ServiceStartError(
+            f"service.http_host/http_port: cannot listen on {host}:{port}: {exc.strerror or exc}"
+        ) from exc
     bound = port
     server_obj = site._server
     if server_obj is not None:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from hicache.config import Deployment
-from hicache.errors import HicacheError
+from hicache.errors import HicacheError, ServiceStartError
 from hicache.index import Hit
 from hicache.memory import DevicePool, GroupGeometry, torch_dtype
 from hicache.model import LayerMap
@@ -145,19 +145,30 @@ class EngineServer:
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         path = self.service.socket_path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.unlink(missing_ok=True)
-        old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
-            self._servers.append(await self._loop.create_unix_server(self._accept, path=str(path)))
-        finally:
-            os.umask(old)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.unlink(missing_ok=True)
+            old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
+            try:
+                self._servers.append(await self._loop.create_unix_server(self._accept, str(path)))
+            finally:
+                os.umask(old)
+        except OSError as exc:
+            raise ServiceStartError(
+                f"service.socket_path: cannot listen on {str(path)!r}: {exc.strerror or exc}"
+            ) from exc
         if self.service.tcp_port is not None:
-            self._servers.append(
-                await self._loop.create_server(
-                    self._accept, self.service.tcp_host, self.service.tcp_port
+            where = f"{self.service.tcp_host}:{self.service.tcp_port}"
+            try:
+                self._servers.append(
+                    await self._loop.create_server(
+                        self._accept, self.service.tcp_host, self.service.tcp_port
+                    )
                 )
-            )
+            except OSError as exc:
+                raise ServiceStartError(
+                    f"service.tcp_host/tcp_port: cannot listen on {where}: {exc.strerror or exc}"
+                ) from exc
         self._watchdog_task = self._tg.create_task(
             self._watchdog(), name="hicache-heartbeat-watchdog"
         )
