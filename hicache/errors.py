@@ -12,6 +12,7 @@ what is allowed. Backend-native errors are mapped at the boundary (`raise X(...)
     ├── MemoryTierError
     │   ├── PoolExhaustedError            no free pages within the byte budget
     │   ├── PoolShapeError (ValueError)   a tensor handed to a pool has the wrong shape/dtype
+    │   ├── PoolManifestError (ValueError) an engine's shared-pool manifest is unusable
     │   └── PinError (ValueError)         freeing a pinned page, unpinning an unpinned one
     ├── TransferError                     a copy failed; the op's pages are listed
     ├── CounterMisuseError (RuntimeError) layer-done counter used against its protocol
@@ -66,6 +67,10 @@ class PoolExhaustedError(MemoryTierError):
 
 class PoolShapeError(MemoryTierError, ValueError):
     """A tensor handed to a pool does not match the layout's geometry."""
+
+
+class PoolManifestError(MemoryTierError, ValueError):
+    """A shared pool an engine registers (a file, or CUDA IPC handles) cannot be mapped."""
 
 
 class PinError(MemoryTierError, ValueError):

@@ -382,7 +382,7 @@ class Client(_Base):
     def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
         """Share the engine's CUDA pools by IPC handle (a sidecar with device.kind: cuda); keep
         the tensors alive while registered."""
-        from hicache.service.cuda_ipc import export_cuda_pools
+        from hicache.transfer.cuda_ipc import export_cuda_pools
 
         self._registration = ("register_cuda_pools", export_cuda_pools(pools))
         self._pools_registered(self.call(*self._registration))
@@ -542,7 +542,7 @@ class AsyncClient(_Base):
         self._pools_registered(await self.call(*self._registration))
 
     async def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
-        from hicache.service.cuda_ipc import export_cuda_pools
+        from hicache.transfer.cuda_ipc import export_cuda_pools
 
         self._registration = ("register_cuda_pools", export_cuda_pools(pools))
         self._pools_registered(await self.call(*self._registration))

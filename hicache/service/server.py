@@ -36,7 +36,7 @@ from hicache.scheduler import OpHandle, OpResult, OpState
 from hicache.service import protocol as p
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
-from hicache.service.shm import CounterFile, LoadState, ManifestError, map_pools
+from hicache.service.shm import CounterFile, LoadState, map_pools
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
@@ -316,7 +316,7 @@ class EngineServer:
         self._check_unregistered(session, "register_pools")
         try:
             pools = map_pools(args.model_dump(), self.geometries, self.service.shm_dir)
-        except (ManifestError, HicacheError) as exc:
+        except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
         reply = await self._attach(session, pools)
         session.pool_path = Path(args.path)
@@ -334,11 +334,11 @@ class EngineServer:
                 "device.kind: cuda",
             )
         self._check_unregistered(session, "register_cuda_pools")
-        from hicache.service.cuda_ipc import map_cuda_pools  # torch.cuda only when used
+        from hicache.transfer.cuda_ipc import map_cuda_pools  # CUDA only when used
 
         try:
             pools = map_cuda_pools(args.model_dump(), self.geometries)
-        except (ManifestError, HicacheError) as exc:
+        except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_cuda_pools.{exc}") from None
         return await self._attach(session, pools)
 

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hicache.errors import PoolShapeError
+from hicache.errors import PoolManifestError, PoolShapeError
 from hicache.memory import DevicePool, GroupGeometry
 
 ALIGN_BYTES = 4096
@@ -150,10 +150,6 @@ def _views(
     return pools
 
 
-class ManifestError(ValueError):
-    """A `register_pools` manifest that does not describe a usable shared pool."""
-
-
 def map_pools(
     manifest: Mapping[str, Any], geometries: Mapping[str, GroupGeometry], shm_dir: Path
 ) -> dict[str, DevicePool]:
@@ -163,20 +159,24 @@ def map_pools(
     root = shm_dir.resolve()
     resolved = path.resolve()
     if not resolved.is_relative_to(root):
-        raise ManifestError(f"path {str(path)!r} is outside the shared-memory dir {str(root)!r}")
+        raise PoolManifestError(
+            f"path {str(path)!r} is outside the shared-memory dir {str(root)!r}"
+        )
     try:
         info = os.stat(resolved)
     except FileNotFoundError:
-        raise ManifestError(f"path {str(path)!r} does not exist") from None
+        raise PoolManifestError(f"path {str(path)!r} does not exist") from None
     if not stat.S_ISREG(info.st_mode):
-        raise ManifestError(f"path {str(path)!r} is not a regular file")
+        raise PoolManifestError(f"path {str(path)!r} is not a regular file")
     if info.st_uid != os.getuid():
-        raise ManifestError(f"path {str(path)!r} belongs to uid {info.st_uid}, not {os.getuid()}")
+        raise PoolManifestError(
+            f"path {str(path)!r} belongs to uid {info.st_uid}, not {os.getuid()}"
+        )
     if info.st_size != nbytes:
-        raise ManifestError(f"nbytes {nbytes} does not match the file's size {info.st_size}")
+        raise PoolManifestError(f"nbytes {nbytes} does not match the file's size {info.st_size}")
     groups = manifest["groups"]
     if set(groups) != set(geometries):
-        raise ManifestError(
+        raise PoolManifestError(
             f"groups {sorted(groups)} given; the layout's groups are {sorted(geometries)}"
         )
     spans: list[tuple[int, int, str]] = []
@@ -184,12 +184,12 @@ def map_pools(
         entry = groups[name]
         pages, offsets = entry["num_pages"], entry["offsets"]
         if len(offsets) != geom.num_layers:
-            raise ManifestError(
+            raise PoolManifestError(
                 f"groups.{name}.offsets: {len(offsets)} layers; the group has {geom.num_layers}"
             )
         for local_id, layer_offsets in enumerate(offsets):
             if len(layer_offsets) != len(geom.tensors):
-                raise ManifestError(
+                raise PoolManifestError(
                     f"groups.{name}.offsets[{local_id}]: {len(layer_offsets)} tensors; "
                     f"expected {len(geom.tensors)} ({', '.join(t for t, _ in geom.tensors)})"
                 )
@@ -197,16 +197,18 @@ def map_pools(
                 where = f"groups.{name}.offsets[{local_id}] ({tensor})"
                 size = _tensor_bytes(geom, pages, shape)
                 if offset % geom.itemsize:
-                    raise ManifestError(f"{where}: offset {offset} is not {geom.itemsize}-aligned")
+                    raise PoolManifestError(
+                        f"{where}: offset {offset} is not {geom.itemsize}-aligned"
+                    )
                 if offset + size > nbytes:
-                    raise ManifestError(
+                    raise PoolManifestError(
                         f"{where}: bytes {offset}..{offset + size} run past the file's {nbytes}"
                     )
                 spans.append((offset, offset + size, where))
     spans.sort()
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
-            raise ManifestError(f"{second} overlaps {first}")
+            raise PoolManifestError(f"{second} overlaps {first}")
     buffer = _map(resolved, nbytes)
     pages_of = {name: groups[name]["num_pages"] for name in geometries}
     return _views(buffer, geometries, pages_of, {n: groups[n]["offsets"] for n in geometries})

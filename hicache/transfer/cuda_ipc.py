@@ -23,13 +23,13 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
+from hicache.errors import PoolManifestError
 from hicache.memory import DevicePool, GroupGeometry, torch_dtype
-from hicache.service.shm import ManifestError
 
 
 def _export(tensor: torch.Tensor) -> dict[str, Any]:
     if tensor.device.type != "cuda":
-        raise ManifestError(f"a CUDA pool tensor is on {tensor.device}, not a CUDA device")
+        raise PoolManifestError(f"a CUDA pool tensor is on {tensor.device}, not a CUDA device")
     storage = tensor.untyped_storage()
     (
         device,
@@ -94,7 +94,7 @@ def _rebuild(entry: Mapping[str, Any], where: str) -> torch.Tensor:
             entry["event_sync"],
         )
     except (RuntimeError, KeyError, TypeError, ValueError) as exc:
-        raise ManifestError(f"{where}: cannot open the CUDA IPC handle: {exc}") from None
+        raise PoolManifestError(f"{where}: cannot open the CUDA IPC handle: {exc}") from None
 
 
 def map_cuda_pools(
@@ -102,20 +102,20 @@ def map_cuda_pools(
 ) -> dict[str, DevicePool]:
     groups = manifest["groups"]
     if set(groups) != set(geometries):
-        raise ManifestError(
+        raise PoolManifestError(
             f"groups {sorted(groups)} given; the layout's groups are {sorted(geometries)}"
         )
     pools = {}
     for name, geom in geometries.items():
         layers = groups[name]["tensors"]
         if len(layers) != geom.num_layers:
-            raise ManifestError(
+            raise PoolManifestError(
                 f"groups.{name}.tensors: {len(layers)} layers; the group has {geom.num_layers}"
             )
         rebuilt = []
         for local_id, entries in enumerate(layers):
             if len(entries) != len(geom.tensors):
-                raise ManifestError(
+                raise PoolManifestError(
                     f"groups.{name}.tensors[{local_id}]: {len(entries)} tensors; expected "
                     f"{len(geom.tensors)} ({', '.join(t for t, _ in geom.tensors)})"
                 )
