@@ -51,8 +51,6 @@ class StorageBackend(abc.ABC):
         `items` may be produced lazily: consume it once, in order."""
         raise NotImplementedError(f"{self.name} has no vectored writes")
 
-    direct_get: bool = False  # get_into_many is implemented
-
     def register_memory(self, view: memoryview) -> None:
         """Memory the caller will read into or write from (the host tier's pools): a backend
         that moves bytes by DMA registers it; others ignore it."""
@@ -62,13 +60,6 @@ class StorageBackend(abc.ABC):
         """A writable buffer the caller encodes objects into before `put_many` (a backend
         with registered memory returns memory it can send from without a copy)."""
         return memoryview(bytearray(nbytes))
-
-    async def get_into_many(
-        self, keys: Sequence[bytes], buffer: memoryview, sizes: Sequence[int]
-    ) -> list[int]:
-        """Read each key's object into consecutive slices of `buffer` (from `alloc_buffer`),
-        slice i `sizes[i]` bytes long; returns each object's length, or -1 where absent."""
-        raise NotImplementedError(f"{self.name} has no direct reads")
 
     async def close(self) -> None:
         return None

@@ -117,26 +117,6 @@ class FileBackend(StorageBackend):
                 self._sizes.move_to_end(key)
         return data
 
-    def _get_into(self, key: bytes, out: memoryview) -> int:
-        """Read the object into `out` (no allocation, no second copy); its length, or -1 when
-        absent. A file longer than `out` reads as truncated and fails verification."""
-        try:
-            with open(self._path(key), "rb", buffering=0) as f:
-                got = 0
-                while got < out.nbytes:
-                    n = f.readinto(out[got:])
-                    if not n:
-                        break
-                    got += n
-        except FileNotFoundError:
-            with self._lock:
-                self._forget(key)
-            return -1
-        with self._lock:
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
-        return got
-
     def _get_parts(self, key: bytes, targets: Sequence[memoryview]) -> int:
         try:
             fd = os.open(self._path(key), os.O_RDONLY)
@@ -181,7 +161,6 @@ class FileBackend(StorageBackend):
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return await asyncio.to_thread(lambda: [self._get(k) for k in keys])
 
-    direct_get = True  # any buffer will do: reads land with readinto
     vectored_put = True
     chunked_put = True
     vectored_get = True  # readv: the payload lands in the caller's pages, no second copy
@@ -195,18 +174,6 @@ class FileBackend(StorageBackend):
 
     async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
         return await asyncio.to_thread(lambda: [self._put(k, list(p)) for k, p in items])
-
-    async def get_into_many(
-        self, keys: Sequence[bytes], buffer: memoryview, sizes: Sequence[int]
-    ) -> list[int]:
-        def read_all() -> list[int]:
-            out, offset = [], 0
-            for key, size in zip(keys, sizes, strict=True):
-                out.append(self._get_into(key, buffer[offset : offset + size]))
-                offset += size
-            return out
-
-        return await asyncio.to_thread(read_all)
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:

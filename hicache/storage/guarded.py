@@ -12,10 +12,9 @@ breaker on success or re-opens it on failure. Backend-native errors are mapped t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TypeVar
@@ -83,7 +82,6 @@ class CircuitBreaker:
 class Fetched:
     values: list[memoryview | None]
     answered: bool  # False: the backend failed or the breaker is open; the Nones are unknown
-    direct: bool = False  # the views alias the store's registered arena (valid in the block)
 
 
 @dataclass
@@ -191,7 +189,6 @@ class GuardedStore:
         self.chunk_bytes = chunk_bytes
         self._arena: memoryview | None = None
         self._arena_lock = asyncio.Lock()
-        self._get_arena: memoryview | None = None
         self._head_arena: memoryview | None = None
         self._get_lock = asyncio.Lock()
 
@@ -313,64 +310,14 @@ class GuardedStore:
         """Verified payloads, or None for each miss (absent, corrupt, or backend trouble)."""
         return (await self.fetch(keys, expected_bytes)).values
 
-    async def fetch(
-        self, keys: Sequence[bytes], expected_bytes: int = 0, payload_bytes: int | None = None
-    ) -> Fetched:
+    async def fetch(self, keys: Sequence[bytes], expected_bytes: int = 0) -> Fetched:
         """Like `get`, and says whether the backend answered: a None then means the object is
-        definitively absent or corrupt, not that the backend could not be asked. The payloads
-        stay valid after return (on the zero-copy path they are copied out of the arena;
-        `fetching` avoids that copy)."""
-        async with self.fetching(keys, expected_bytes, payload_bytes) as fetched:
-            if fetched.direct:
-                values = [None if v is None else memoryview(bytes(v)) for v in fetched.values]
-                return Fetched(values, fetched.answered)
-            return fetched
-
-    @contextlib.asynccontextmanager
-    async def fetching(
-        self, keys: Sequence[bytes], expected_bytes: int = 0, payload_bytes: int | None = None
-    ) -> AsyncIterator[Fetched]:
-        """Fetch and verify; the payloads are valid inside the block only. With
-        `payload_bytes` (every object's payload size) and a zero-copy backend, objects land
-        straight in a registered arena and are verified there, with no copy."""
-        direct = self.backend.direct_get and payload_bytes is not None
+        definitively absent or corrupt, not that the backend could not be asked."""
         self.stats.gets += len(keys)
         started = time.perf_counter()
-        if not direct:
-            result = await self._call("get", expected_bytes, lambda: self.backend.get_many(keys))
-            yield await self._verified(keys, result, started, direct=False)
-            return
-        assert payload_bytes is not None
-        sizes = [object_format.encoded_size(key, payload_bytes) for key in keys]
-        async with self._get_lock:
-            nbytes = sum(sizes)
-            if self._get_arena is None or self._get_arena.nbytes < nbytes:
-                self._get_arena = self.backend.alloc_buffer(nbytes)
-            arena = self._get_arena
-            lengths = await self._call(
-                "get", expected_bytes, lambda: self.backend.get_into_many(keys, arena, sizes)
-            )
-            if lengths is None:
-                self._get_arena = None  # a timed-out call may still write into it
-                yield await self._verified(keys, None, started, direct=True)
-                return
-            views: list[memoryview | None] = []
-            offset = 0
-            for size, length in zip(sizes, lengths, strict=True):
-                views.append(arena[offset : offset + length] if length > 0 else None)
-                offset += size
-            yield await self._verified(keys, views, started, direct=True)
-
-    async def _verified(
-        self,
-        keys: Sequence[bytes],
-        result: Sequence[bytes | memoryview | None] | None,
-        started: float,
-        *,
-        direct: bool,
-    ) -> Fetched:
+        result = await self._call("get", expected_bytes, lambda: self.backend.get_many(keys))
         answered = result is not None
-        raw = list(result) if result is not None else [None] * len(keys)
+        raw: list[bytes | None] = result if result is not None else [None] * len(keys)
         out: list[memoryview | None] = []
         corrupt = []
         for key, data in zip(keys, raw, strict=True):
@@ -390,7 +337,7 @@ class GuardedStore:
         self.stats.get_seconds += time.perf_counter() - started
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits
-        return Fetched(out, answered, direct)
+        return Fetched(out, answered)
 
     async def fetch_into(
         self, keys: Sequence[bytes], targets: Sequence[list[memoryview]]
@@ -400,21 +347,21 @@ class GuardedStore:
         answered. A target that fails holds garbage: the caller must not use it."""
         self.stats.gets += len(keys)
         started = time.perf_counter()
-        if not self.backend.vectored_get:
-            payload = sum(t.nbytes for t in targets[0]) if targets else 0
-            async with self.fetching(keys, payload * len(keys), payload) as fetched:
-                landed: list[bool] = []
-                for value, target in zip(fetched.values, targets, strict=True):
-                    if value is None or value.nbytes != sum(t.nbytes for t in target):
-                        landed.append(False)
-                        continue
-                    offset = 0
-                    for part in target:
-                        part[:] = value[offset : offset + part.nbytes]
-                        offset += part.nbytes
-                    landed.append(True)
-                self.stats.gets -= len(keys)  # counted once, by fetching
-                return landed, fetched.answered
+        if not self.backend.vectored_get:  # the backend's bytes, then one copy into place
+            self.stats.gets -= len(keys)  # fetch counts them
+            nbytes = sum(sum(t.nbytes for t in target) for target in targets)
+            fetched = await self.fetch(keys, nbytes)
+            landed: list[bool] = []
+            for value, target in zip(fetched.values, targets, strict=True):
+                if value is None or value.nbytes != sum(t.nbytes for t in target):
+                    landed.append(False)
+                    continue
+                offset = 0
+                for part in target:
+                    part[:] = value[offset : offset + part.nbytes]
+                    offset += part.nbytes
+                landed.append(True)
+            return landed, fetched.answered
         async with self._get_lock:  # the headers land in the store's (registered) arena
             head_sizes = [object_format.HEADER_BYTES + len(k) for k in keys]
             if self._head_arena is None or self._head_arena.nbytes < sum(head_sizes):

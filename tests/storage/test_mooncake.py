@@ -96,32 +96,31 @@ async def test_corrupt_object_is_a_miss_and_removed(backend: MooncakeBackend) ->
 
 
 @pytest.mark.asyncio
-async def test_zero_copy_fetch_into_the_registered_arena(
+async def test_zero_copy_put_and_scatter_fetch(
     master: MooncakeMasterType, backend: MooncakeBackend
 ) -> None:
-    assert backend.direct_get
     store = GuardedStore(backend)
+    host = memoryview(bytearray(9 * 8192))
+    backend.register_memory(host)
+    targets = [[host[i * 8192 : (i + 1) * 8192]] for i in range(9)]
     items = [(bytes([i]) * 16, os.urandom(8192)) for i in range(8)]
     assert await store.put(items) == [True] * 8  # sent from the registered put arena
     keys = [k for k, _ in items] + [b"\xfe" * 16]
-    async with store.fetching(keys, 9 * 8192, payload_bytes=8192) as fetched:
-        assert fetched.direct
-        assert fetched.answered
-        assert [None if v is None else bytes(v) for v in fetched.values] == [
-            d for _, d in items
-        ] + [None]  # an absent key is a miss (OBJECT_NOT_FOUND), not a failure
-    # an object corrupted in the store is caught in the arena, dropped and counted
+    ok, answered = await store.fetch_into(keys, targets)
+    assert answered
+    # an absent key is a miss (OBJECT_NOT_FOUND), not a failure
+    assert ok == [True] * 8 + [False]
+    assert [bytes(host[i * 8192 : (i + 1) * 8192]) for i in range(8)] == [d for _, d in items]
+    # an object corrupted in the store is caught in the host page, dropped and counted
     bad = bytearray(object_format_encode(items[0][0], items[0][1]))
     bad[-1] ^= 1
     await backend.put_many([(items[0][0], bytes(bad))])
-    got = await store.fetch([items[0][0]], 8192, payload_bytes=8192)
-    assert got.values == [None]
+    assert await store.fetch_into([items[0][0]], [targets[0]]) == ([False], True)
     assert store.stats.corrupt_dropped == 1
+    assert await backend.exists_many([items[0][0]]) == [False]
     # the master down: the fetch did not get an answer, so nothing is dropped from an index
     master.stop()
-    down = await store.fetch([items[1][0]], 8192, payload_bytes=8192)
-    assert down.values == [None]
-    assert down.answered is False
+    assert await store.fetch_into([items[1][0]], [targets[1]]) == ([False], False)
 
 
 def object_format_encode(key: bytes, payload: bytes) -> bytes:
