@@ -34,7 +34,6 @@ from hicache.index import (
     PrefixIndex,
     WritePolicy,
 )
-from hicache.memory import HostPool
 from hicache.scheduler import GroupPages, OpHandle, OpRequestError
 from hicache.storage import GuardedStore
 from hicache.transfer import LayerListener
@@ -47,10 +46,6 @@ class StoreResult:
     pages_evicted: int
     bytes_backed_up: int = 0  # L1 -> L2
     backup_seconds: float = 0.0
-
-
-def _read_page(pool: HostPool, page: int) -> bytes:
-    return b"".join(chunk.numpy().data for chunk in pool.page_chunks(page))  # one copy
 
 
 class TieredCache:
@@ -221,23 +216,37 @@ class TieredCache:
             return 0
         victims = self.index.l2_victims(group, short)
         await self._persist({group: [v for v in victims if self.write_policy.on_evict(v)]})
+        evicted = 0
         for victim in victims:
-            pool.allocator.free([self.index.drop_l2(group, victim.key)])
-        return len(victims)
+            # a load may have pinned it, or another eviction dropped it, while we persisted
+            if victim.pins == 0 and victim.l2_page is not None:
+                pool.allocator.free([self.index.drop_l2(group, victim.key)])
+                evicted += 1
+        return evicted
 
     async def _persist(self, records: Mapping[str, Sequence[PageRecord]]) -> int:
         if self.l3 is None:
             return 0
-        items, owners = [], []
+        items: list[tuple[bytes, list[memoryview]]] = []
+        owners: list[tuple[str, PageRecord]] = []
         for group, group_records in records.items():
             pool = self.embedded.host_tier.pool(group)
             for record in group_records:
                 if record.l2_page is not None and not record.in_l3:
-                    items.append((record.key, _read_page(pool, record.l2_page)))
+                    # the page's chunks, uncopied: pinned below so no eviction reuses the page
+                    # while L3 reads it
+                    chunks = [c.numpy().data for c in pool.page_chunks(record.l2_page)]
+                    items.append((record.key, chunks))
                     owners.append((group, record))
         if not items:
             return 0
-        stored = await self.l3.put(items)
+        for group, record in owners:
+            self.index.pin(group, [record.key])
+        try:
+            stored = await self.l3.put(items)
+        finally:
+            for group, record in owners:
+                self.index.unpin(group, [record.key])
         for (group, record), ok in zip(owners, stored, strict=True):
             if ok:
                 self.index.mark_l3(group, record.key)

@@ -22,6 +22,7 @@ from typing import TypeVar
 from hicache.errors import ObjectCorruptError
 from hicache.storage import object_format
 from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.object_format import Parts, payload_bytes
 
 T = TypeVar("T")
 
@@ -114,14 +115,14 @@ def _runs(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
 
 
 def _chunks(
-    items: Sequence[tuple[bytes, bytes | memoryview]], sizes: Sequence[int], chunk_bytes: int
-) -> list[list[tuple[tuple[bytes, bytes | memoryview], int]]]:
+    items: Sequence[tuple[bytes, Parts]], sizes: Sequence[int], chunk_bytes: int
+) -> list[list[tuple[tuple[bytes, Parts], int]]]:
     """`_runs` of items, each with its size."""
     return [[(items[i], sizes[i]) for i in run] for run in _runs(sizes, chunk_bytes)]
 
 
 def _encode(
-    chunk: list[tuple[tuple[bytes, bytes | memoryview], int]], arena: memoryview, offset: int
+    chunk: list[tuple[tuple[bytes, Parts], int]], arena: memoryview, offset: int
 ) -> list[tuple[bytes, memoryview]]:
     encoded = []
     for (key, payload), size in chunk:
@@ -132,16 +133,21 @@ def _encode(
 
 
 def _headers(
-    chunk: list[tuple[tuple[bytes, bytes | memoryview], int]],
+    chunk: list[tuple[tuple[bytes, Parts], int]],
 ) -> list[tuple[bytes, Sequence[Buffer]]]:
-    return [(key, (object_format.header(key, payload), payload)) for (key, payload), _ in chunk]
+    return [(key, _with_header(key, payload)) for (key, payload), _ in chunk]
 
 
 def _lazy_headers(
-    items: Sequence[tuple[bytes, bytes | memoryview]],
+    items: Sequence[tuple[bytes, Parts]],
 ) -> Iterator[tuple[bytes, Sequence[Buffer]]]:
     for key, payload in items:
-        yield key, (object_format.header(key, payload), payload)
+        yield key, _with_header(key, payload)
+
+
+def _with_header(key: bytes, payload: Parts) -> list[Buffer]:
+    parts = object_format.parts_of(payload)
+    return [object_format.header(key, parts), *parts]
 
 
 def _verify_all(
@@ -215,8 +221,9 @@ class GuardedStore:
         self.breaker.success()
         return result
 
-    async def put(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        """Persist payloads; True where the object is stored. Never raises.
+    async def put(self, items: Sequence[tuple[bytes, Parts]]) -> list[bool]:
+        """Persist payloads (each one buffer, or a page's chunks in order); True where the object
+        is stored. Never raises.
 
         Objects are encoded into one reusable arena from the backend (`alloc_buffer`: memory
         a zero-copy backend sends from directly), grown to the largest batch, then reused — no
@@ -228,7 +235,7 @@ class GuardedStore:
         async with self._arena_lock:
             started = time.perf_counter()
             self.stats.puts += len(items)
-            sizes = [object_format.encoded_size(key, memoryview(p).nbytes) for key, p in items]
+            sizes = [object_format.encoded_size(key, payload_bytes(p)) for key, p in items]
             nbytes = sum(sizes)
             if self._arena is None or self._arena.nbytes < nbytes:
                 self._arena = self.backend.alloc_buffer(nbytes)
@@ -256,12 +263,12 @@ class GuardedStore:
             stored = result
             self.stats.stored += sum(stored)
             self.stats.put_bytes += sum(
-                memoryview(p).nbytes for (_, p), ok in zip(items, stored, strict=True) if ok
+                payload_bytes(p) for (_, p), ok in zip(items, stored, strict=True) if ok
             )
             self.stats.put_seconds += time.perf_counter() - started
             return stored
 
-    async def _put_vectored(self, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+    async def _put_vectored(self, items: Sequence[tuple[bytes, Parts]]) -> list[bool]:
         """No encoding buffer: each object goes out as its header, then its payload from the
         caller's memory (which the caller keeps unchanged until this returns). Where a chunk
         costs no extra round trip (`backend.chunked_put`: files), the headers of chunk k+1 —
@@ -270,7 +277,7 @@ class GuardedStore:
         chunk, and a third busy thread beside redis-server on two cores."""
         started = time.perf_counter()
         self.stats.puts += len(items)
-        sizes = [memoryview(p).nbytes for _, p in items]
+        sizes = [payload_bytes(p) for _, p in items]
         if not self.backend.chunked_put:
             # one call, the headers computed lazily on the backend's thread as it sends
             lazy = _lazy_headers(items)

@@ -12,6 +12,7 @@ L3 throughput (benchmarks/storage.py).
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 
 import xxhash
 
@@ -27,27 +28,48 @@ def encoded_size(key: bytes, payload_bytes: int) -> int:
     return HEADER_BYTES + len(key) + payload_bytes
 
 
-def encode_into(out: memoryview, key: bytes, payload: bytes | bytearray | memoryview) -> int:
+Payload = bytes | bytearray | memoryview
+Parts = Payload | Sequence[Payload]  # one buffer, or a page's chunks in order
+
+
+def parts_of(payload: Parts) -> list[memoryview]:
+    if isinstance(payload, bytes | bytearray | memoryview):
+        return [memoryview(payload).cast("B")]
+    return [memoryview(p).cast("B") for p in payload]
+
+
+def payload_bytes(payload: Parts) -> int:
+    return sum(p.nbytes for p in parts_of(payload))
+
+
+def _fixed(key: bytes, parts: list[memoryview]) -> bytes:
+    digest = xxhash.xxh3_64()
+    for part in parts:
+        digest.update(part)
+    length = sum(p.nbytes for p in parts)
+    return _HEADER.pack(MAGIC, VERSION, len(key), length, digest.intdigest())
+
+
+def encode_into(out: memoryview, key: bytes, payload: Parts) -> int:
     """Write one object into `out` (at least `encoded_size` bytes); returns its size."""
-    body = memoryview(payload).cast("B")
-    _HEADER.pack_into(out, 0, MAGIC, VERSION, len(key), body.nbytes, xxhash.xxh3_64_intdigest(body))
+    parts = parts_of(payload)
     start = HEADER_BYTES + len(key)
-    out[HEADER_BYTES:start] = key
-    out[start : start + body.nbytes] = body
-    return start + body.nbytes
+    out[:start] = _fixed(key, parts) + key
+    for part in parts:
+        out[start : start + part.nbytes] = part
+        start += part.nbytes
+    return start
 
 
-def header(key: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+def header(key: bytes, payload: Parts) -> bytes:
     """The header and key of `payload`'s object: written before the payload, uncopied, by
     backends with vectored writes — the same bytes `encode_into` lays out."""
-    body = memoryview(payload).cast("B")
-    fixed = _HEADER.pack(MAGIC, VERSION, len(key), body.nbytes, xxhash.xxh3_64_intdigest(body))
-    return fixed + key
+    return _fixed(key, parts_of(payload)) + key
 
 
-def encode(key: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+def encode(key: bytes, payload: Parts) -> bytes:
     """One object as new bytes (the store encodes into its arena with `encode_into`)."""
-    out = bytearray(encoded_size(key, memoryview(payload).nbytes))
+    out = bytearray(encoded_size(key, payload_bytes(payload)))
     encode_into(memoryview(out), key, payload)
     return bytes(out)
 

@@ -181,3 +181,13 @@ async def test_arena_survives_a_timed_out_put_still_running(tmp_path: Path) -> N
     gate.set()
     await asyncio.sleep(0.2)
     assert decode(b"a" * 16, backend.seen[0]).tobytes() == b"first"  # its bytes stayed intact
+
+
+def test_an_object_from_parts_is_the_object_of_their_concatenation() -> None:
+    from hicache.storage import object_format
+
+    key, parts = b"k" * 16, [os.urandom(100), b"", os.urandom(3000)]
+    whole = object_format.encode(key, b"".join(parts))
+    assert object_format.encode(key, parts) == whole
+    assert object_format.header(key, parts) + b"".join(parts) == whole
+    assert bytes(object_format.decode(key, whole)) == b"".join(parts)
