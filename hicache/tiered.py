@@ -121,8 +121,8 @@ class TieredCache:
     def needs_discovery(self, token_ids: Sequence[int], hit: Hit) -> bool:
         """Could L3 extend this hit with pages the index does not know (persisted before a
         restart, or by another process)? Only then is a lookup worth an L3 round trip."""
-        if self.l3 is None:
-            return False
+        if self.l3 is None or hit.pages_total == len(token_ids) // self.index.page_size_tokens:
+            return False  # no L3, or the whole prompt hits already: no hashing twice
         keys = self.index.keys(token_ids)
         return any(
             self.index.record(group, key) is None
