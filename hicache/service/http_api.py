@@ -29,8 +29,8 @@ from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer, namespace_stats, store_stats
 from hicache.storage import GuardedStore
+from hicache.storage.breaker import BreakerState
 from hicache.storage.factory import make_backend
-from hicache.storage.guarded import BreakerState
 
 _URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
 

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from hicache.storage import GuardedStore
-from hicache.storage.guarded import BreakerState
+from hicache.storage.breaker import BreakerState
 
 if TYPE_CHECKING:
     from hicache.service.namespaces import Namespace

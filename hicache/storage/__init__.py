@@ -1,12 +1,13 @@
-"""The L3 tier (part of issue 5): one small backend interface, the object format with
-checksums, the `file` backend, a fault-injecting backend for tests, and `GuardedStore`
-(breaker, timeouts, verification, misses instead of exceptions). Redis and Mooncake Store
-backends are not here yet."""
+"""The L3 tier: one small backend interface (with optional zero-copy hooks), the object format
+with checksums, the `file`, `redis` and `mooncake` backends (the last two import their client
+only when used), a fault-injecting backend for tests, the circuit breaker, and `GuardedStore`
+(timeouts, verification, misses instead of exceptions)."""
 
 from hicache.storage.backend import StorageBackend
+from hicache.storage.breaker import BreakerState, CircuitBreaker
 from hicache.storage.faulty import FaultyBackend
 from hicache.storage.file_backend import FileBackend
-from hicache.storage.guarded import BreakerState, CircuitBreaker, GuardedStore, StoreStats
+from hicache.storage.guarded import GuardedStore, StoreStats
 
 __all__ = [
     "BreakerState",

@@ -5,7 +5,7 @@ deleted, counted and reported as a miss. Each call has a timeout derived from it
 (`base_timeout_s + bytes / min_bandwidth_bytes_per_s`). A `CircuitBreaker` counts failures:
 after `failure_threshold` in a row it opens and calls return misses at once without touching
 the backend; after `reset_after_s` the next call is a trial (half-open) that closes the
-breaker on success or re-opens it on failure. Backend-native errors are mapped to
+breaker on success or re-opens it on failure (`breaker.py`). Backend-native errors are mapped to
 `TierUnavailableError` and counted by reason; none propagate.
 """
 
@@ -16,67 +16,18 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import TypeVar
 
 from hicache.errors import ObjectCorruptError
 from hicache.storage import object_format
 from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.breaker import BreakerState, CircuitBreaker
 from hicache.storage.object_format import Parts, payload_bytes
 
 T = TypeVar("T")
 
 
 PROBE_KEY = b"hicache-breaker-probe"
-
-
-class BreakerState(StrEnum):
-    CLOSED = "closed"
-    OPEN = "open"
-    HALF_OPEN = "half_open"
-
-
-class CircuitBreaker:
-    def __init__(
-        self,
-        failure_threshold: int = 3,
-        reset_after_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
-    ):
-        self.failure_threshold = failure_threshold
-        self.reset_after_s = reset_after_s
-        self._clock = clock
-        self._failures = 0
-        self._opened_at: float | None = None
-        self._trial_in_flight = False
-
-    @property
-    def state(self) -> BreakerState:
-        if self._opened_at is None:
-            return BreakerState.CLOSED
-        if self._clock() - self._opened_at >= self.reset_after_s:
-            return BreakerState.HALF_OPEN
-        return BreakerState.OPEN
-
-    def allow(self) -> bool:
-        state = self.state
-        if state is BreakerState.CLOSED:
-            return True
-        if state is BreakerState.HALF_OPEN and not self._trial_in_flight:
-            self._trial_in_flight = True
-            return True
-        return False
-
-    def success(self) -> None:
-        self._failures = 0
-        self._opened_at = None
-        self._trial_in_flight = False
-
-    def failure(self) -> None:
-        self._trial_in_flight = False
-        self._failures += 1
-        if self._opened_at is not None or self._failures >= self.failure_threshold:
-            self._opened_at = self._clock()
 
 
 @dataclass(frozen=True, slots=True)
