@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hicache.client import ClientError, LoadLostError, connect, connect_async
-from hicache.client.engine import LoadHandle
+from hicache.client.handle import LoadHandle
 from hicache.config import load_deployment
 from hicache.service.process import SidecarProcess
 from hicache.service.shm import CounterFile, LoadState

@@ -1,0 +1,172 @@
+"""`AsyncClient` / `connect_async`: the engine client on asyncio (an engine whose scheduler is a
+coroutine), with the blocking client's API and reconnect; heartbeats run as a task."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hicache.client.base import ClientBase, page_lists, parse_address
+from hicache.client.handle import ClientError, LoadHandle, Lookup
+from hicache.memory import DevicePool
+from hicache.model import LayerMap
+from hicache.service import protocol as p
+from hicache.service.shm import SharedPools
+
+
+class AsyncClient(ClientBase):
+    """The same API on asyncio (an engine whose scheduler is a coroutine); `LoadHandle`'s
+    `wait_layer` stays synchronous: the forward pass calls it from its own thread."""
+
+    def __init__(self, address: str | Path, layer_map: LayerMap, **kwargs: Any):
+        self.address = address
+        self.reconnect = kwargs.pop("reconnect", True)
+        self.timeout_s = kwargs.pop("timeout_s", 30.0)
+        self._heartbeat_enabled = kwargs.pop("heartbeat", True)
+        super().__init__(
+            layer_map,
+            kwargs.pop("dtype", "bfloat16"),
+            kwargs.pop("page_size_tokens", 16),
+            kwargs.pop("tp_rank", 0),
+            kwargs.pop("tenant", ""),
+            kwargs.pop("token", None),
+            kwargs.pop("engine", ""),
+        )
+        if kwargs:
+            raise TypeError(f"unknown arguments {sorted(kwargs)}")
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._lock = asyncio.Lock()
+        self._beat: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def _connect(self) -> None:
+        family, addr = parse_address(self.address)
+        if family == socket.AF_UNIX:
+            self._reader, self._writer = await asyncio.open_unix_connection(addr)
+        else:
+            self._reader, self._writer = await asyncio.open_connection(*addr)
+        self.session = await self._exchange("hello", self._hello)
+        if self._registration is not None:
+            self._pools_registered(await self._exchange(*self._registration))
+
+    async def _exchange(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        assert self._reader is not None
+        assert self._writer is not None
+        request_id, data = self._request(op, args)
+        self._writer.write(data)
+        await self._writer.drain()
+        header = await asyncio.wait_for(self._reader.readexactly(p.HEADER.size), self.timeout_s)
+        (size,) = p.HEADER.unpack(header)
+        payload = await asyncio.wait_for(self._reader.readexactly(size), self.timeout_s)
+        return self._result(request_id, p.unpack(payload))
+
+    async def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        async with self._lock:
+            if self._closed:
+                raise ClientError("closed", "the client is closed")
+            try:
+                if self._writer is None:
+                    await self._connect()
+                return await self._exchange(op, args or {})
+            except TimeoutError:
+                self._drop()  # a late reply would be read as the next request's
+                raise
+            except (ConnectionError, asyncio.IncompleteReadError):
+                if not self.reconnect:
+                    self._drop()
+                    raise
+                self._drop()
+                await self._connect()
+                return await self._exchange(op, args or {})
+
+    def _drop(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._reader = self._writer = None
+
+    async def start(self) -> AsyncClient:
+        await self._connect()
+        if self._heartbeat_enabled:
+            self._beat = asyncio.create_task(self._heartbeats())
+        return self
+
+    async def _heartbeats(self) -> None:
+        interval = max(0.05, float(self.session.get("heartbeat_timeout_s", 30.0)) / 3)
+        while not self._closed:
+            await asyncio.sleep(interval)
+            try:
+                await self.call("heartbeat", {"layer_stall_s": self._take_stalls()})
+            except (ClientError, ConnectionError, OSError, TimeoutError):
+                continue
+
+    async def register_pools(self, pools: SharedPools) -> None:
+        self.pools = pools
+        self._registration = ("register_pools", pools.manifest())
+        self._pools_registered(await self.call(*self._registration))
+
+    async def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
+        from hicache.transfer.cuda_ipc import export_cuda_pools
+
+        self._registration = ("register_cuda_pools", export_cuda_pools(pools))
+        self._pools_registered(await self.call(*self._registration))
+
+    async def lookup(self, tokens: Sequence[int]) -> Lookup:
+        r = await self.call("lookup", {"tokens": list(tokens)})
+        return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
+
+    async def store(
+        self, tokens: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+    ) -> dict[str, Any]:
+        return await self.call(
+            "store", {"tokens": list(tokens), "device_pages": page_lists(device_pages)}
+        )
+
+    async def load(
+        self,
+        tokens: Sequence[int],
+        device_pages: Mapping[str, Sequence[int]],
+        skip_pages: int = 0,
+    ) -> LoadHandle | None:
+        reply = await self.call(
+            "load",
+            {
+                "tokens": list(tokens),
+                "device_pages": page_lists(device_pages),
+                "skip_pages": skip_pages,
+            },
+        )
+        loop = asyncio.get_running_loop()
+
+        def release(load_id: int) -> None:  # LoadHandle.done() runs off-loop or on it
+            asyncio.run_coroutine_threadsafe(self.release(load_id), loop)
+
+        return self._handle(reply, release)
+
+    async def prefetch(self, tokens: Sequence[int]) -> int:
+        return int((await self.call("prefetch", {"tokens": list(tokens)}))["pages_fetched"])
+
+    async def release(self, load_id: int) -> None:
+        try:
+            await self.call("release", {"load_id": load_id})
+        except ClientError as exc:
+            if exc.code != p.ErrorCode.OUT_OF_RANGE:
+                raise
+
+    async def stats(self) -> dict[str, Any]:
+        return await self.call("stats")
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._beat is not None:
+            self._beat.cancel()
+        self._drop()
+        if self.pools is not None:
+            self.pools.unlink()
+
+
+async def connect_async(address: str | Path, layer_map: LayerMap, **kwargs: Any) -> AsyncClient:
+    return await AsyncClient(address, layer_map, **kwargs).start()

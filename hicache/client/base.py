@@ -1,0 +1,108 @@
+"""`ClientBase`: what the blocking and the async engine clients share — the hello and its
+layout summary, request framing and reply checking, shared pools and the counter file, the
+per-layer stalls reported with heartbeats."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hicache.client.handle import ClientError, LoadHandle
+from hicache.memory import GroupGeometry, torch_dtype
+from hicache.model import LayerMap
+from hicache.service import protocol as p
+from hicache.service.shm import CounterFile, SharedPools
+
+
+def parse_address(address: str | Path) -> tuple[int, Any]:
+    text = str(address)
+    if text.startswith("tcp://"):
+        host, _, port = text[len("tcp://") :].rpartition(":")
+        return socket.AF_INET, (host or "127.0.0.1", int(port))
+    return socket.AF_UNIX, text
+
+
+class ClientBase:
+    """State shared by the blocking and async clients."""
+
+    def __init__(
+        self,
+        layer_map: LayerMap,
+        dtype: str,
+        page_size_tokens: int,
+        tp_rank: int,
+        tenant: str,
+        token: str | None,
+        engine: str,
+    ):
+        self.layer_map = layer_map
+        self.dtype = dtype
+        self.page_size_tokens = page_size_tokens
+        self.geometries = {
+            g.name: GroupGeometry(g, torch_dtype(dtype), page_size_tokens) for g in layer_map.groups
+        }
+        self._hello = {
+            "protocol": p.PROTOCOL_VERSION,
+            "layout": p.layout_summary(layer_map, dtype, page_size_tokens),
+            "engine": engine,
+            "pid": os.getpid(),
+            "tp_rank": tp_rank,
+            "tenant": tenant,
+            "token": token,
+        }
+        self._ids = itertools.count(1)
+        self.session: dict[str, Any] = {}
+        self.pools: SharedPools | None = None
+        self._registration: tuple[str, dict[str, Any]] | None = None  # replayed on reconnect
+        self.counters: CounterFile | None = None
+        self.generation = 0
+        self.stalls: list[float] = []
+
+    def _request(self, op: str, args: Mapping[str, Any]) -> tuple[int, bytes]:
+        request_id = next(self._ids)
+        return request_id, p.frame({"op": op, "id": request_id, "args": dict(args)})
+
+    @staticmethod
+    def _result(request_id: int, reply: Any) -> dict[str, Any]:
+        if not isinstance(reply, dict) or reply.get("id") not in (request_id, 0):
+            raise ClientError(p.ErrorCode.INTERNAL, f"unexpected reply {reply!r:.200}")
+        if not reply.get("ok"):
+            err = reply.get("error", {})
+            raise ClientError(err.get("code", "?"), err.get("message", "?"))
+        result: dict[str, Any] = reply["result"]
+        return result
+
+    def _pools_registered(self, reply: dict[str, Any]) -> None:
+        self.counters = CounterFile.open(reply["counters"], reply["slots"])
+        self.generation += 1
+
+    def _take_stalls(self) -> list[float]:
+        stalls, self.stalls = self.stalls[:4096], self.stalls[4096:]
+        return stalls
+
+    def create_pools(self, num_pages: int | Mapping[str, int]) -> SharedPools:
+        """The engine's KV pool in shared memory, laid out as the sidecar expects."""
+        shm_dir = self.session.get("shm_dir", "/dev/shm")
+        return SharedPools.create(self.geometries, num_pages, shm_dir)
+
+    def _handle(self, reply: dict[str, Any], release: Any) -> LoadHandle | None:
+        if reply["load_id"] is None:
+            return None
+        assert self.counters is not None
+        return LoadHandle(
+            release,
+            self.layer_map,
+            self.counters,
+            self.generation,
+            lambda: self.generation,
+            reply,
+            self.stalls,
+        )
+
+
+def page_lists(device_pages: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
+    return {group: [int(x) for x in pages] for group, pages in device_pages.items()}

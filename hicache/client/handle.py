@@ -1,0 +1,154 @@
+"""What the engine client hands back: `Lookup`, `LoadHandle` (`wait_layer` reads the load's
+counter in shared memory; `done()` / `finished()` wait for its end and free its slot), and the
+client's errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.errors import HicacheError
+from hicache.model import LayerMap
+from hicache.service.shm import CounterFile, LoadState
+
+
+class ClientError(HicacheError):
+    """The sidecar answered with an error (`code` is one of protocol.ErrorCode)."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+class LoadFailedError(HicacheError):
+    """A load ended failed or cancelled before the layer waited on landed."""
+
+
+class LoadLostError(HicacheError):
+    """The connection (and its load slots) went away while the load was in flight."""
+
+
+@dataclass(frozen=True, slots=True)
+class Lookup:
+    page_size_tokens: int
+    tokens_l2: int
+    tokens_total: int
+
+
+_STATES = {
+    LoadState.DONE: "done",
+    LoadState.FAILED: "failed",
+    LoadState.CANCELLED: "cancelled",
+}
+
+
+class LoadHandle:
+    """One load: `wait_layer(layer_id)` from the engine's forward thread; `done()` at the end."""
+
+    def __init__(
+        self,
+        release: Any,
+        layer_map: LayerMap,
+        counters: CounterFile,
+        generation: int,
+        current_generation: Any,
+        reply: dict[str, Any],
+        stalls: list[float],
+    ):
+        self.load_id: int = reply["load_id"]
+        self.slot: int = reply["slot"]
+        self.tokens: int = reply["tokens"]
+        self.failed: dict[str, list[int]] = reply["failed"]
+        self._release = release
+        self._layer_map = layer_map
+        self._row = counters.array[self.slot]
+        self._generation = generation
+        self._current = current_generation
+        self._stalls = stalls
+        self._final: str | None = None
+        # ns from a layer landing (sidecar's clock) to this engine seeing it, for the layers
+        # it had to wait for; CLOCK_MONOTONIC is one clock for every process of the machine
+        self.signal_ns: list[int] = []
+
+    def _check(self) -> None:
+        if self._current() != self._generation or int(self._row[0]) != self.load_id:
+            raise LoadLostError(
+                f"load {self.load_id}: the sidecar connection was reset while it was in flight"
+            )
+
+    def wait_layer(self, layer_id: int, timeout_s: float = 60.0) -> None:
+        index = self._layer_map.stage_index(layer_id)
+        row = self._row
+        if row[1] > index:
+            return
+        started = time.perf_counter()
+        spins = 0
+        while row[1] <= index:
+            state = int(row[2])
+            if state in (LoadState.FAILED, LoadState.CANCELLED):
+                raise LoadFailedError(
+                    f"load {self.load_id} ended {_STATES[LoadState(state)]} before layer "
+                    f"{layer_id} landed"
+                )
+            self._check()
+            spins += 1
+            if spins < 2000:
+                os.sched_yield()  # the copy thread may need this core
+            else:
+                time.sleep(50e-6)
+                if time.perf_counter() - started > timeout_s:
+                    raise LoadFailedError(
+                        f"load {self.load_id}: layer {layer_id} did not land in {timeout_s} s"
+                    )
+        seen = time.monotonic_ns()
+        if row[1] == index + 1:
+            self.signal_ns.append(seen - int(row[4]))
+        self._stalls.append(time.perf_counter() - started)
+
+    def state(self) -> str:
+        """running / done / failed / cancelled. A load that ended before its connection was
+        reset keeps its final state (the old counter mapping is never reused)."""
+        if self._final is not None:
+            return self._final
+        if int(self._row[0]) == self.load_id:
+            final = _STATES.get(LoadState(int(self._row[2])))
+            if final is not None:
+                return final
+        self._check()
+        return "running"
+
+    def done(self, timeout_s: float = 60.0) -> str:
+        """Wait for the load to end; returns done / failed / cancelled and frees its slot."""
+        deadline = time.perf_counter() + timeout_s
+        while (state := self._poll(deadline, timeout_s)) is None:
+            time.sleep(20e-6)
+        return state
+
+    async def finished(self, timeout_s: float = 60.0) -> str:
+        """`done()` for an event loop: waits without blocking it."""
+        deadline = time.perf_counter() + timeout_s
+        # the state is a word another process writes in shared memory: nothing to await on
+        while (state := self._poll(deadline, timeout_s)) is None:  # noqa: ASYNC110
+            await asyncio.sleep(100e-6)
+        return state
+
+    def _poll(self, deadline: float, timeout_s: float) -> str | None:
+        """The final state once the load ended (its slot released then), else None."""
+        if self._final is not None:
+            return self._final
+        state = self.state()
+        if state == "running":
+            if time.perf_counter() > deadline:
+                raise LoadFailedError(f"load {self.load_id} did not end in {timeout_s} s")
+            return None
+        self._final = state
+        self._release(self.load_id)
+        return state
+
+    def cancel(self) -> None:
+        if self._final is None:
+            self._release(self.load_id)
