@@ -27,7 +27,8 @@ from pydantic import TypeAdapter, ValidationError
 from hicache.config.schema import Deployment, StorageSection
 from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
-from hicache.service.server import EngineServer, namespace_stats, store_stats
+from hicache.service.server import EngineServer
+from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage import GuardedStore
 from hicache.storage.breaker import BreakerState
 from hicache.storage.factory import make_backend

@@ -16,86 +16,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import itertools
 import logging
 import os
 import time
-from collections import deque
 from collections.abc import Callable, Coroutine
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from hicache.config import Deployment
 from hicache.errors import HicacheError, ServiceStartError
-from hicache.index import Hit
-from hicache.memory import DevicePool, GroupGeometry, torch_dtype
+from hicache.memory import GroupGeometry, torch_dtype
 from hicache.model import LayerMap
-from hicache.scheduler import OpHandle, OpResult, OpState
 from hicache.service import protocol as p
+from hicache.service.connection import EngineConnection
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
-from hicache.service.shm import CounterFile, LoadState, map_pools
+from hicache.service.ops import DeferToAwait, EngineOps
+from hicache.service.sessions import DrainReport, Session, process_alive, remove_under
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
 log = logging.getLogger("hicache.service")
 
-_FINAL = {
-    OpState.DONE: LoadState.DONE,
-    OpState.FAILED: LoadState.FAILED,
-    OpState.CANCELLED: LoadState.CANCELLED,
-    OpState.EXPIRED: LoadState.FAILED,
-}
-
-
-@dataclass
-class LoadEntry:
-    slot: int
-    handle: OpHandle
-    released: bool = False
-
-
-@dataclass
-class Session:
-    id: int
-    transport: asyncio.Transport
-    last_seen: float
-    engine: str = ""
-    pid: int = 0
-    key: NamespaceKey | None = None
-    namespace: Namespace | None = None
-    pools: dict[str, DevicePool] | None = None
-    pool_path: Path | None = None
-    counters: CounterFile | None = None
-    loads: dict[int, LoadEntry] = field(default_factory=dict)
-    free_slots: list[int] = field(default_factory=list)
-    in_request: int = 0  # awaited requests in progress: a busy engine is not a silent one
-
-    def describe(self) -> str:
-        who = f"session {self.id}"
-        if self.engine or self.pid:
-            who += f" ({self.engine or 'engine'} pid {self.pid})"
-        return who
-
-
-@dataclass(frozen=True, slots=True)
-class DrainReport:
-    loads_finished: int
-    loads_cancelled: int
-    pages_flushed: int
-
-
-class _Defer(Exception):
-    """An inline handler found it must await after all (a lookup that L3 may extend)."""
-
-
 Handler = Callable[[Session, Any], Coroutine[Any, Any, dict[str, Any]]]
 InlineHandler = Callable[[Session, Any], dict[str, Any]]
 
 
-class EngineServer:
+class EngineServer(EngineOps):
     def __init__(
         self,
         deployment: Deployment,
@@ -222,7 +170,7 @@ class EngineServer:
         started = time.perf_counter()
         try:
             reply = p.ok(request_id, handler(session, args))
-        except _Defer:
+        except DeferToAwait:
             return None
         except Exception as exc:
             reply = self._error_reply(session, request_id, op, exc)
@@ -264,260 +212,6 @@ class EngineServer:
         return p.error(request_id, code, message)
 
     # ---- ops ----------------------------------------------------------------------------------
-
-    async def _hello(self, session: Session, args: p.Hello) -> dict[str, Any]:
-        if session.key is not None:
-            raise p.RequestError(p.ErrorCode.REFUSED, "hello: this session already said hello")
-        if args.protocol != p.PROTOCOL_VERSION:
-            raise p.RequestError(
-                p.ErrorCode.REFUSED,
-                f"hello.protocol: engine speaks version {args.protocol}; this sidecar speaks "
-                f"{p.PROTOCOL_VERSION}",
-            )
-        secret = self.service.token
-        if secret is not None and not hmac.compare_digest(
-            (args.token or "").encode(), secret.get_secret_value().encode()
-        ):
-            raise p.RequestError(
-                p.ErrorCode.REFUSED, "hello.token: missing or wrong (service.token is set)"
-            )
-        diffs = p.layout_differences(args.layout, self.layout)
-        if diffs:
-            raise p.RequestError(
-                p.ErrorCode.REFUSED,
-                "hello.layout: the engine's KV layout differs from the sidecar's model; "
-                + "; ".join(diffs),
-            )
-        key = NamespaceKey(args.tp_rank, args.tenant)
-        for other in self.sessions.values():
-            if other.key == key:
-                raise p.RequestError(
-                    p.ErrorCode.REFUSED,
-                    f"hello: namespace {key} is attached by {other.describe()}; one engine per "
-                    "namespace (give each tensor-parallel rank its tp_rank)",
-                )
-        session.key, session.engine, session.pid = key, args.engine, args.pid
-        return {
-            "session": session.id,
-            "protocol": p.PROTOCOL_VERSION,
-            "heartbeat_timeout_s": self.service.heartbeat_timeout_s,
-            "load_slots": self.service.load_slots,
-            "shm_dir": str(self.service.shm_dir),
-        }
-
-    async def _register_pools(self, session: Session, args: p.RegisterPools) -> dict[str, Any]:
-        """The CPU data plane: the engine's pool is a file in shared memory we map."""
-        if self.deployment.device.kind != "cpu":
-            raise p.RequestError(
-                p.ErrorCode.REFUSED,
-                "register_pools: this sidecar copies on CUDA (device.kind: cuda); export the "
-                "engine's CUDA pools with register_cuda_pools",
-            )
-        self._check_unregistered(session, "register_pools")
-        try:
-            pools = map_pools(args.model_dump(), self.geometries, self.service.shm_dir)
-        except HicacheError as exc:
-            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
-        reply = await self._attach(session, pools)
-        session.pool_path = Path(args.path)
-        return reply
-
-    async def _register_cuda_pools(
-        self, session: Session, args: p.RegisterCudaPools
-    ) -> dict[str, Any]:
-        """The CUDA data plane: the engine's pool tensors arrive as CUDA IPC handles."""
-        if self.deployment.device.kind != "cuda":
-            raise p.RequestError(
-                p.ErrorCode.REFUSED,
-                "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu); share the "
-                "pool through shared memory with register_pools, or run the sidecar with "
-                "device.kind: cuda",
-            )
-        self._check_unregistered(session, "register_cuda_pools")
-        from hicache.transfer.cuda_ipc import map_cuda_pools  # CUDA only when used
-
-        try:
-            pools = map_cuda_pools(args.model_dump(), self.geometries)
-        except HicacheError as exc:
-            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_cuda_pools.{exc}") from None
-        return await self._attach(session, pools)
-
-    def _check_unregistered(self, session: Session, op: str) -> None:
-        if session.pools is not None:
-            raise p.RequestError(p.ErrorCode.REFUSED, f"{op}: pools already registered")
-
-    async def _attach(self, session: Session, pools: dict[str, DevicePool]) -> dict[str, Any]:
-        assert session.key is not None
-        counters = CounterFile.create(self.service.shm_dir, self.service.load_slots)
-        try:
-            namespace = self.namespaces.get(session.key)
-            if namespace is None:
-                namespace = await Namespace.start(
-                    session.key,
-                    self.deployment,
-                    self.layer_map,
-                    self.backend,
-                    self.store,
-                    pools,
-                    self._tg,
-                )
-                self.namespaces[session.key] = namespace
-            namespace.attach(session.id, pools)
-        except BaseException:
-            counters.unlink()
-            raise
-        session.namespace, session.pools, session.counters = namespace, pools, counters
-        session.free_slots = list(range(self.service.load_slots - 1, -1, -1))
-        return {"counters": str(counters.path), "slots": counters.slots}
-
-    def _ready(self, session: Session, op: str) -> Namespace:
-        if session.namespace is None:
-            raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send register_pools first")
-        return session.namespace
-
-    def _check_pages(self, session: Session, op: str, device_pages: dict[str, list[int]]) -> None:
-        assert session.pools is not None
-        for group, pages in device_pages.items():
-            pool = session.pools.get(group)
-            if pool is None:
-                raise p.RequestError(
-                    p.ErrorCode.BAD_REQUEST,
-                    f"{op}.device_pages: group {group!r} is not in the layout; groups: "
-                    f"{', '.join(sorted(session.pools))}",
-                )
-            bad = [page for page in pages if page >= pool.num_pages]
-            if bad:
-                raise p.RequestError(
-                    p.ErrorCode.OUT_OF_RANGE,
-                    f"{op}.device_pages.{group}: pages {bad[:5]} are outside the registered "
-                    f"pool of {pool.num_pages} pages (0..{pool.num_pages - 1})",
-                )
-        missing = set(session.pools) - set(device_pages)
-        if missing:
-            raise p.RequestError(
-                p.ErrorCode.BAD_REQUEST,
-                f"{op}.device_pages: groups {sorted(missing)} missing; every group of the "
-                "layout needs its pages",
-            )
-
-    def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
-        cache = self._ready(session, "lookup").cache
-        hit = cache.lookup(args.tokens)
-        if cache.needs_discovery(args.tokens, hit):
-            raise _Defer  # ask L3 first: the async path (`_lookup_discovering`)
-        return self._lookup_reply(hit, len(args.tokens))
-
-    async def _lookup_discovering(self, session: Session, args: p.Tokens) -> dict[str, Any]:
-        cache = self._ready(session, "lookup").cache
-        await cache.discover(args.tokens)
-        return self._lookup_reply(cache.lookup(args.tokens), len(args.tokens))
-
-    def _lookup_reply(self, hit: Hit, asked: int) -> dict[str, Any]:
-        self.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked)
-        return {
-            "page_size_tokens": hit.page_size_tokens,
-            "tokens_l2": hit.tokens_l2,
-            "tokens_total": hit.tokens_total,
-        }
-
-    async def _store(self, session: Session, args: p.PagesRequest) -> dict[str, Any]:
-        namespace = self._ready(session, "store")
-        self._check_pages(session, "store", args.device_pages)
-        result = await namespace.cache.store(args.tokens, args.device_pages)
-        self.metrics.evictions.inc(result.pages_evicted)
-        if result.bytes_backed_up:
-            self.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
-        return asdict(result)
-
-    async def _prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
-        pages = await self._ready(session, "prefetch").cache.prefetch(args.tokens)
-        return {"pages_fetched": pages}
-
-    async def _load(self, session: Session, args: p.LoadRequest) -> dict[str, Any]:
-        namespace = self._ready(session, "load")
-        self._check_pages(session, "load", args.device_pages)
-        counters = session.counters
-        assert counters is not None
-        if not session.free_slots:
-            raise p.RequestError(
-                p.ErrorCode.BUSY,
-                f"load: all {counters.slots} load slots hold unreleased loads; release "
-                "finished loads (LoadHandle.done() does) or raise service.load_slots",
-            )
-        slot = session.free_slots.pop()
-        load_id = next(self._load_ids)
-        num_layers = len(self.layer_map.stage_layer_ids)
-        counters.start(slot, load_id, num_layers)
-        row = counters.array[slot]
-
-        def on_layer(upto: int) -> None:  # the copy thread, as each layer lands
-            row[4] = time.monotonic_ns()
-            row[1] = upto
-
-        try:
-            handle, hit = await namespace.cache.load(
-                args.tokens, args.device_pages, on_layer=on_layer, skip_pages=args.skip_pages
-            )
-        except BaseException:
-            row[2] = LoadState.FREE
-            session.free_slots.append(slot)
-            raise
-        failed = {group: list(positions) for group, positions in hit.failed.items()}
-        if handle is None:
-            row[2] = LoadState.FREE
-            session.free_slots.append(slot)
-            return {"load_id": None, "tokens": 0, "failed": failed}
-        entry = LoadEntry(slot, handle)
-        session.loads[load_id] = entry
-
-        def finished(result: OpResult) -> None:
-            row[2] = _FINAL.get(result.state, LoadState.FAILED)
-            self.metrics.moved("load", result.bytes_moved, result.seconds)
-            if entry.released:
-                self._free(session, load_id)
-
-        handle.add_done_callback(finished)
-        return {
-            "load_id": load_id,
-            "slot": slot,
-            "tokens": hit.tokens_total,
-            "num_layers": num_layers,
-            "failed": failed,
-        }
-
-    def _free(self, session: Session, load_id: int) -> None:
-        entry = session.loads.pop(load_id, None)
-        if entry is not None and session.counters is not None:
-            session.counters.array[entry.slot][2] = LoadState.FREE
-            session.free_slots.append(entry.slot)
-
-    def _release(self, session: Session, args: p.Release) -> dict[str, Any]:
-        self._ready(session, "release")
-        entry = session.loads.get(args.load_id)
-        if entry is None:
-            raise p.RequestError(
-                p.ErrorCode.OUT_OF_RANGE,
-                f"release.load_id: {args.load_id} is not a load of this session in flight or "
-                "unreleased",
-            )
-        entry.released = True
-        if entry.handle.result is None:
-            entry.handle.cancel()  # the engine gave up on it; pins go when it ends
-            return {"state": "cancelling"}
-        self._free(session, args.load_id)
-        return {"state": "released"}
-
-    def _stats(self, session: Session, args: p.Empty) -> dict[str, Any]:
-        namespace = self._ready(session, "stats")
-        return {**namespace_stats(namespace), "l3": store_stats(self.store)}
-
-    def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:
-        for stall in args.layer_stall_s:
-            self.metrics.layer_stall.observe(stall)
-        return {"now": time.time()}
-
-    # ---- session end --------------------------------------------------------------------------
-
     async def _end_session(self, session: Session, reason: str) -> None:
         running = [e.handle for e in session.loads.values() if e.handle.result is None]
         for handle in running:
@@ -553,11 +247,11 @@ class EngineServer:
         (its socket closes a moment before it exits), remove the file. A live engine that
         merely disconnected keeps it: it re-registers the same file on reconnect."""
         deadline = time.monotonic() + wait_s
-        while _alive(pid):
+        while process_alive(pid):
             if time.monotonic() > deadline:
                 return
             await asyncio.sleep(0.05)
-        _remove_under(path, self.service.shm_dir)
+        remove_under(path, self.service.shm_dir)
 
     async def _watchdog(self) -> None:
         timeout = self.service.heartbeat_timeout_s
@@ -608,156 +302,3 @@ class EngineServer:
         with contextlib.suppress(OSError):
             self.service.socket_path.unlink()
         return DrainReport(len(pending) - cancelled, cancelled, flushed)
-
-
-def namespace_stats(namespace: Namespace) -> dict[str, Any]:
-    cache = namespace.cache
-    sched = cache.embedded.scheduler.stats()
-    groups = {}
-    for group in cache.index.rules:
-        pool = cache.embedded.host_tier.pool(group)
-        groups[group] = {
-            "l2_pages": cache.index.l2_pages(group),
-            "l2_capacity_pages": pool.num_pages,
-            "pinned_pages": cache.index.pinned_pages(group),
-            "l3_pages_known": cache.index.l3_pages(group),
-        }
-    return {
-        "namespace": str(namespace.key),
-        "attached_session": namespace.owner,
-        "groups": groups,
-        "queued_loads": sched.queued_loads,
-        "queued_backups": sched.queued_backups,
-        "in_flight_bytes": sched.in_flight_bytes,
-        "in_flight_walks": sched.in_flight_walks,
-        "ops_by_state": dict(sched.ops_by_state),
-        "load": asdict(sched.load),
-        "backup": asdict(sched.backup),
-    }
-
-
-def store_stats(store: GuardedStore | None) -> dict[str, Any] | None:
-    if store is None:
-        return None
-    s = store.stats
-    return {
-        "breaker": store.breaker.state.value,
-        "puts": s.puts,
-        "stored": s.stored,
-        "gets": s.gets,
-        "hits": s.hits,
-        "misses": s.misses,
-        "corrupt_dropped": s.corrupt_dropped,
-        "skipped_open": s.skipped_open,
-        "put_bytes": s.put_bytes,
-        "put_seconds": s.put_seconds,
-        "get_bytes": s.get_bytes,
-        "get_seconds": s.get_seconds,
-        "failures": dict(s.failures),
-    }
-
-
-def _alive(pid: int) -> bool:
-    """The process exists and is not a zombie (exited, not yet reaped by its parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-class EngineConnection(asyncio.Protocol):
-    """One engine connection: frames in, replies out, in request order. Cheap ops are answered
-    inside `data_received` (no task, no await); the first op that must await starts a worker
-    task that drains the queue in order, so a later cheap op never overtakes it."""
-
-    def __init__(self, server: EngineServer):
-        self.server = server
-        self.transport: asyncio.Transport = None  # type: ignore[assignment]
-        self.session: Session | None = None
-        self.buffer = bytearray()
-        self.queue: deque[bytes] = deque()
-        self.worker: asyncio.Task[None] | None = None
-        self.ended: asyncio.Task[None] | None = None
-        self.reason = "closed by engine"
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.session = self.server._open(self)
-        if self.session is not None:
-            self.server._connections.add(self)
-
-    def data_received(self, data: bytes) -> None:
-        session = self.session
-        if session is None or self.transport.is_closing():
-            return
-        session.last_seen = time.monotonic()
-        buffer = self.buffer
-        buffer += data
-        header = p.HEADER.size
-        limit = self.server.service.max_frame_bytes
-        while len(buffer) >= header:
-            (size,) = p.HEADER.unpack_from(buffer)
-            if size > limit:
-                self.transport.write(
-                    p.error(
-                        0,
-                        p.ErrorCode.BAD_FRAME,
-                        f"frame of {size} bytes exceeds service.max_frame_bytes ({limit}); "
-                        "closing the connection",
-                    )
-                )
-                self.server.metrics.errors.labels(p.ErrorCode.BAD_FRAME).inc()
-                self.reason = "oversized frame"
-                self.transport.close()
-                return
-            if len(buffer) < header + size:
-                break
-            payload = bytes(buffer[header : header + size])
-            del buffer[: header + size]
-            if self.worker is None:
-                reply = self.server.answer_now(session, payload)
-                if reply is not None:
-                    self.transport.write(reply)
-                    continue
-            self.queue.append(payload)
-            if self.worker is None:
-                self.worker = asyncio.ensure_future(self._drain(session))
-
-    async def _drain(self, session: Session) -> None:
-        try:
-            while self.queue:
-                reply = await self.server.answer(session, self.queue.popleft())
-                if not self.transport.is_closing():
-                    self.transport.write(reply)
-        finally:
-            self.worker = None
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if self.session is None:
-            return
-        if exc is not None and self.reason == "closed by engine":
-            self.reason = "connection lost"
-        self.ended = asyncio.ensure_future(self._end())
-
-    async def _end(self) -> None:
-        assert self.session is not None
-        if self.worker is not None:  # let the op in hand finish before its pools go away
-            await asyncio.gather(self.worker, return_exceptions=True)
-        self.queue.clear()
-        try:
-            await self.server._end_session(self.session, self.reason)
-        finally:
-            self.server._connections.discard(self)
-
-
-def _remove_under(path: Path, root: Path) -> None:
-    with contextlib.suppress(OSError):
-        if path.resolve().is_relative_to(root.resolve()):
-            path.unlink()

@@ -1,0 +1,309 @@
+"""`EngineOps`: the engine channel's ops — hello, pool registration, lookup, store, load,
+prefetch, release, stats, heartbeat — each checking its session and arguments and naming what
+is wrong. `EngineServer` (server.py) owns the state they use and dispatches to them."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import itertools
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from hicache.config import Deployment
+from hicache.config.schema import ServiceSection
+from hicache.errors import HicacheError
+from hicache.index import Hit
+from hicache.memory import DevicePool, GroupGeometry
+from hicache.model import LayerMap
+from hicache.scheduler import OpResult, OpState
+from hicache.service import protocol as p
+from hicache.service.metrics import ServiceMetrics
+from hicache.service.namespaces import Namespace, NamespaceKey
+from hicache.service.sessions import LoadEntry, Session
+from hicache.service.shm import CounterFile, LoadState, map_pools
+from hicache.service.snapshots import namespace_stats, store_stats
+from hicache.storage import GuardedStore
+from hicache.transfer import CopyBackend
+
+_FINAL = {
+    OpState.DONE: LoadState.DONE,
+    OpState.FAILED: LoadState.FAILED,
+    OpState.CANCELLED: LoadState.CANCELLED,
+    OpState.EXPIRED: LoadState.FAILED,
+}
+
+
+class DeferToAwait(Exception):
+    """An inline handler found it must await after all (a lookup that L3 may extend)."""
+
+
+class EngineOps:
+    # set by EngineServer.__init__
+    deployment: Deployment
+    service: ServiceSection
+    layer_map: LayerMap
+    backend: CopyBackend
+    store: GuardedStore | None
+    metrics: ServiceMetrics
+    geometries: dict[str, GroupGeometry]
+    layout: dict[str, Any]
+    namespaces: dict[NamespaceKey, Namespace]
+    sessions: dict[int, Session]
+    _tg: asyncio.TaskGroup
+    _load_ids: itertools.count[int]
+
+    async def _hello(self, session: Session, args: p.Hello) -> dict[str, Any]:
+        if session.key is not None:
+            raise p.RequestError(p.ErrorCode.REFUSED, "hello: this session already said hello")
+        if args.protocol != p.PROTOCOL_VERSION:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"hello.protocol: engine speaks version {args.protocol}; this sidecar speaks "
+                f"{p.PROTOCOL_VERSION}",
+            )
+        secret = self.service.token
+        if secret is not None and not hmac.compare_digest(
+            (args.token or "").encode(), secret.get_secret_value().encode()
+        ):
+            raise p.RequestError(
+                p.ErrorCode.REFUSED, "hello.token: missing or wrong (service.token is set)"
+            )
+        diffs = p.layout_differences(args.layout, self.layout)
+        if diffs:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                "hello.layout: the engine's KV layout differs from the sidecar's model; "
+                + "; ".join(diffs),
+            )
+        key = NamespaceKey(args.tp_rank, args.tenant)
+        for other in self.sessions.values():
+            if other.key == key:
+                raise p.RequestError(
+                    p.ErrorCode.REFUSED,
+                    f"hello: namespace {key} is attached by {other.describe()}; one engine per "
+                    "namespace (give each tensor-parallel rank its tp_rank)",
+                )
+        session.key, session.engine, session.pid = key, args.engine, args.pid
+        return {
+            "session": session.id,
+            "protocol": p.PROTOCOL_VERSION,
+            "heartbeat_timeout_s": self.service.heartbeat_timeout_s,
+            "load_slots": self.service.load_slots,
+            "shm_dir": str(self.service.shm_dir),
+        }
+
+    async def _register_pools(self, session: Session, args: p.RegisterPools) -> dict[str, Any]:
+        """The CPU data plane: the engine's pool is a file in shared memory we map."""
+        if self.deployment.device.kind != "cpu":
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                "register_pools: this sidecar copies on CUDA (device.kind: cuda); export the "
+                "engine's CUDA pools with register_cuda_pools",
+            )
+        self._check_unregistered(session, "register_pools")
+        try:
+            pools = map_pools(args.model_dump(), self.geometries, self.service.shm_dir)
+        except HicacheError as exc:
+            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
+        reply = await self._attach(session, pools)
+        session.pool_path = Path(args.path)
+        return reply
+
+    async def _register_cuda_pools(
+        self, session: Session, args: p.RegisterCudaPools
+    ) -> dict[str, Any]:
+        """The CUDA data plane: the engine's pool tensors arrive as CUDA IPC handles."""
+        if self.deployment.device.kind != "cuda":
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu); share the "
+                "pool through shared memory with register_pools, or run the sidecar with "
+                "device.kind: cuda",
+            )
+        self._check_unregistered(session, "register_cuda_pools")
+        from hicache.transfer.cuda_ipc import map_cuda_pools  # CUDA only when used
+
+        try:
+            pools = map_cuda_pools(args.model_dump(), self.geometries)
+        except HicacheError as exc:
+            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_cuda_pools.{exc}") from None
+        return await self._attach(session, pools)
+
+    def _check_unregistered(self, session: Session, op: str) -> None:
+        if session.pools is not None:
+            raise p.RequestError(p.ErrorCode.REFUSED, f"{op}: pools already registered")
+
+    async def _attach(self, session: Session, pools: dict[str, DevicePool]) -> dict[str, Any]:
+        assert session.key is not None
+        counters = CounterFile.create(self.service.shm_dir, self.service.load_slots)
+        try:
+            namespace = self.namespaces.get(session.key)
+            if namespace is None:
+                namespace = await Namespace.start(
+                    session.key,
+                    self.deployment,
+                    self.layer_map,
+                    self.backend,
+                    self.store,
+                    pools,
+                    self._tg,
+                )
+                self.namespaces[session.key] = namespace
+            namespace.attach(session.id, pools)
+        except BaseException:
+            counters.unlink()
+            raise
+        session.namespace, session.pools, session.counters = namespace, pools, counters
+        session.free_slots = list(range(self.service.load_slots - 1, -1, -1))
+        return {"counters": str(counters.path), "slots": counters.slots}
+
+    def _ready(self, session: Session, op: str) -> Namespace:
+        if session.namespace is None:
+            raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send register_pools first")
+        return session.namespace
+
+    def _check_pages(self, session: Session, op: str, device_pages: dict[str, list[int]]) -> None:
+        assert session.pools is not None
+        for group, pages in device_pages.items():
+            pool = session.pools.get(group)
+            if pool is None:
+                raise p.RequestError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"{op}.device_pages: group {group!r} is not in the layout; groups: "
+                    f"{', '.join(sorted(session.pools))}",
+                )
+            bad = [page for page in pages if page >= pool.num_pages]
+            if bad:
+                raise p.RequestError(
+                    p.ErrorCode.OUT_OF_RANGE,
+                    f"{op}.device_pages.{group}: pages {bad[:5]} are outside the registered "
+                    f"pool of {pool.num_pages} pages (0..{pool.num_pages - 1})",
+                )
+        missing = set(session.pools) - set(device_pages)
+        if missing:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{op}.device_pages: groups {sorted(missing)} missing; every group of the "
+                "layout needs its pages",
+            )
+
+    def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+        cache = self._ready(session, "lookup").cache
+        hit = cache.lookup(args.tokens)
+        if cache.needs_discovery(args.tokens, hit):
+            raise DeferToAwait  # ask L3 first: the async path (`_lookup_discovering`)
+        return self._lookup_reply(hit, len(args.tokens))
+
+    async def _lookup_discovering(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+        cache = self._ready(session, "lookup").cache
+        await cache.discover(args.tokens)
+        return self._lookup_reply(cache.lookup(args.tokens), len(args.tokens))
+
+    def _lookup_reply(self, hit: Hit, asked: int) -> dict[str, Any]:
+        self.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked)
+        return {
+            "page_size_tokens": hit.page_size_tokens,
+            "tokens_l2": hit.tokens_l2,
+            "tokens_total": hit.tokens_total,
+        }
+
+    async def _store(self, session: Session, args: p.PagesRequest) -> dict[str, Any]:
+        namespace = self._ready(session, "store")
+        self._check_pages(session, "store", args.device_pages)
+        result = await namespace.cache.store(args.tokens, args.device_pages)
+        self.metrics.evictions.inc(result.pages_evicted)
+        if result.bytes_backed_up:
+            self.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
+        return asdict(result)
+
+    async def _prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+        pages = await self._ready(session, "prefetch").cache.prefetch(args.tokens)
+        return {"pages_fetched": pages}
+
+    async def _load(self, session: Session, args: p.LoadRequest) -> dict[str, Any]:
+        namespace = self._ready(session, "load")
+        self._check_pages(session, "load", args.device_pages)
+        counters = session.counters
+        assert counters is not None
+        if not session.free_slots:
+            raise p.RequestError(
+                p.ErrorCode.BUSY,
+                f"load: all {counters.slots} load slots hold unreleased loads; release "
+                "finished loads (LoadHandle.done() does) or raise service.load_slots",
+            )
+        slot = session.free_slots.pop()
+        load_id = next(self._load_ids)
+        num_layers = len(self.layer_map.stage_layer_ids)
+        counters.start(slot, load_id, num_layers)
+        row = counters.array[slot]
+
+        def on_layer(upto: int) -> None:  # the copy thread, as each layer lands
+            row[4] = time.monotonic_ns()
+            row[1] = upto
+
+        try:
+            handle, hit = await namespace.cache.load(
+                args.tokens, args.device_pages, on_layer=on_layer, skip_pages=args.skip_pages
+            )
+        except BaseException:
+            row[2] = LoadState.FREE
+            session.free_slots.append(slot)
+            raise
+        failed = {group: list(positions) for group, positions in hit.failed.items()}
+        if handle is None:
+            row[2] = LoadState.FREE
+            session.free_slots.append(slot)
+            return {"load_id": None, "tokens": 0, "failed": failed}
+        entry = LoadEntry(slot, handle)
+        session.loads[load_id] = entry
+
+        def finished(result: OpResult) -> None:
+            row[2] = _FINAL.get(result.state, LoadState.FAILED)
+            self.metrics.moved("load", result.bytes_moved, result.seconds)
+            if entry.released:
+                self._free(session, load_id)
+
+        handle.add_done_callback(finished)
+        return {
+            "load_id": load_id,
+            "slot": slot,
+            "tokens": hit.tokens_total,
+            "num_layers": num_layers,
+            "failed": failed,
+        }
+
+    def _free(self, session: Session, load_id: int) -> None:
+        entry = session.loads.pop(load_id, None)
+        if entry is not None and session.counters is not None:
+            session.counters.array[entry.slot][2] = LoadState.FREE
+            session.free_slots.append(entry.slot)
+
+    def _release(self, session: Session, args: p.Release) -> dict[str, Any]:
+        self._ready(session, "release")
+        entry = session.loads.get(args.load_id)
+        if entry is None:
+            raise p.RequestError(
+                p.ErrorCode.OUT_OF_RANGE,
+                f"release.load_id: {args.load_id} is not a load of this session in flight or "
+                "unreleased",
+            )
+        entry.released = True
+        if entry.handle.result is None:
+            entry.handle.cancel()  # the engine gave up on it; pins go when it ends
+            return {"state": "cancelling"}
+        self._free(session, args.load_id)
+        return {"state": "released"}
+
+    def _stats(self, session: Session, args: p.Empty) -> dict[str, Any]:
+        namespace = self._ready(session, "stats")
+        return {**namespace_stats(namespace), "l3": store_stats(self.store)}
+
+    def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:
+        for stall in args.layer_stall_s:
+            self.metrics.layer_stall.observe(stall)
+        return {"now": time.time()}
+
+    # ---- session end --------------------------------------------------------------------------

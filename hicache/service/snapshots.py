@@ -1,0 +1,57 @@
+"""JSON snapshots of a namespace and of the L3 store: the `stats` op and `/v1/stats` answer
+with these."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from hicache.service.namespaces import Namespace
+from hicache.storage import GuardedStore
+
+
+def namespace_stats(namespace: Namespace) -> dict[str, Any]:
+    cache = namespace.cache
+    sched = cache.embedded.scheduler.stats()
+    groups = {}
+    for group in cache.index.rules:
+        pool = cache.embedded.host_tier.pool(group)
+        groups[group] = {
+            "l2_pages": cache.index.l2_pages(group),
+            "l2_capacity_pages": pool.num_pages,
+            "pinned_pages": cache.index.pinned_pages(group),
+            "l3_pages_known": cache.index.l3_pages(group),
+        }
+    return {
+        "namespace": str(namespace.key),
+        "attached_session": namespace.owner,
+        "groups": groups,
+        "queued_loads": sched.queued_loads,
+        "queued_backups": sched.queued_backups,
+        "in_flight_bytes": sched.in_flight_bytes,
+        "in_flight_walks": sched.in_flight_walks,
+        "ops_by_state": dict(sched.ops_by_state),
+        "load": asdict(sched.load),
+        "backup": asdict(sched.backup),
+    }
+
+
+def store_stats(store: GuardedStore | None) -> dict[str, Any] | None:
+    if store is None:
+        return None
+    s = store.stats
+    return {
+        "breaker": store.breaker.state.value,
+        "puts": s.puts,
+        "stored": s.stored,
+        "gets": s.gets,
+        "hits": s.hits,
+        "misses": s.misses,
+        "corrupt_dropped": s.corrupt_dropped,
+        "skipped_open": s.skipped_open,
+        "put_bytes": s.put_bytes,
+        "put_seconds": s.put_seconds,
+        "get_bytes": s.get_bytes,
+        "get_seconds": s.get_seconds,
+        "failures": dict(s.failures),
+    }
