@@ -9,17 +9,22 @@ import sys
 from tests.conftest import REPO
 
 
-def test_readme_embedded_example_runs() -> None:
+def run_readme_example(name: str) -> subprocess.CompletedProcess[str]:
+    """Run the README's `<!-- example: NAME -->` Python block as written, from the repo root."""
     text = (REPO / "README.md").read_text()
-    match = re.search(r"<!-- example: embedded -->\n```python\n(.*?)```", text, re.S)
-    assert match, "README lost its embedded example"
-    result = subprocess.run(
+    match = re.search(rf"<!-- example: {name} -->\n```python\n(.*?)```", text, re.S)
+    assert match, f"README lost its {name} example"
+    return subprocess.run(
         [sys.executable, "-c", match.group(1)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+def test_readme_embedded_example_runs() -> None:
+    result = run_readme_example("embedded")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().startswith("done ")
     assert int(result.stdout.split()[1]) > 0
@@ -50,19 +55,10 @@ def test_docker_copies_only_existing_paths() -> None:
 def test_readme_client_example_runs_against_a_real_sidecar(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hicache.service.process import SidecarProcess
 
-    text = (REPO / "README.md").read_text()
-    match = re.search(r"<!-- example: client -->\n```python\n(.*?)```", text, re.S)
-    assert match, "README lost its client example"
     # the README's server command, on the default config (its socket), L3 and HTTP moved aside
     env = {"HICACHE_STORAGE__PATH": str(tmp_path / "l3"), "HICACHE_SERVICE__HTTP_PORT": "0"}
     with SidecarProcess(REPO / "configs" / "default.yaml", env=env, log_path=tmp_path / "s.log"):
-        result = subprocess.run(
-            [sys.executable, "-c", match.group(1)],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = run_readme_example("client")
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip().splitlines()[-1] == "done 64 tokens loaded"
 

@@ -8,6 +8,8 @@ import asyncio
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -207,34 +209,29 @@ def test_too_few_device_pages_is_a_clear_error(sidecar: SidecarProcess, deploy: 
         client.close()
 
 
-def test_serve_that_cannot_listen_says_where_and_why(tmp_path: Path) -> None:
-    import subprocess
-    import sys
+def serve_once(config: Path) -> subprocess.CompletedProcess[str]:
+    """`hicache serve` expected to fail at start: its exit code and output."""
+    return subprocess.run(
+        [sys.executable, "-m", "hicache", "serve", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
+
+def test_serve_that_cannot_listen_says_where_and_why(tmp_path: Path) -> None:
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        config = write_config(tmp_path, http_port=port)
-        result = subprocess.run(
-            [sys.executable, "-m", "hicache", "serve", "--config", str(config)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        result = serve_once(write_config(tmp_path, http_port=port))
     assert result.returncode == 2, result.stderr
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith(
         f"hicache: error: service.http_host/http_port: cannot listen on 127.0.0.1:{port}: "
     )
     assert "address already in use" in line.lower()
-    blocked = write_config(tmp_path, socket_path="/proc/hicache-nope/e.sock")
-    result = subprocess.run(
-        [sys.executable, "-m", "hicache", "serve", "--config", str(blocked)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = serve_once(write_config(tmp_path, socket_path="/proc/hicache-nope/e.sock"))
     assert result.returncode == 2, result.stderr
     assert "hicache: error: service.socket_path: cannot listen on '/proc/hicache-nope/e.sock'" in (
         result.stderr
