@@ -7,8 +7,9 @@ layer; the
 consumer's `wait()` makes its current stream wait on that event (no host sync); the completion
 thread waits the events in order and reports `done`. Page-granular moves are batched: a run
 of host pages is one `cudaMemcpyAsync` into staging, and the device side is one gather
-(`index_select`) or scatter (`index_copy_`) kernel, never one memcpy per page per layer for
-layer_first. page_first host rows are strided: one copy per run of pages per row.
+(`index_select`) or scatter (`index_copy_`) kernel, never one memcpy per page per layer.
+page_first host rows are strided: a run of pages is one `cudaMemcpy2DAsync` (`cuda_2d`), or
+one copy per page where the runtime's function cannot be found.
 Host buffers are pinned: small ones by torch's pinned allocator, large ones registered with
 `cudaHostRegister` in chunks of at most `pin_chunk_bytes` (a single 512 GiB registration fails).
 """
@@ -35,7 +36,8 @@ from hicache.transfer.backend import (
     WalkDone,
     WalkSignals,
 )
-from hicache.transfer.rows import Rows
+from hicache.transfer.cuda_2d import Memcpy2D
+from hicache.transfer.rows import Rows, check_row_pair
 
 _Pending = tuple[
     list["torch.cuda.Event | None"], dict[int, BaseException], WalkDone, "LayerListener | None"
@@ -86,6 +88,7 @@ class CudaCopyBackend(CopyBackend):
             Direction.BACKUP: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device),
         }
         self._registered: list[tuple[int, int]] = []
+        self._memcpy_2d = Memcpy2D.load()
         self._uploaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()  # None: stop
         self._closed = False
@@ -193,12 +196,14 @@ class CudaCopyBackend(CopyBackend):
     def _load_rows(self, pair: RowPair, staging: torch.Tensor) -> None:
         """host rows -> device rows: runs H2D into staging, then one device scatter."""
         src, src_rows, dst, dst_rows = pair
+        if not check_row_pair(src, src_rows, dst, dst_rows):
+            return
         n, row = src_rows.count, src.shape[1]
         if src_rows.is_run and dst_rows.is_run:
             dst_rows.slice(dst).copy_(src_rows.slice(src), non_blocking=True)
             return
         stage = self._stage_view(staging, n, row)
-        _host_runs_to(stage, src, src_rows, to_device=True)
+        self._host_runs(stage, src, src_rows, to_device=True)
         if dst_rows.is_run:
             dst_rows.slice(dst).copy_(stage)
         else:
@@ -207,6 +212,8 @@ class CudaCopyBackend(CopyBackend):
     def _backup_rows(self, pair: RowPair, staging: torch.Tensor) -> None:
         """device rows -> host rows: one device gather into staging, then runs D2H."""
         src, src_rows, dst, dst_rows = pair
+        if not check_row_pair(src, src_rows, dst, dst_rows):
+            return
         n, row = src_rows.count, src.shape[1]
         if src_rows.is_run and dst_rows.is_run:
             dst_rows.slice(dst).copy_(src_rows.slice(src), non_blocking=True)
@@ -216,7 +223,34 @@ class CudaCopyBackend(CopyBackend):
             stage.copy_(src_rows.slice(src))
         else:
             torch.index_select(src, 0, self._device_index(src_rows), out=stage)
-        _host_runs_to(stage, dst, dst_rows, to_device=False)
+        self._host_runs(stage, dst, dst_rows, to_device=False)
+
+    def _host_runs(
+        self, stage: torch.Tensor, host: torch.Tensor, rows: Rows, *, to_device: bool
+    ) -> None:
+        """Copy between contiguous staging rows and host rows, one async copy per run of
+        pages: a plain copy when the host rows are packed (layer_first), a 2-D copy when they
+        are strided (page_first), one copy per page only without the 2-D function."""
+        packed = host.stride(0) == host.shape[1]
+        stream = torch.cuda.current_stream(self.device)
+        for pos, first, length in rows.runs():
+            staged, hosted = stage[pos : pos + length], host[first : first + length]
+            if packed:
+                if to_device:
+                    staged.copy_(hosted, non_blocking=True)
+                else:
+                    hosted.copy_(staged, non_blocking=True)
+            elif self._memcpy_2d is not None:
+                if to_device:
+                    self._memcpy_2d.copy(staged, hosted, stream)
+                else:
+                    self._memcpy_2d.copy(hosted, staged, stream)
+            else:
+                for k in range(length):
+                    if to_device:
+                        staged[k].copy_(hosted[k], non_blocking=True)
+                    else:
+                        hosted[k].copy_(staged[k], non_blocking=True)
 
     def _complete(self) -> None:
         while True:
@@ -247,20 +281,3 @@ class CudaCopyBackend(CopyBackend):
         for ptr, _ in self._registered:
             cudart.cudaHostUnregister(ptr)
         self._registered.clear()
-
-
-def _host_runs_to(stage: torch.Tensor, host: torch.Tensor, rows: Rows, *, to_device: bool) -> None:
-    """Copy between contiguous staging rows and host rows, one async copy per run of pages
-    (per page-row when the host view is strided, as page_first is)."""
-    contiguous = host.stride(0) == host.shape[1]
-    for pos, first, length in rows.runs():
-        pieces = (
-            [(pos, first, length)]
-            if contiguous
-            else [(pos + k, first + k, 1) for k in range(length)]
-        )
-        for p, f, n in pieces:
-            if to_device:
-                stage[p : p + n].copy_(host[f : f + n], non_blocking=True)
-            else:
-                host[f : f + n].copy_(stage[p : p + n], non_blocking=True)
