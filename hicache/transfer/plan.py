@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from hicache.errors import TransferError
 from hicache.memory import DevicePool, HostPool
-from hicache.transfer.backend import CopyBackend, Direction, LayerPart, RowPair
+from hicache.transfer.backend import CopyBackend, Direction, LayerPart, RowPair, RowSource
 from hicache.transfer.rows import Rows
 
 
@@ -80,10 +80,11 @@ class GroupMove:
 def copy_layers_blocking(
     backend: CopyBackend,
     direction: Direction,
-    moves: Sequence[tuple[GroupMove, Sequence[int]]],
+    moves: Sequence[tuple[RowSource, Sequence[int]]],
 ) -> None:
-    """Copy the given local layers of each move as one walk and wait for it (no scheduler):
-    for embedded callers that need a plain synchronous copy, and for benchmarks."""
+    """Copy the given local layers of each move (a `GroupMove`, or any `RowSource` such as a
+    `RowCopy`) as one walk and wait for it (no scheduler): for embedded callers that need a
+    plain synchronous copy, and for benchmarks."""
     layers: list[list[LayerPart]] = [[(move, local_id)] for move, ids in moves for local_id in ids]
     if not layers:
         return

@@ -1,0 +1,121 @@
+"""`copy_rows_cpu` kernel by kernel: each case (run to run, packed gather and scatter,
+strided gather small and large-row, strided scatter, two index sets through staging, rows
+larger than the staging) against a row-by-row reference, and the errors for bad rows."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hicache.transfer.rows import _ROW_LOOP_BYTES, Rows, copy_rows_cpu
+
+
+def random_rows(pages: int, row_bytes: int, seed: int, stride_bytes: int | None = None):
+    """A `[pages, row_bytes]` uint8 view of random bytes: packed, or strided as a page_first
+    host pool is (each row `stride_bytes` after the last, the gaps holding other data)."""
+    gen = torch.Generator().manual_seed(seed)
+    step = stride_bytes or row_bytes
+    backing = torch.randint(0, 256, (pages * step,), dtype=torch.uint8, generator=gen)
+    return backing, backing.as_strided((pages, row_bytes), (step, 1))
+
+
+def expected_after(
+    src: torch.Tensor, src_ids: list[int], dst: torch.Tensor, dst_ids: list[int]
+) -> torch.Tensor:
+    want = dst.clone()
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        want[d] = src[s]
+    return want
+
+
+CASES = [
+    # (name, row bytes, source strided?, destination strided?, source run?, destination run?)
+    ("run to run", 64, False, False, True, True),
+    ("packed gather", 64, False, False, False, True),
+    ("packed scatter", 64, False, False, True, False),
+    ("strided gather", 64, False, True, False, True),
+    ("strided gather, large rows", _ROW_LOOP_BYTES, False, True, False, True),
+    ("strided scatter", 64, True, False, True, False),
+    ("two index sets, packed", 64, False, False, False, False),
+    ("two index sets, strided", 64, True, True, False, False),
+]
+
+
+@pytest.mark.parametrize(("name", "row", "src_strided", "dst_strided", "src_run", "dst_run"), CASES)
+def test_each_kernel_copies_exactly_the_listed_rows(
+    name: str, row: int, src_strided: bool, dst_strided: bool, src_run: bool, dst_run: bool
+) -> None:
+    rng = random.Random(name)
+    pages, count = 12, 5
+    src_backing, src = random_rows(pages, row, 1, 3 * row if src_strided else None)
+    dst_backing, dst = random_rows(pages, row, 2, 2 * row if dst_strided else None)
+    src_ids = list(range(4, 4 + count)) if src_run else rng.sample(range(pages), count)
+    dst_ids = list(range(2, 2 + count)) if dst_run else rng.sample(range(pages), count)
+    src_rows, dst_rows = Rows.of(src_ids), Rows.of(dst_ids)
+    assert (src_rows.is_run, dst_rows.is_run) == (src_run, dst_run)
+    src_before, dst_backing_before = src_backing.clone(), dst_backing.clone()
+    want = expected_after(src, src_ids, dst, dst_ids)
+    staging = torch.empty(3 * row, dtype=torch.uint8)  # smaller than the op: several rounds
+    copy_rows_cpu(src, src_rows, dst, dst_rows, staging)
+    assert torch.equal(dst, want)
+    assert torch.equal(src_backing, src_before)  # the source is untouched
+    if dst_strided:  # the gaps between strided rows (other layers' data) are untouched
+        gaps = torch.ones_like(dst_backing, dtype=torch.bool)
+        gaps.as_strided(dst.shape, dst.stride()).fill_(False)
+        assert torch.equal(dst_backing[gaps], dst_backing_before[gaps])
+
+
+def test_rows_larger_than_the_staging_go_one_by_one() -> None:
+    _, src = random_rows(6, 256, 3)
+    _, dst = random_rows(6, 256, 4)
+    want = expected_after(src, [5, 0, 3], dst, [1, 4, 2])
+    copy_rows_cpu(
+        src, Rows.of([5, 0, 3]), dst, Rows.of([1, 4, 2]), torch.empty(100, dtype=torch.uint8)
+    )
+    assert torch.equal(dst, want)
+
+
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids", "message"),
+    [
+        ([0, 1], [3], "2 source rows but 1 destination rows"),
+        ([0, 9], [3, 4], "source row 9 is outside the view's rows 0..7"),
+        ([0, 1], [2, 8], "destination row 8 is outside the view's rows 0..7"),
+        ([5, 6, 7, 8], [0, 1, 2, 3], "source row 8 is outside the view's rows 0..7"),
+    ],
+)
+def test_bad_rows_are_refused_and_nothing_is_written(
+    src_ids: list[int], dst_ids: list[int], message: str
+) -> None:
+    _, src = random_rows(8, 32, 5)
+    _, dst = random_rows(8, 32, 6)
+    before = dst.clone()
+    with pytest.raises(ValueError, match=message):
+        copy_rows_cpu(
+            src, Rows.of(src_ids), dst, Rows.of(dst_ids), torch.empty(64, dtype=torch.uint8)
+        )
+    assert torch.equal(dst, before)
+
+
+def test_row_widths_must_match() -> None:
+    _, src = random_rows(4, 32, 7)
+    _, dst = random_rows(4, 16, 8)
+    with pytest.raises(ValueError, match="source rows of 32 bytes but destination rows of 16"):
+        copy_rows_cpu(src, Rows.of([0]), dst, Rows.of([1]), torch.empty(64, dtype=torch.uint8))
+
+
+def test_negative_rows_are_refused_when_the_set_is_built() -> None:
+    with pytest.raises(ValueError, match="row -1 is negative"):
+        Rows.of([3, -1])
+
+
+def test_runs_and_index_sets() -> None:
+    assert Rows.of([4, 5, 6]) == Rows(3, 4, None, 7)
+    scattered = Rows.of([6, 4, 5])
+    assert not scattered.is_run
+    assert scattered.end == 7
+    assert scattered.ids() == [6, 4, 5]
+    assert Rows.of([]).count == 0
+    assert Rows.of([]).end == 0
