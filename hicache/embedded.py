@@ -15,7 +15,7 @@ import torch
 
 from hicache.config.loader import LoadedConfig
 from hicache.config.schema import Deployment
-from hicache.memory import DevicePool, GroupGeometry, HostTier, torch_dtype
+from hicache.memory import CacheDtypes, DevicePool, GroupGeometry, HostTier
 from hicache.memory.host_pool import HostLayout
 from hicache.model import LayerMap
 from hicache.scheduler import Clock, MovePolicy, Scheduler
@@ -36,7 +36,7 @@ class EmbeddedCache:
         cls,
         layer_map: LayerMap,
         *,
-        dtype: torch.dtype,
+        dtype: torch.dtype | CacheDtypes,
         page_size_tokens: int,
         host_capacity_bytes: int,
         device_pages: int | Mapping[str, int] = 64,
@@ -50,7 +50,10 @@ class EmbeddedCache:
         counter_ring_size: int = 3,
         clock: Clock | None = None,
     ) -> EmbeddedCache:
-        geometries = {g.name: GroupGeometry(g, dtype, page_size_tokens) for g in layer_map.groups}
+        dtypes = dtype if isinstance(dtype, CacheDtypes) else CacheDtypes.uniform(dtype)
+        geometries = {
+            g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in layer_map.groups
+        }
         backend = backend or make_backend("cpu")
         try:
             if device_pools is None:
@@ -105,14 +108,16 @@ class EmbeddedCache:
     ) -> EmbeddedCache:
         """The stack a deployment describes, on a given copy backend and the engine's device
         pools when given (the sidecar shares one backend between namespaces)."""
-        dtype = torch_dtype(d.model.dtype)
-        geometries = [GroupGeometry(g, dtype, d.model.page_size_tokens) for g in layer_map.groups]
+        dtypes = CacheDtypes.of_model(d.model)
+        geometries = [
+            GroupGeometry.of(g, dtypes, d.model.page_size_tokens) for g in layer_map.groups
+        ]
         per_page = sum(g.page_bytes for g in geometries)
         if backend is None:
             backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
         return cls.build(
             layer_map,
-            dtype=dtype,
+            dtype=dtypes,
             page_size_tokens=d.model.page_size_tokens,
             host_capacity_bytes=d.host.capacity_bytes,
             device_pages=max(1, d.device.pool_capacity_bytes // per_page),

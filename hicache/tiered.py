@@ -93,7 +93,7 @@ class TieredCache:
         for name, geom in geometries.items():
             namespace = Namespace(
                 model=model or embedded.layer_map.model_type,
-                dtype=str(geom.dtype),
+                dtype=geom.dtype_signature,
                 kv_layout=repr(geom.group.spec),
                 page_size_tokens=page,
                 group=name,

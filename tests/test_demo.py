@@ -52,6 +52,21 @@ def test_demo_on_a_hybrid_state_model() -> None:
     assert f["hit_rate_l2"] + f["hit_rate_l3"] > 0
 
 
+def test_demo_on_mixed_dtypes_fp8_kv_bf16_conv_fp32_ssm(tmp_path: Path) -> None:
+    """Jamba's real layout as engines run it with an fp8 KV cache: the mamba conv state in
+    bf16, the SSM state in float32, every byte through the real sidecar verified. The config
+    has no storage section, so the demo's L3 path override lands on the default (file)."""
+    config = tmp_path / "deploy.yaml"
+    config.write_text(
+        f"model: {{config_path: {shared_model('jamba_v01.json')}, dtype: float8_e4m3fn, "
+        "state_dtype: bfloat16, ssm_state_dtype: float32}\n"
+    )
+    f = demo_json("--config", str(config), "--conversations", "2", "--host-capacity", "512MiB")
+    assert f["mismatches"] == 0
+    assert f["bytes_verified"] > 0
+    assert f["hit_rate_l1"] + f["hit_rate_l2"] + f["hit_rate_l3"] > 0
+
+
 def test_trace_is_deterministic_and_shares_prefixes() -> None:
     opts = TraceOptions(conversations=5, turns=3, cold_requests=2)
     a, b = build_trace(opts), build_trace(opts)

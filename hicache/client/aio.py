@@ -34,6 +34,8 @@ class AsyncClient(ClientBase):
             kwargs.pop("tenant", ""),
             kwargs.pop("token", None),
             kwargs.pop("engine", ""),
+            state_dtype=kwargs.pop("state_dtype", None),
+            ssm_state_dtype=kwargs.pop("ssm_state_dtype", None),
         )
         if kwargs:
             raise TypeError(f"unknown arguments {sorted(kwargs)}")

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.client.handle import ClientError, LoadHandle
-from hicache.memory import GroupGeometry, torch_dtype
+from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
 from hicache.service import protocol as p
 from hicache.service.shm import CounterFile, SharedPools
@@ -38,16 +38,19 @@ class ClientBase:
         tenant: str,
         token: str | None,
         engine: str,
+        state_dtype: str | None = None,
+        ssm_state_dtype: str | None = None,
     ):
         self.layer_map = layer_map
         self.dtype = dtype
         self.page_size_tokens = page_size_tokens
+        dtypes = CacheDtypes.from_names(dtype, state_dtype, ssm_state_dtype)
         self.geometries = {
-            g.name: GroupGeometry(g, torch_dtype(dtype), page_size_tokens) for g in layer_map.groups
+            g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in layer_map.groups
         }
         self._hello = {
             "protocol": p.PROTOCOL_VERSION,
-            "layout": p.layout_summary(layer_map, dtype, page_size_tokens),
+            "layout": p.layout_summary(layer_map, self.geometries, page_size_tokens),
             "engine": engine,
             "pid": os.getpid(),
             "tp_rank": tp_rank,

@@ -51,8 +51,20 @@ class Client(ClientBase):
         timeout_s: float = 30.0,
         heartbeat: bool = True,
         reconnect: bool = True,
+        state_dtype: str | None = None,
+        ssm_state_dtype: str | None = None,
     ):
-        super().__init__(layer_map, dtype, page_size_tokens, tp_rank, tenant, token, engine)
+        super().__init__(
+            layer_map,
+            dtype,
+            page_size_tokens,
+            tp_rank,
+            tenant,
+            token,
+            engine,
+            state_dtype=state_dtype,
+            ssm_state_dtype=ssm_state_dtype,
+        )
         self.address = address
         self.timeout_s = timeout_s
         self.reconnect = reconnect

@@ -8,7 +8,7 @@ loaded; `loader.load_deployment` builds it from YAML plus `HICACHE_*` environmen
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -45,6 +45,16 @@ class ModelSection(Section):
     model_type: str = Field(default="explicit", description="name for an explicit layer list")
     layers: list[LayerEntry] | None = Field(default=None, description="explicit layer list")
     dtype: Dtype = Field(default="bfloat16", description="KV cache dtype (fp8 stored as uint8)")
+    state_dtype: Dtype | None = Field(
+        default=None,
+        description="dtype of linear / mamba / conv state caches (vLLM mamba_cache_dtype); "
+        "default: dtype, and required beside an fp8 KV cache",
+    )
+    ssm_state_dtype: Dtype | None = Field(
+        default=None,
+        description="dtype of the SSM / recurrent state, every state tensor but conv (vLLM "
+        "mamba_ssm_cache_dtype, SGLang mamba_ssm_dtype); default: state_dtype",
+    )
     page_size_tokens: int = Field(
         default=16, ge=1, le=4096, description="tokens per page; match the engine's page size"
     )
@@ -252,3 +262,14 @@ class Deployment(Section):
     scheduler: SchedulerSection = SchedulerSection()
     cache: CacheSection = CacheSection()
     service: ServiceSection = ServiceSection()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storage_kind_defaults_to_file(cls, data: Any) -> Any:
+        """`storage` without `kind` is the default kind, file: so a file with no storage
+        section can still take `HICACHE_STORAGE__PATH` (or a bare `storage: {path: ...}`)."""
+        if isinstance(data, dict):
+            storage = data.get("storage")
+            if isinstance(storage, dict) and "kind" not in storage:
+                return {**data, "storage": {"kind": "file", **storage}}
+        return data

@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         args.socket,
         loaded.layer_map(),
         dtype=d.model.dtype,
+        state_dtype=d.model.state_dtype,
+        ssm_state_dtype=d.model.ssm_state_dtype,
         page_size_tokens=d.model.page_size_tokens,
         engine="hicache-demo",
         token=d.service.token.get_secret_value() if d.service.token else None,

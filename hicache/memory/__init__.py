@@ -4,12 +4,13 @@ pins). Never calls the CUDA API itself; pinning and device work go through
 `hicache.transfer`."""
 
 from hicache.memory.device_pool import DevicePool
-from hicache.memory.geometry import GroupGeometry, torch_dtype
+from hicache.memory.geometry import CacheDtypes, GroupGeometry, torch_dtype
 from hicache.memory.host_pool import HostPool
 from hicache.memory.host_tier import HostTier, HostTierReport
 from hicache.memory.page_allocator import PageAllocator
 
 __all__ = [
+    "CacheDtypes",
     "DevicePool",
     "GroupGeometry",
     "HostPool",

@@ -49,8 +49,13 @@ class DevicePool:
                 want = (num_slots, *shape)
                 if tuple(t.shape) != want:
                     raise PoolShapeError(f"{where}: shape {tuple(t.shape)}; expected {want}")
-                if t.dtype != geometry.dtype:
-                    raise PoolShapeError(f"{where}: dtype {t.dtype}; expected {geometry.dtype}")
+                if not geometry.accepts_dtype(name, t.dtype):
+                    want_dtype = geometry.dtype_of(name)
+                    also = " (or torch.uint8 holding its bytes)" if want_dtype.itemsize == 1 else ""
+                    raise PoolShapeError(
+                        f"{where}: dtype {t.dtype}; expected {want_dtype}{also}; model.dtype sets "
+                        "the KV's, model.state_dtype and model.ssm_state_dtype the states'"
+                    )
                 if not t.is_contiguous():
                     raise PoolShapeError(
                         f"{where}: not contiguous; page copies need contiguous slots"
@@ -80,7 +85,7 @@ class DevicePool:
         for _ in range(geometry.num_layers):
             tensors = {}
             for name, shape in geometry.tensors:
-                t = torch.empty((slots, *shape), dtype=geometry.dtype, device=device)
+                t = torch.empty((slots, *shape), dtype=geometry.dtype_of(name), device=device)
                 advise_hugepages(t)
                 tensors[name] = t.zero_()
             layers.append(tensors)

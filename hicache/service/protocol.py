@@ -14,11 +14,13 @@ connection is closed (its bytes cannot be skipped safely); anything else keeps i
 from __future__ import annotations
 
 import struct
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hicache.memory import GroupGeometry
 from hicache.model import LayerMap
 
 PROTOCOL_VERSION = 1
@@ -216,22 +218,30 @@ def unpack(payload: bytes) -> Any:
     return msgpack.unpackb(payload, raw=False)
 
 
-def layout_summary(layer_map: LayerMap, dtype: str, page_size_tokens: int) -> dict[str, Any]:
+def layout_summary(
+    layer_map: LayerMap, geometries: Mapping[str, GroupGeometry], page_size_tokens: int
+) -> dict[str, Any]:
     """What an engine and the sidecar must agree on before sharing pages: compared key by key
-    in `hello`, so a refusal names exactly what differs."""
+    (and group by group) in `hello`, so a refusal names exactly what differs."""
     return {
         "model_type": layer_map.model_type,
         "start_layer": layer_map.start_layer,
         "end_layer": layer_map.end_layer,
-        "dtype": dtype,
+        "dtypes": {name: geom.dtype_signature for name, geom in geometries.items()},
         "page_size_tokens": page_size_tokens,
         "groups": {g.name: f"{g.spec!r} layers={list(g.layer_ids)}" for g in layer_map.groups},
     }
 
 
-def layout_differences(engine: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+def layout_differences(engine: dict[str, Any], ours: dict[str, Any], at: str = "") -> list[str]:
+    """Each differing entry as `key: engine X, sidecar Y`, nested keys dotted."""
     diffs = []
-    for key in sorted(set(engine) | set(ours)):
-        if engine.get(key) != ours.get(key):
-            diffs.append(f"{key}: engine {engine.get(key)!r}, sidecar {ours.get(key)!r}")
+    for key in sorted(set(engine) | set(ours), key=str):
+        theirs, mine = engine.get(key), ours.get(key)
+        if theirs == mine:
+            continue
+        if isinstance(theirs, dict) and isinstance(mine, dict):
+            diffs.extend(layout_differences(theirs, mine, f"{at}{key}."))
+        else:
+            diffs.append(f"{at}{key}: engine {theirs!r}, sidecar {mine!r}")
     return diffs

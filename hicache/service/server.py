@@ -26,7 +26,7 @@ from typing import Any
 
 from hicache.config import Deployment
 from hicache.errors import HicacheError, ServiceStartError
-from hicache.memory import GroupGeometry, torch_dtype
+from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
 from hicache.service import protocol as p
 from hicache.service.connection import EngineConnection
@@ -60,10 +60,10 @@ class EngineServer(EngineOps):
         self.store = store
         self.metrics = metrics
         self._tg = tg
-        dtype = torch_dtype(deployment.model.dtype)
+        dtypes = CacheDtypes.of_model(deployment.model)
         page = deployment.model.page_size_tokens
-        self.geometries = {g.name: GroupGeometry(g, dtype, page) for g in layer_map.groups}
-        self.layout = p.layout_summary(layer_map, deployment.model.dtype, page)
+        self.geometries = {g.name: GroupGeometry.of(g, dtypes, page) for g in layer_map.groups}
+        self.layout = p.layout_summary(layer_map, self.geometries, page)
         self.namespaces: dict[NamespaceKey, Namespace] = {}
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)

@@ -52,11 +52,8 @@ def _align(n: int) -> int:
     return (n + ALIGN_BYTES - 1) // ALIGN_BYTES * ALIGN_BYTES
 
 
-def _tensor_bytes(geometry: GroupGeometry, num_pages: int, shape: tuple[int, ...]) -> int:
-    n = num_pages * geometry.slots_per_page * geometry.itemsize
-    for dim in shape:
-        n *= dim
-    return n
+def _tensor_bytes(geometry: GroupGeometry, num_pages: int, tensor: str) -> int:
+    return num_pages * geometry.row_bytes(tensor)
 
 
 def _create_file(directory: Path, prefix: str, nbytes: int) -> Path:
@@ -104,9 +101,9 @@ class SharedPools:
             offsets[name] = []
             for _ in range(geom.num_layers):
                 row = []
-                for _tensor, shape in geom.tensors:
+                for tensor, _ in geom.tensors:
                     row.append(cursor)
-                    cursor = _align(cursor + _tensor_bytes(geom, pages[name], shape))
+                    cursor = _align(cursor + _tensor_bytes(geom, pages[name], tensor))
                 offsets[name].append(row)
         nbytes = max(cursor, ALIGN_BYTES)
         path = _create_file(Path(directory), "hicache-pool", nbytes)
@@ -141,9 +138,9 @@ def _views(
         for layer_offsets in offsets[name]:
             tensors = {}
             for (tensor, shape), offset in zip(geom.tensors, layer_offsets, strict=True):
-                size = _tensor_bytes(geom, num_pages[name], shape)
+                size = _tensor_bytes(geom, num_pages[name], tensor)
                 slots = num_pages[name] * geom.slots_per_page
-                flat = buffer[offset : offset + size].view(geom.dtype)
+                flat = buffer[offset : offset + size].view(geom.dtype_of(tensor))
                 tensors[tensor] = flat.view(slots, *shape)
             layers.append(tensors)
         pools[name] = DevicePool(geom, layers)
@@ -193,13 +190,12 @@ def map_pools(
                     f"groups.{name}.offsets[{local_id}]: {len(layer_offsets)} tensors; "
                     f"expected {len(geom.tensors)} ({', '.join(t for t, _ in geom.tensors)})"
                 )
-            for (tensor, shape), offset in zip(geom.tensors, layer_offsets, strict=True):
+            for (tensor, _), offset in zip(geom.tensors, layer_offsets, strict=True):
                 where = f"groups.{name}.offsets[{local_id}] ({tensor})"
-                size = _tensor_bytes(geom, pages, shape)
-                if offset % geom.itemsize:
-                    raise PoolManifestError(
-                        f"{where}: offset {offset} is not {geom.itemsize}-aligned"
-                    )
+                size = _tensor_bytes(geom, pages, tensor)
+                itemsize = geom.dtype_of(tensor).itemsize
+                if offset % itemsize:
+                    raise PoolManifestError(f"{where}: offset {offset} is not {itemsize}-aligned")
                 if offset + size > nbytes:
                     raise PoolManifestError(
                         f"{where}: bytes {offset}..{offset + size} run past the file's {nbytes}"

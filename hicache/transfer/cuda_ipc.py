@@ -24,7 +24,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from hicache.errors import PoolManifestError
-from hicache.memory import DevicePool, GroupGeometry, torch_dtype
+from hicache.memory import DevicePool, GroupGeometry
 
 
 def _export(tensor: torch.Tensor) -> dict[str, Any]:
@@ -75,7 +75,9 @@ def export_cuda_pools(pools: Mapping[str, DevicePool]) -> dict[str, Any]:
 
 def _rebuild(entry: Mapping[str, Any], where: str) -> torch.Tensor:
     try:
-        dtype = torch_dtype(entry["dtype"])
+        dtype = getattr(torch, str(entry["dtype"]), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"dtype {entry['dtype']!r} is not a torch dtype")
         return rebuild_cuda_tensor(  # type: ignore[no-untyped-call,no-any-return]
             torch.Tensor,
             torch.Size(entry["shape"]),

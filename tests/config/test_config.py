@@ -63,6 +63,27 @@ def test_env_overrides_and_sources(tmp_path: Path) -> None:
     assert values["host.capacity_bytes"] == "128MiB"
 
 
+def test_storage_without_kind_is_the_default_file_kind(tmp_path: Path) -> None:
+    # a file with no storage section still takes a storage override from the environment
+    loaded = load_deployment(write(tmp_path, BASE), env={"HICACHE_STORAGE__PATH": "/tmp/l3"})
+    assert loaded.deployment.storage.kind == "file"
+    assert str(loaded.deployment.storage.path) == "/tmp/l3"  # type: ignore[union-attr]
+    d = load_deployment(write(tmp_path, BASE + "storage:\n  capacity_bytes: 2GiB\n"), env={})
+    assert d.deployment.storage.kind == "file"
+
+
+def test_state_dtypes(tmp_path: Path) -> None:
+    text = BASE + "  dtype: float8_e5m2\n  state_dtype: bfloat16\n  ssm_state_dtype: float32\n"
+    model = load_deployment(write(tmp_path, text), env={}).deployment.model
+    assert (model.dtype, model.state_dtype, model.ssm_state_dtype) == (
+        "float8_e5m2",
+        "bfloat16",
+        "float32",
+    )
+    with pytest.raises(ConfigError, match=r"model\.ssm_state_dtype: Input should be 'bfloat16'"):
+        load_deployment(write(tmp_path, BASE + "  ssm_state_dtype: fp32\n"), env={})
+
+
 def test_secret_token_is_redacted(tmp_path: Path) -> None:
     path = write(tmp_path, BASE + "service:\n  token: hunter2\n")
     loaded = load_deployment(path, env={})

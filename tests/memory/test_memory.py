@@ -132,7 +132,8 @@ def test_device_pool_wrap_errors_name_the_tensor() -> None:
     with pytest.raises(
         PoolShapeError,
         match=r"^group 'full' layer 0 tensor 'k': dtype torch\.float32; "
-        r"expected torch\.bfloat16$",
+        r"expected torch\.bfloat16; model\.dtype sets the KV's, model\.state_dtype and "
+        r"model\.ssm_state_dtype the states'$",
     ):
         DevicePool(g, bad_dtype)
     with pytest.raises(

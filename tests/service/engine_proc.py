@@ -107,6 +107,8 @@ def main() -> int:
         d.service.socket_path,
         loaded.layer_map(),
         dtype=d.model.dtype,
+        state_dtype=d.model.state_dtype,
+        ssm_state_dtype=d.model.ssm_state_dtype,
         page_size_tokens=d.model.page_size_tokens,
         tp_rank=args.tp_rank,
         engine=f"test-{args.mode}",

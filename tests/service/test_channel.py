@@ -143,8 +143,14 @@ def test_hello_refusals_name_the_difference(served: tuple[SidecarProcess, Path])
         client_for(config, dtype="float16")
     assert info.value.code == "refused"
     assert info.value.message == (
-        "hello.layout: the engine's KV layout differs from the sidecar's model; dtype: engine "
-        "'float16', sidecar 'bfloat16'"
+        "hello.layout: the engine's KV layout differs from the sidecar's model; dtypes.conv: "
+        "engine 'float16', sidecar 'bfloat16'; dtypes.full: engine 'float16', sidecar 'bfloat16'"
+    )
+    with pytest.raises(ClientError) as info:  # a state dtype of its own is a difference too
+        client_for(config, state_dtype="float32")
+    assert info.value.message == (
+        "hello.layout: the engine's KV layout differs from the sidecar's model; dtypes.conv: "
+        "engine 'float32', sidecar 'bfloat16'"
     )
 
 
