@@ -86,6 +86,7 @@ class TieredCache:
         tenant_salt: str = "",
         tp_rank: int = 0,
         key_algorithm: str = "xxh3_128",
+        l3_index_max_pages: int = 262_144,
     ) -> TieredCache:
         geometries = embedded.geometries
         page = next(iter(geometries.values())).page_size_tokens
@@ -104,7 +105,7 @@ class TieredCache:
             keyers[name] = PageKeyer(namespace, key_algorithm)
             rules[name] = GroupRule.of(geom.group)
             capacity[name] = embedded.host_tier.pool(name).num_pages
-        index = PrefixIndex(keyers, rules, capacity, page, eviction)
+        index = PrefixIndex(keyers, rules, capacity, page, eviction, l3_index_max_pages)
         return cls(
             embedded,
             index,
@@ -144,9 +145,12 @@ class TieredCache:
         if not unknown:
             return 0
         present = await self.l3.exists([key for _, key in unknown])
+        found: dict[str, list[bytes]] = {}
         for (group, key), here in zip(unknown, present, strict=True):
             if here:
-                self.index.mark_l3(group, key)
+                found.setdefault(group, []).append(key)
+        for group, keys in found.items():  # one batch per group: none displaces another
+            self.index.mark_l3_many(group, keys)
         return sum(present)
 
     # ---- store: L1 -> L2 (-> L3) -------------------------------------------------------------
@@ -397,30 +401,46 @@ class TieredCache:
     async def _fetch(self, hit: Hit) -> None:
         assert self.l3 is not None
         for group, rows in hit.needed.items():
-            missing = [record for _, record in rows if record.l2_page is None and record.in_l3]
+            missing = [
+                record
+                for _, record in rows
+                if record.l2_page is None
+                and record.in_l3
+                and self.index.record(group, record.key) is record  # not forgotten meanwhile
+            ]
             if not missing:
                 continue
-            pool = self.embedded.host_tier.pool(group)
-            await self._make_room(group, len(missing))
-            # the payloads land straight in freshly allocated host pages (scatter reads where
-            # the backend has them) and are verified there; a page that fails is freed again
-            room = pool.allocator.stats().free_pages
-            take = missing[:room]  # a concurrent fetch may have taken some of the room
-            if not take:
-                continue
-            pages = pool.allocator.alloc(len(take))
-            targets = [[c.numpy().data for c in pool.page_chunks(p)] for p in pages]
+            # pinned while fetched, so that making room (which turns L2 pages into L3-only
+            # ones) cannot make the index forget them
+            self.index.pin(group, [r.key for r in missing])
             try:
-                ok, answered = await self.l3.fetch_into([r.key for r in take], targets)
-            except BaseException:  # cancelled mid-fetch: the pages were never indexed
-                pool.allocator.free(pages)
-                raise
-            for record, page, good in zip(take, pages, ok, strict=True):
-                current = self.index.record(group, record.key)
-                if good and current is not None and current.l2_page is None:
-                    self.index.insert_l2(group, record.key, page)
-                    continue
-                pool.allocator.free([page])
-                if not good and answered and current is not None and current.in_l3:
-                    # L3 answered but has no valid copy: the index's entry is stale
-                    self.index.drop_l3(group, record.key)
+                await self._fetch_group(group, missing)
+            finally:
+                self.index.unpin(group, [r.key for r in missing])
+
+    async def _fetch_group(self, group: str, missing: list[PageRecord]) -> None:
+        assert self.l3 is not None
+        pool = self.embedded.host_tier.pool(group)
+        await self._make_room(group, len(missing))
+        # the payloads land straight in freshly allocated host pages (scatter reads where
+        # the backend has them) and are verified there; a page that fails is freed again
+        room = pool.allocator.stats().free_pages
+        take = missing[:room]  # a concurrent fetch may have taken some of the room
+        if not take:
+            return
+        pages = pool.allocator.alloc(len(take))
+        targets = [[c.numpy().data for c in pool.page_chunks(p)] for p in pages]
+        try:
+            ok, answered = await self.l3.fetch_into([r.key for r in take], targets)
+        except BaseException:  # cancelled mid-fetch: the pages were never indexed
+            pool.allocator.free(pages)
+            raise
+        for record, page, good in zip(take, pages, ok, strict=True):
+            current = self.index.record(group, record.key)
+            if good and current is not None and current.l2_page is None:
+                self.index.insert_l2(group, record.key, page)
+                continue
+            pool.allocator.free([page])
+            if not good and answered and current is not None and current.in_l3:
+                # L3 answered but has no valid copy: the index's entry is stale
+                self.index.drop_l3(group, record.key)

@@ -188,3 +188,38 @@ async def test_pages_persisted_before_a_restart_are_found_and_loaded(tmp_path: P
             assert all(torch.equal(got[k], want[k]) for k in want)
     finally:
         second.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_a_page_the_index_forgot_is_found_again_in_l3(tmp_path: Path) -> None:
+    """The index remembers two L3-only pages per group here: storing more forgets the older
+    ones, and a lookup of a forgotten prompt asks L3 (discovery) and loads it byte-exact."""
+    cache, _ = build(
+        tmp_path,
+        "qwen2_7b.json",
+        host_pages=2,
+        prefetch_policy="wait_complete",
+        l3_index_max_pages=2,
+    )
+    try:
+        async with cache.embedded.scheduler.running():
+            first = list(range(2 * PAGE))
+            want = snapshot(cache, {"full": [0, 1]})
+            await cache.store(first, {"full": [0, 1]})
+            for n in range(3):  # each evicts the previous prompt's pages from L2 into L3 only
+                other = list(range(100 * (n + 1), 100 * (n + 1) + 2 * PAGE))
+                await cache.store(other, {"full": [2 + 2 * n, 3 + 2 * n]})
+            assert cache.index.l3_only_pages("full") == 2
+            assert cache.index.l3_forgotten["full"] >= 2
+            keys = cache.index.keys(first)["full"]
+            assert all(cache.index.record("full", k) is None for k in keys)  # forgotten
+            wipe(cache)
+            handle, loaded = await cache.load(first, {"full": [10, 11]})
+            assert handle is not None
+            assert loaded.pages_total == 2
+            assert (await handle.done()).ok
+            got = snapshot(cache, {"full": [10, 11]})
+            for (group, local, t, i), value in got.items():
+                assert torch.equal(value, want[(group, local, t, i)]), (group, local, t, i)
+    finally:
+        cache.embedded.close()

@@ -196,6 +196,12 @@ class CacheSection(Section):
         default="xxh3_128", description="page-key hash (chained over each page's token ids)"
     )
     tenant_salt: str = Field(default="", description="mixed into every page key")
+    l3_index_max_pages: int = Field(
+        default=262_144,
+        ge=1,
+        description="pages only L3 holds that the index remembers, per group (least recently "
+        "used forgotten first; a forgotten page is found again by asking L3 at lookup)",
+    )
 
 
 class ServiceSection(Section):

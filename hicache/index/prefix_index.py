@@ -12,11 +12,16 @@ The usable hit is the largest h all groups can serve — it is not monotone for 
 state groups, so every h is checked from the longest down. Lifecycle of a page: `insert_l2`
 (after a backup is acknowledged) -> `mark_l3` (after a persist) -> `l2_victims` / `drop_l2`
 under pressure (pinned pages are never proposed) -> `drop_l3` when storage evicts it.
+Records of pages only L3 holds are bounded (`l3_only_max_pages` per group, least recently
+marked or hit forgotten first): storage evicts on its own and never tells us, so without a
+bound the index would grow with every page ever persisted. A forgotten page is not lost: the
+lookup of a prompt whose pages the index does not know asks L3 (`TieredCache.discover`).
 No torch here; the scheduler moves the bytes, this only keeps the books.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -102,7 +107,10 @@ class PrefixIndex:
         l2_capacity_pages: Mapping[str, int],
         page_size_tokens: int,
         eviction: str = "lru",
+        l3_only_max_pages: int = 262_144,
     ):
+        if l3_only_max_pages < 1:
+            raise PageIndexError(f"l3_only_max_pages is {l3_only_max_pages}; it must be >= 1")
         if set(keyers) != set(rules) or set(rules) != set(l2_capacity_pages):
             raise PageIndexError(
                 f"keyers {sorted(keyers)}, rules {sorted(rules)} and capacities "
@@ -121,6 +129,10 @@ class PrefixIndex:
         self._policies: dict[str, EvictionPolicy] = {
             g: EVICTION_POLICIES[eviction](max(1, cap)) for g, cap in self.capacity.items()
         }
+        self.l3_only_max_pages = l3_only_max_pages
+        # keys of records only L3 holds, least recently marked or hit first
+        self._l3_only: dict[str, OrderedDict[PageKey, None]] = {g: OrderedDict() for g in rules}
+        self.l3_forgotten = {g: 0 for g in rules}
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -145,10 +157,13 @@ class PrefixIndex:
             )
             needed[group] = rows
             if touch:
+                l3_only = self._l3_only[group]
                 for _, record in rows:
                     record.hits += 1
                     if record.l2_page is not None:
                         self._policies[group].touch(record.key)
+                    elif record.key in l3_only:
+                        l3_only.move_to_end(record.key)
         return Hit(self.page_size_tokens, pages_l2, pages_total, needed)
 
     def _longest(
@@ -216,14 +231,47 @@ class PrefixIndex:
         record.l2_page = l2_page
         self._l2_count[group] += 1
         self._policies[group].insert(key)
+        self._l3_only[group].pop(key, None)
         return record
 
     def mark_l3(self, group: str, key: PageKey) -> PageRecord:
-        record = self._records[group].get(key)
-        if record is None:
-            record = self._records[group][key] = PageRecord(key)
-        record.in_l3 = True
-        return record
+        return self.mark_l3_many(group, [key])[0]
+
+    def mark_l3_many(self, group: str, keys: Sequence[PageKey]) -> list[PageRecord]:
+        """L3 holds these pages (a persist acknowledged, or found by asking L3); the bound on
+        L3-only records never forgets one of them to make room for another."""
+        records = self._records[group]
+        marked = []
+        for key in keys:
+            record = records.get(key)
+            if record is None:
+                record = records[key] = PageRecord(key)
+            record.in_l3 = True
+            marked.append(record)
+        self._note_l3_only(group, [r.key for r in marked if r.l2_page is None])
+        return marked
+
+    def _note_l3_only(self, group: str, keys: Sequence[PageKey]) -> None:
+        """`keys` are now held by L3 alone: remember them as the most recent, and forget the
+        least recent other unpinned ones beyond the bound."""
+        l3_only = self._l3_only[group]
+        for key in keys:
+            l3_only[key] = None
+            l3_only.move_to_end(key)
+        excess = len(l3_only) - self.l3_only_max_pages
+        if excess <= 0:
+            return
+        records, keep = self._records[group], set(keys)
+        victims: list[PageKey] = []
+        for old in l3_only:
+            if len(victims) == excess:
+                break
+            if records[old].pins == 0 and old not in keep:
+                victims.append(old)
+        for old in victims:
+            del l3_only[old]
+            del records[old]
+        self.l3_forgotten[group] += len(victims)
 
     def l2_victims(self, group: str, count: int) -> list[PageRecord]:
         """Up to `count` unpinned L2 pages to evict, in the policy's order (not yet dropped)."""
@@ -244,14 +292,17 @@ class PrefixIndex:
         page, record.l2_page = record.l2_page, None
         self._l2_count[group] -= 1
         self._policies[group].remove(key)
-        if not record.in_l3:
+        if record.in_l3:
+            self._note_l3_only(group, [key])
+        else:
             del self._records[group][key]
         return page
 
     def drop_l3(self, group: str, key: PageKey) -> None:
         record = self._require(group, key)
         record.in_l3 = False
-        if record.l2_page is None:
+        self._l3_only[group].pop(key, None)
+        if record.l2_page is None and record.pins == 0:  # a pinned one goes at its last unpin
             del self._records[group][key]
 
     def pin(self, group: str, keys: Sequence[PageKey]) -> None:
@@ -266,6 +317,8 @@ class PrefixIndex:
                 raise PinError(f"group {group!r}: key {record.key.hex()} is not pinned")
         for record in records:
             record.pins -= 1
+            if record.pins == 0 and record.l2_page is None and not record.in_l3:
+                del self._records[group][record.key]  # no tier holds it any more
 
     def l2_pages(self, group: str) -> int:
         return self._l2_count[group]
@@ -279,6 +332,10 @@ class PrefixIndex:
 
     def l3_records(self, group: str) -> list[PageRecord]:
         return [r for r in self._records[group].values() if r.in_l3]
+
+    def l3_only_pages(self, group: str) -> int:
+        """Records of pages only L3 holds (bounded by `l3_only_max_pages`)."""
+        return len(self._l3_only[group])
 
     def l3_pages(self, group: str) -> int:
         return sum(1 for r in self._records[group].values() if r.in_l3)

@@ -13,7 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,6 +39,8 @@ class ServiceMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_resident_memory_bytes, cpu seconds, open fds: what shows a leak or growth
+        ProcessCollector(registry=r)
         self.requests = Histogram(
             "hicache_request_seconds",
             "Engine-channel request handling time, by op",
@@ -151,6 +160,18 @@ class StateCollector(Collector):
             "Host (L2) bytes pinned by loads in flight, by cache group",
             labels=["group"],
         )
+        l3_only = GaugeMetricFamily(
+            "hicache_index_l3_only_pages",
+            "Pages only L3 holds that the index remembers, by cache group (bounded by "
+            "cache.l3_index_max_pages)",
+            labels=["group"],
+        )
+        forgotten = CounterMetricFamily(
+            "hicache_index_l3_forgotten_pages",
+            "L3-only pages the index forgot to stay within its bound, by cache group (found "
+            "again by asking L3 at lookup)",
+            labels=["group"],
+        )
         q_load = q_backup = inflight_bytes = 0
         per_group: dict[str, list[int]] = {}
         for namespace in self._namespaces():
@@ -162,18 +183,22 @@ class StateCollector(Collector):
             for group in cache.index.rules:
                 pool = cache.embedded.host_tier.pool(group)
                 page = pool.geometry.page_bytes
-                acc = per_group.setdefault(group, [0, 0, 0])
+                acc = per_group.setdefault(group, [0, 0, 0, 0, 0])
                 acc[0] += cache.index.l2_pages(group) * page
                 acc[1] += pool.num_pages * page
                 acc[2] += cache.index.pinned_pages(group) * page
+                acc[3] += cache.index.l3_only_pages(group)
+                acc[4] += cache.index.l3_forgotten[group]
         queue.add_metric(["load"], q_load)
         queue.add_metric(["backup"], q_backup)
         inflight.add_metric([], inflight_bytes)
-        for group, (u, c, pin) in per_group.items():
+        for group, (u, c, pin, only, gone) in per_group.items():
             used.add_metric([group], u)
             capacity.add_metric([group], c)
             pinned.add_metric([group], pin)
-        yield from (queue, inflight, used, capacity, pinned)
+            l3_only.add_metric([group], only)
+            forgotten.add_metric([group], gone)
+        yield from (queue, inflight, used, capacity, pinned, l3_only, forgotten)
         store = self._store()
         breaker = GaugeMetricFamily(
             "hicache_l3_breaker_state",

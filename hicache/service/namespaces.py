@@ -64,6 +64,7 @@ class Namespace:
             tenant_salt=f"{d.cache.tenant_salt}\x00{key.tenant}",
             tp_rank=key.tp_rank,
             key_algorithm=d.cache.key_algorithm,
+            l3_index_max_pages=d.cache.l3_index_max_pages,
         )
         namespace = cls(key, cache)
         started = asyncio.Event()

@@ -61,7 +61,7 @@ def test_algorithms() -> None:
 
 
 def make_index(
-    model: str, capacity: int = 64, page: int = 16, eviction: str = "lru"
+    model: str, capacity: int = 64, page: int = 16, eviction: str = "lru", l3_only: int = 262_144
 ) -> PrefixIndex:
     layer_map = LayerMap(load_layout(shared_model(model)))
     keyers, rules = {}, {}
@@ -69,7 +69,7 @@ def make_index(
         ns = Namespace(model, "bfloat16", group.kind.value, page, group.name)
         keyers[group.name] = PageKeyer(ns)
         rules[group.name] = GroupRule.of(group)
-    return PrefixIndex(keyers, rules, {g: capacity for g in rules}, page, eviction)
+    return PrefixIndex(keyers, rules, {g: capacity for g in rules}, page, eviction, l3_only)
 
 
 def store_prefix(index: PrefixIndex, tokens: list[int], *, l3: bool = False) -> None:
@@ -220,7 +220,7 @@ ops = st.lists(
 @settings(max_examples=120, deadline=None)
 @given(ops, st.sampled_from(["lru", "s3fifo"]))
 def test_invariants_under_any_sequence(sequence: list[tuple[str, int, int]], eviction: str) -> None:
-    index = make_index("gpt_oss_20b.json", capacity=10, page=16, eviction=eviction)
+    index = make_index("gpt_oss_20b.json", capacity=10, page=16, eviction=eviction, l3_only=5)
     prompts = [list(range(p * 1000, p * 1000 + 12 * 16)) for p in range(4)]
     pinned: list[tuple[str, bytes]] = []
     free_page = {g: iter(range(10_000)) for g in index.rules}
@@ -268,3 +268,35 @@ def test_invariants_under_any_sequence(sequence: list[tuple[str, int, int]], evi
             record = index.record(group, key)
             assert record is not None
             assert record.l2_page is not None
+        for group in index.rules:  # L3-only records are bounded, and all of them are counted
+            only = [r for r in index.l3_records(group) if r.l2_page is None]
+            assert index.l3_only_pages(group) == len(only) <= 5
+
+
+def test_l3_only_records_are_bounded_least_recent_first() -> None:
+    index = make_index("qwen2_7b.json", capacity=4, page=16, l3_only=3)
+    prompts = [list(range(p * 100, p * 100 + 16)) for p in range(6)]  # one page each
+    keys = [index.keys(tokens)["full"][0] for tokens in prompts]
+    for key in keys[:3]:
+        index.mark_l3("full", key)
+    assert index.lookup(prompts[0]).pages_total == 1  # a hit makes page 0 the most recent
+    index.mark_l3("full", keys[3])  # over the bound: the least recent (page 1) goes
+    assert index.record("full", keys[1]) is None
+    assert [index.record("full", k) is not None for k in keys[:4]] == [True, False, True, True]
+    assert index.l3_forgotten["full"] == 1
+    # a page in L2 as well is not L3-only; when L2 drops it, it becomes the most recent one
+    index.insert_l2("full", keys[4], 0)
+    index.mark_l3("full", keys[4])
+    assert index.l3_only_pages("full") == 3
+    index.drop_l2("full", keys[4])
+    assert index.record("full", keys[2]) is None  # the least recent went to make room
+    assert index.l3_only_pages("full") == 3
+    # a pinned record (a fetch in flight) is never forgotten: the next one goes instead
+    index.pin("full", [keys[0]])
+    index.mark_l3("full", keys[5])
+    assert index.record("full", keys[0]) is not None
+    assert index.record("full", keys[3]) is None
+    index.unpin("full", [keys[0]])
+    assert index.l3_forgotten["full"] == 3
+    with pytest.raises(PageIndexError, match="l3_only_max_pages is 0; it must be >= 1"):
+        make_index("qwen2_7b.json", l3_only=0)

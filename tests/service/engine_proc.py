@@ -3,8 +3,9 @@
 token ids (`hicache.demo.content`), and prints one JSON line per event on stdout.
 
 Modes:
-  roundtrip    store prompts, wipe the pool, load them into other pages with a per-layer
-               consumer, verify every byte; prints {"verified", "mismatches", "tokens_loaded"}
+  roundtrip    store prompts (ids from --first), wipe the pool, load them into other pages
+               with a per-layer consumer, verify every byte; prints {"verified",
+               "mismatches", "tokens_loaded"}
   load-loop    store one long prompt, then load it again and again (to be killed mid-load)
   store-loop   store prompt 0, 1, 2, ... printing each acknowledged index (the sidecar is
                SIGTERMed meanwhile)
@@ -99,6 +100,7 @@ def main() -> int:
     parser.add_argument("mode", choices=["roundtrip", "load-loop", "store-loop", "verify"])
     parser.add_argument("--config", required=True)
     parser.add_argument("--prompts", type=int, default=4)
+    parser.add_argument("--first", type=int, default=0, help="roundtrip: the first prompt id")
     parser.add_argument("--tp-rank", type=int, default=0)
     args = parser.parse_args()
     loaded = load_deployment(args.config)
@@ -120,7 +122,7 @@ def main() -> int:
     try:
         if args.mode == "roundtrip":
             total = [0, 0, 0]
-            for i in range(args.prompts):
+            for i in range(args.first, args.first + args.prompts):
                 tokens = prompt(i)
                 src = pages_for(client, pools, 0, PROMPT_PAGES)
                 prefill(client, pools, tokens, src)
