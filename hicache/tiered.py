@@ -25,6 +25,7 @@ from hicache.embedded import EmbeddedCache
 from hicache.index import (
     PREFETCH_POLICIES,
     WRITE_POLICIES,
+    AbsentKeys,
     GroupRule,
     Hit,
     Namespace,
@@ -56,8 +57,10 @@ class TieredCache:
         store: GuardedStore | None,
         write_policy: WritePolicy,
         prefetch_policy: PrefetchPolicy,
+        absent: AbsentKeys | None = None,
     ):
         self.embedded = embedded
+        self.absent = absent if absent is not None else AbsentKeys(2.0)
         self.index = index
         self.l3: GuardedStore | None = None
         self.attach_l3(store)
@@ -87,6 +90,7 @@ class TieredCache:
         tp_rank: int = 0,
         key_algorithm: str = "xxh3_128",
         l3_index_max_pages: int = 262_144,
+        l3_absent_ttl_s: float = 2.0,
     ) -> TieredCache:
         geometries = embedded.geometries
         page = next(iter(geometries.values())).page_size_tokens
@@ -112,6 +116,7 @@ class TieredCache:
             store,
             WRITE_POLICIES[write_policy](),
             PREFETCH_POLICIES[prefetch_policy](),
+            AbsentKeys(l3_absent_ttl_s),
         )
 
     # ---- lookup ---------------------------------------------------------------------------
@@ -126,7 +131,7 @@ class TieredCache:
             return False  # no L3, or the whole prompt hits already: no hashing twice
         keys = self.index.keys(token_ids)
         return any(
-            self.index.record(group, key) is None
+            self.index.record(group, key) is None and not self.absent.fresh(group, key)
             for group, group_keys in keys.items()
             for key in group_keys[hit.pages_total :]
         )
@@ -136,19 +141,24 @@ class TieredCache:
         a restart, or pages another process persisted), and record them. Returns how many."""
         if self.l3 is None:
             return 0
-        unknown: list[tuple[str, bytes]] = [
-            (group, key)
-            for group, group_keys in self.index.keys(token_ids).items()
-            for key in group_keys
-            if self.index.record(group, key) is None
-        ]
+        unknown: list[tuple[str, bytes]] = []
+        for group, group_keys in self.index.keys(token_ids).items():
+            for key in group_keys:
+                if self.index.record(group, key) is not None:
+                    continue
+                if self.absent.fresh(group, key):  # L3 said so moments ago
+                    self.absent.skipped += 1
+                    continue
+                unknown.append((group, key))
         if not unknown:
             return 0
-        present = await self.l3.exists([key for _, key in unknown])
+        present, answered = await self.l3.exists_answered([key for _, key in unknown])
         found: dict[str, list[bytes]] = {}
         for (group, key), here in zip(unknown, present, strict=True):
             if here:
                 found.setdefault(group, []).append(key)
+        if answered:  # "absent" from a store that failed is no answer worth remembering
+            self.absent.add(entry for entry, here in zip(unknown, present, strict=True) if not here)
         for group, keys in found.items():  # one batch per group: none displaces another
             self.index.mark_l3_many(group, keys)
         return sum(present)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hicache.embedded import EmbeddedCache
+from hicache.index import AbsentKeys
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.storage import FaultyBackend, FileBackend, GuardedStore
@@ -221,5 +222,34 @@ async def test_a_page_the_index_forgot_is_found_again_in_l3(tmp_path: Path) -> N
             got = snapshot(cache, {"full": [10, 11]})
             for (group, local, t, i), value in got.items():
                 assert torch.equal(value, want[(group, local, t, i)]), (group, local, t, i)
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_l3_saying_absent_spares_asking_again_for_a_while(tmp_path: Path) -> None:
+    """A scheduler looks up a waiting request's prompt at every step: after L3 said it lacks
+    the pages, lookups within the TTL do not ask again; after it, or after an answer that
+    never came (L3 down), they do."""
+    cache, faulty = build(tmp_path, "qwen2_7b.json", host_pages=4)
+    now = [100.0]
+    cache.absent = AbsentKeys(2.0, clock=lambda: now[0])
+    try:
+        async with cache.embedded.scheduler.running():
+            cold = list(range(7000, 7000 + 3 * PAGE))
+            assert cache.needs_discovery(cold, cache.lookup(cold))
+            calls = faulty.calls
+            assert await cache.discover(cold) == 0
+            assert faulty.calls == calls + 1  # one exists() for the three pages
+            assert not cache.needs_discovery(cold, cache.lookup(cold))
+            assert await cache.discover(cold) == 0
+            assert faulty.calls == calls + 1  # not asked again
+            assert cache.absent.skipped == 3
+            now[0] += 2.5  # the answer is stale: ask again
+            assert cache.needs_discovery(cold, cache.lookup(cold))
+            faulty.down = True
+            await cache.discover(cold)
+            now[0] += 0.1
+            assert cache.needs_discovery(cold, cache.lookup(cold))  # a failure taught nothing
     finally:
         cache.embedded.close()

@@ -196,6 +196,12 @@ class CacheSection(Section):
         default="xxh3_128", description="page-key hash (chained over each page's token ids)"
     )
     tenant_salt: str = Field(default="", description="mixed into every page key")
+    l3_absent_ttl_s: float = Field(
+        default=2.0,
+        ge=0,
+        description="how long L3's answer that it lacks a page spares asking again (engines "
+        "look up a waiting request's prompt at every scheduling step); 0: always ask",
+    )
     l3_index_max_pages: int = Field(
         default=262_144,
         ge=1,

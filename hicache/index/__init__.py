@@ -1,7 +1,8 @@
 """The prefix index: page keys, where each page lives per tier, hybrid-aware lookup, eviction
 strategies and write/prefetch policies. No torch; it keeps the books, the scheduler moves the
-bytes. (Part of issue 5; L3 backends and their wiring into the scheduler are not here yet.)"""
+bytes. The L3 backends are in `hicache.storage`; `hicache.tiered` wires the two together."""
 
+from hicache.index.absent import AbsentKeys
 from hicache.index.eviction import EVICTION_POLICIES, EvictionPolicy, LruPolicy, S3FifoPolicy
 from hicache.index.keys import HashAlgorithm, Namespace, PageKey, PageKeyer
 from hicache.index.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchPolicy, WritePolicy
@@ -11,6 +12,7 @@ __all__ = [
     "EVICTION_POLICIES",
     "PREFETCH_POLICIES",
     "WRITE_POLICIES",
+    "AbsentKeys",
     "EvictionPolicy",
     "GroupRule",
     "HashAlgorithm",

@@ -172,6 +172,12 @@ class StateCollector(Collector):
             "again by asking L3 at lookup)",
             labels=["group"],
         )
+        absent_skipped = CounterMetricFamily(
+            "hicache_l3_absent_skipped_keys",
+            "Page keys a lookup did not ask L3 about because L3 had just said it lacks them "
+            "(cache.l3_absent_ttl_s)",
+        )
+        skipped_total = 0
         q_load = q_backup = inflight_bytes = 0
         per_group: dict[str, list[int]] = {}
         for namespace in self._namespaces():
@@ -180,6 +186,7 @@ class StateCollector(Collector):
             q_load += stats.queued_loads
             q_backup += stats.queued_backups
             inflight_bytes += stats.in_flight_bytes
+            skipped_total += cache.absent.skipped
             for group in cache.index.rules:
                 pool = cache.embedded.host_tier.pool(group)
                 page = pool.geometry.page_bytes
@@ -198,7 +205,8 @@ class StateCollector(Collector):
             pinned.add_metric([group], pin)
             l3_only.add_metric([group], only)
             forgotten.add_metric([group], gone)
-        yield from (queue, inflight, used, capacity, pinned, l3_only, forgotten)
+        absent_skipped.add_metric([], skipped_total)
+        yield from (queue, inflight, used, capacity, pinned, l3_only, forgotten, absent_skipped)
         store = self._store()
         breaker = GaugeMetricFamily(
             "hicache_l3_breaker_state",

@@ -65,6 +65,7 @@ class Namespace:
             tp_rank=key.tp_rank,
             key_algorithm=d.cache.key_algorithm,
             l3_index_max_pages=d.cache.l3_index_max_pages,
+            l3_absent_ttl_s=d.cache.l3_absent_ttl_s,
         )
         namespace = cls(key, cache)
         started = asyncio.Event()

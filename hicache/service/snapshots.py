@@ -25,6 +25,8 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         }
     return {
         "namespace": str(namespace.key),
+        "l3_absent_remembered": len(cache.absent),
+        "l3_absent_skipped_keys": cache.absent.skipped,
         "attached_session": namespace.owner,
         "groups": groups,
         "queued_loads": sched.queued_loads,

@@ -389,8 +389,15 @@ class GuardedStore:
                 corrupt.append(keys[i])
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return (await self.exists_answered(keys))[0]
+
+    async def exists_answered(self, keys: Sequence[bytes]) -> tuple[list[bool], bool]:
+        """Which keys L3 holds, and whether it answered at all (False: the call failed or the
+        breaker skipped it, and every key reads as absent)."""
         result = await self._call("exists", 0, lambda: self.backend.exists_many(keys))
-        return result if result is not None else [False] * len(keys)
+        if result is None:
+            return [False] * len(keys), False
+        return result, True
 
     async def delete(self, keys: Sequence[bytes]) -> bool:
         async def run() -> bool:

@@ -13,6 +13,7 @@ from hicache.errors import ConfigError, PinError
 from hicache.index import (
     PREFETCH_POLICIES,
     WRITE_POLICIES,
+    AbsentKeys,
     GroupRule,
     LruPolicy,
     Namespace,
@@ -300,3 +301,24 @@ def test_l3_only_records_are_bounded_least_recent_first() -> None:
     assert index.l3_forgotten["full"] == 3
     with pytest.raises(PageIndexError, match="l3_only_max_pages is 0; it must be >= 1"):
         make_index("qwen2_7b.json", l3_only=0)
+
+
+def test_absent_keys_expire_and_are_bounded() -> None:
+    now = [0.0]
+    absent = AbsentKeys(2.0, max_keys=3, clock=lambda: now[0])
+    absent.add([("full", b"a"), ("full", b"b")])
+    assert absent.fresh("full", b"a")
+    assert not absent.fresh("swa", b"a")  # per group
+    now[0] = 1.9
+    absent.add([("full", b"c"), ("full", b"d")])  # over the bound: the oldest answer goes
+    assert not absent.fresh("full", b"a")
+    assert absent.fresh("full", b"b")
+    now[0] = 2.0
+    assert not absent.fresh("full", b"b")  # expired
+    assert absent.fresh("full", b"c")
+    assert len(absent) == 2
+    off = AbsentKeys(0.0)
+    off.add([("full", b"a")])
+    assert not off.fresh("full", b"a")
+    with pytest.raises(ValueError, match="ttl_s is -1 and max_keys 0; ttl_s must be >= 0 and"):
+        AbsentKeys(-1, max_keys=0)
