@@ -1,4 +1,5 @@
-"""The candidate CPU row kernels side by side, each as a ratio to a memcpy of the same bytes.
+"""The candidate CPU row kernels side by side: speed against a memcpy of the same bytes, and
+whether other Python threads can run while they copy.
 
 This is the measurement behind `hicache/transfer/rows.py`'s choice of kernel per case (see
 docs/design.md, "CPU row kernels"). Llama-8B rows (8 KV heads x 128, bf16: 2 KiB per token);
@@ -7,9 +8,16 @@ rows, packed (layer_first) or strided (page_first: here 8 rows apart, as 4 layer
 would be). Each trial times a memcpy right before each kernel; a figure is the median of the
 per-trial ratios. Runs on the calling thread with one torch thread.
 
+`gil_free`: while the kernel runs five times on a worker thread, the share of a spinning
+Python thread's usual pace that it keeps (about 1: the kernel releases the GIL; well below:
+it holds it, and an engine thread or the scheduler's loop would stall behind every copy).
+numpy releases it only for loops over more than 500 items, hence the `split` kernels, which
+cut each row into sub-items until there are more than 500.
+
     python benchmarks/row_kernels.py [--trials 9]
 
-The last line is one JSON object: {"<layout>_<kernel>_p<tokens>": ratio, ...}.
+The last line is one JSON object: {"<layout>_<kernel>_p<tokens>": ratio, ...,
+"<layout>_<kernel>_p<tokens>_gil_free": share, ...}.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ import ctypes
 import json
 import random
 import statistics
+import threading
 import time
 from collections.abc import Callable
 
@@ -38,9 +47,48 @@ def buffer(nbytes: int) -> torch.Tensor:
     return t.fill_(1)
 
 
-def items(rows: torch.Tensor) -> np.ndarray:
-    array = rows.numpy()
-    return array.view(np.dtype((np.void, array.shape[1])))[:, 0]
+def items(rows: torch.Tensor, split: int = 1) -> np.ndarray:
+    """`[n, row]` uint8 rows as `[n, split]` void items (split=1: `[n]`)."""
+    n, row = rows.shape
+    out = rows.view(n, split, row // split).numpy().view(np.dtype((np.void, row // split)))
+    return out[..., 0] if split > 1 else out[:, 0, 0]
+
+
+def split_for(count: int, row: int) -> int:
+    split = 1
+    while count * split <= 500 and row % (2 * split) == 0 and row // (2 * split) >= 256:
+        split *= 2
+    return split
+
+
+def spin_rate() -> float:
+    """A spinning thread's pace beside a worker that sleeps (releases the GIL): the 1.0 of
+    `gil_free`, measured the same way as the kernels."""
+    return gil_free(lambda: time.sleep(0.01), 1.0, reps=20)
+
+
+def gil_free(kernel: Callable[[], None], free_rate: float, reps: int = 5) -> float:
+    stop, count = [False], [0]
+
+    def spin() -> None:
+        while not stop[0]:
+            count[0] += 1
+
+    def work() -> None:
+        for _ in range(reps):
+            kernel()
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    time.sleep(0.01)
+    before, start = count[0], time.perf_counter()
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    elapsed, spins = time.perf_counter() - start, count[0] - before
+    stop[0] = True
+    spinner.join()
+    return spins / elapsed / free_rate
 
 
 def kernels(
@@ -50,9 +98,12 @@ def kernels(
     load), each kernel as rows.py would call it."""
     g_idx, s_idx = torch.tensor(gather_ids), torch.tensor(scatter_ids)
     g_np, s_np = g_idx.numpy(), s_idx.numpy()
+    n, row = host.shape
+    split = split_for(n, row)
     dev_items, host_items = items(device), items(host)
-    wide_dev, wide_host = device.view(torch.int64), host.view(torch.int64)
-    row = host.shape[1]
+    dev_split, host_split = items(device, split), items(host, split)
+    int_dev, int_host = device.view(torch.int64), host.view(torch.int64)
+    float_dev, float_host = device.view(torch.float64), host.view(torch.float64)
     dev_at, host_at, host_step = device.data_ptr(), host.data_ptr(), host.stride(0)
 
     def gather_memcpy_per_row() -> None:
@@ -60,12 +111,19 @@ def kernels(
             ctypes.memmove(host_at + i * host_step, dev_at + r * row, row)
 
     return {
-        "gather_index_select": lambda: torch.index_select(wide_dev, 0, g_idx, out=wide_host),
+        "gather_index_select_int64": lambda: torch.index_select(int_dev, 0, g_idx, out=int_host),
+        "gather_index_select_float64": lambda: torch.index_select(
+            float_dev, 0, g_idx, out=float_host
+        ),
         "gather_np_take": lambda: np.take(dev_items, g_np, out=host_items, mode="clip"),
+        "gather_np_take_split": lambda: np.take(
+            dev_split, g_np, axis=0, out=host_split, mode="clip"
+        ),
         "gather_memcpy_per_row": gather_memcpy_per_row,
         "scatter_np_put": lambda: np.put(dev_items, s_np, host_items, mode="clip"),
         "scatter_np_assign": lambda: dev_items.__setitem__(s_np, host_items),
-        "scatter_index_copy": lambda: wide_dev.index_copy_(0, s_idx, wide_host),
+        "scatter_np_assign_split": lambda: dev_split.__setitem__(s_np, host_split),
+        "scatter_index_copy": lambda: int_dev.index_copy_(0, s_idx, int_host),
     }
 
 
@@ -93,6 +151,7 @@ def main() -> None:
             gather_ids = sorted(rng.sample(range(4 * n), n))
             scatter_ids = rng.sample(range(4 * n), n)
             runs = kernels(device, host, gather_ids, scatter_ids)
+            free_rate = spin_rate()
             ratios: dict[str, list[float]] = {name: [] for name in runs}
             for trial in range(args.trials + 1):  # the first round warms up
                 for name, kernel in runs.items():
@@ -104,12 +163,18 @@ def main() -> None:
                     ours = time.perf_counter() - start
                     if trial:
                         ratios[name].append(base / ours)
-            line = []
+            print(f"p{page} ({n} rows, split {split_for(n, row)}):")
             for name, values in ratios.items():
                 ratio = round(statistics.median(values), 2)
                 results[f"{layout}_{name}_p{page}"] = ratio
-                line.append(f"{name} {ratio:.2f}")
-            print(f"p{page:<4} " + "  ".join(line))
+                if name == "gather_memcpy_per_row" and n > 256:
+                    # each row's call takes the GIL back from the spinner, waiting up to the
+                    # 5 ms switch interval: thousands of rows would take minutes
+                    print(f"    {name:<30} {ratio:.2f}   gil_free (not probed: {n} calls)")
+                    continue
+                free = round(gil_free(runs[name], free_rate), 2)
+                results[f"{layout}_{name}_p{page}_gil_free"] = free
+                print(f"    {name:<30} {ratio:.2f}   gil_free {free:.2f}")
     print(json.dumps(results))
 
 

@@ -64,7 +64,10 @@ class Rows:
         return out
 
 
-_WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16))
+# float64 before int64: torch's index_select into a strided `out` (page_first host rows)
+# measured 1.32 of memcpy as float64 and 0.96 as int64 at 512 KiB rows. A copy moves the
+# bits untouched (no arithmetic, so NaN payloads and denormals survive; a test checks).
+_WIDE = ((8, torch.float64), (4, torch.int32), (2, torch.int16))
 
 
 def _width_ok(t: torch.Tensor, width: int) -> bool:
@@ -80,60 +83,64 @@ def _width_ok(t: torch.Tensor, width: int) -> bool:
 
 
 def widen(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both uint8 row views as the widest integer item both allow (fewer, larger items)."""
+    """Both uint8 row views as the widest item both allow (fewer, larger items)."""
     for width, dtype in _WIDE:
         if _width_ok(a, width) and _width_ok(b, width):
             return a.view(dtype), b.view(dtype)
     return a, b
 
 
-def _items(rows: torch.Tensor) -> np.ndarray:
-    """A uint8 `[n, row_bytes]` view as n numpy void items of row_bytes each (a view), so
-    numpy moves one item per row (a memcpy of the row) instead of looping over its bytes."""
-    array = rows.numpy()
-    return array.view(np.dtype((np.void, array.shape[1])))[:, 0]
+# numpy releases the GIL only for loops over more items than this (NPY_BEGIN_THREADS_
+# THRESHOLDED); with a few hundred large rows as items it would hold it for the whole copy.
+_NUMPY_GIL_FREE_ITEMS = 500
 
 
-def _dense(rows: torch.Tensor) -> bool:
-    """Rows packed back to back (a device tensor, a layer_first host block), not strided
-    (a page_first host view). numpy's `take`/`put` are only fast on packed arrays: they copy
-    or buffer anything else whole."""
-    return rows.is_contiguous()
+def _sub_items(rows: torch.Tensor, split: int) -> np.ndarray:
+    """A uint8 `[n, row_bytes]` view (rows contiguous, possibly strided) as an `[n, split]`
+    numpy array of void items of row_bytes/split bytes each (a view): numpy then moves one
+    item per memcpy instead of looping over bytes."""
+    n, row = rows.shape
+    return rows.view(n, split, row // split).numpy().view(np.dtype((np.void, row // split)))[..., 0]
 
 
-# From this row size up, a strided gather goes row by row with memcpy: measured on this CPU
-# at 512 KiB rows, 0.94 of a contiguous copy against 0.87 for `index_select` into a strided
-# view; at 128 KiB rows `index_select` still wins (0.95 against 0.88).
-_ROW_LOOP_BYTES = 256 * 2**10
+def _split_for(count: int, row_bytes: int) -> int:
+    """Sub-items per row so that numpy's loop runs over more than 500 items and releases the
+    GIL (halving the item while the row divides evenly and items stay >= 256 bytes)."""
+    split = 1
+    while (
+        count * split <= _NUMPY_GIL_FREE_ITEMS
+        and row_bytes % (2 * split) == 0
+        and row_bytes // (2 * split) >= 256
+    ):
+        split *= 2
+    return split
 
 
 def _gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """out[i] = src[index[i]] into a run of rows."""
-    if _dense(src) and _dense(out):
-        np.take(_items(src), index.numpy(), out=_items(out), mode="clip")  # bounds checked
-    elif out.shape[1] >= _ROW_LOOP_BYTES and src.stride(1) == 1 and out.stride(1) == 1:
-        _gather_row_by_row(src, index, out)
+    """out[i] = src[index[i]] into a run of rows: numpy's `take` when both are packed (it
+    copies or buffers a strided `out` whole), torch's `index_select` otherwise."""
+    if src.is_contiguous() and out.is_contiguous():
+        split = _split_for(out.shape[0], out.shape[1])
+        items = _sub_items(out, split)
+        np.take(_sub_items(src, split), index.numpy(), axis=0, out=items, mode="clip")
     else:
         wide_src, wide_out = widen(src, out)
         torch.index_select(wide_src, 0, index, out=wide_out)
 
 
-def _gather_row_by_row(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
-    """One memcpy per row (ctypes releases the GIL for each). Safe because every row index
-    was checked against `src`'s rows and each row's bytes are contiguous in both views."""
-    row_bytes = out.shape[1]
-    src_at, src_step = src.data_ptr(), src.stride(0)
-    out_at, out_step = out.data_ptr(), out.stride(0)
-    for i, row in enumerate(index.tolist()):
-        ctypes.memmove(out_at + i * out_step, src_at + row * src_step, row_bytes)
-
-
 def _scatter(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst[index[i]] = src[i] from a run of rows."""
-    if _dense(src) and _dense(dst):
-        np.put(_items(dst), index.numpy(), _items(src), mode="clip")  # bounds checked
+    """dst[index[i]] = src[i] from a run of rows (packed or strided)."""
+    split = _split_for(src.shape[0], src.shape[1])
+    _sub_items(dst, split)[index.numpy()] = _sub_items(src, split)
+
+
+def _copy_run(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """dst[:] = src for two runs of rows: one memcpy when both are packed, else torch's copy
+    (strided rows). Both release the GIL for the whole copy."""
+    if src.is_contiguous() and dst.is_contiguous():
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), src.numel())
     else:
-        _items(dst)[index.numpy()] = _items(src)
+        dst.copy_(src)
 
 
 def _check_bounds(label: str, rows: Rows, view: torch.Tensor) -> None:
@@ -166,17 +173,18 @@ def copy_rows_cpu(
 ) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] for every i; views are `[pages, row_bytes]` uint8.
 
-    Which kernel runs (measured on this CPU against a memcpy of the same bytes, see
-    docs/design.md): a run on both sides is one copy; a run on one side is one gather
-    (`np.take`) or one scatter (`np.put`) when both views are packed; into strided rows
-    (page_first host pages), torch's `index_select`, or a memcpy per row for large rows; from
-    strided rows, numpy's fancy assignment. None makes a temporary; two index sets go through
-    the staging buffer. All of them release the GIL.
+    Which kernel runs (measured on this CPU against a memcpy of the same bytes, and for
+    whether it lets other Python threads run meanwhile; see docs/design.md): a run on both
+    sides is one copy; a run on the destination is one torch `index_select` gather; a run on
+    the source is one numpy scatter of rows split into enough sub-items that numpy releases
+    the GIL. None makes a temporary; two index sets go through the staging buffer. Each is
+    one call into C that releases the GIL for the whole copy: the engine's forward pass and
+    the scheduler's loop keep running while pages move.
     """
     if not check_row_pair(src, src_rows, dst, dst_rows):
         return
     if src_rows.is_run and dst_rows.is_run:  # one contiguous copy
-        np.copyto(_items(dst_rows.slice(dst)), _items(src_rows.slice(src)))
+        _copy_run(src_rows.slice(src), dst_rows.slice(dst))
         return
     if dst_rows.is_run:
         assert src_rows.index is not None

@@ -1,6 +1,6 @@
-"""`copy_rows_cpu` kernel by kernel: each case (run to run, packed gather and scatter,
-strided gather small and large-row, strided scatter, two index sets through staging, rows
-larger than the staging) against a row-by-row reference, and the errors for bad rows."""
+"""`copy_rows_cpu` kernel by kernel: each case (run to run, packed and strided gathers and
+scatters, scatters of rows split into sub-items, two index sets through staging, rows larger
+than the staging) against a row-by-row reference, and the errors for bad rows."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from hicache.transfer.rows import _ROW_LOOP_BYTES, Rows, copy_rows_cpu
+from hicache.transfer.rows import Rows, _split_for, copy_rows_cpu
 
 
 def random_rows(pages: int, row_bytes: int, seed: int, stride_bytes: int | None = None):
@@ -36,8 +36,9 @@ CASES = [
     ("packed gather", 64, False, False, False, True),
     ("packed scatter", 64, False, False, True, False),
     ("strided gather", 64, False, True, False, True),
-    ("strided gather, large rows", _ROW_LOOP_BYTES, False, True, False, True),
     ("strided scatter", 64, True, False, True, False),
+    ("packed scatter, few large rows split into sub-items", 4096, False, False, True, False),
+    ("strided scatter, few large rows split into sub-items", 4096, True, False, True, False),
     ("two index sets, packed", 64, False, False, False, False),
     ("two index sets, strided", 64, True, True, False, False),
 ]
@@ -119,3 +120,38 @@ def test_runs_and_index_sets() -> None:
     assert scattered.ids() == [6, 4, 5]
     assert Rows.of([]).count == 0
     assert Rows.of([]).end == 0
+
+
+def test_rows_split_so_numpy_loops_over_more_than_500_items() -> None:
+    # numpy releases the GIL only past 500 items: 64 rows of 128 KiB go as 512 of 16 KiB
+    assert _split_for(64, 128 * 2**10) == 8
+    assert _split_for(16, 512 * 2**10) == 32
+    assert _split_for(1000, 2048) == 1  # enough rows already
+    assert _split_for(5, 4096) == 16  # items stay >= 256 bytes
+    assert _split_for(5, 36) == 1  # a row that does not halve evenly stays whole
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_float_wide_items_copy_nan_payloads_and_denormals_bit_exact(strided: bool) -> None:
+    """Rows move as float64 items where they can: every bit pattern must survive, signalling
+    and quiet NaNs with payloads, infinities, denormals and negative zero included."""
+    patterns = [
+        0x7FF0000000000001,  # signalling NaN
+        0x7FF8DEADBEEF0001,  # quiet NaN with a payload
+        0xFFF0000000000000,  # -inf
+        0x0000000000000001,  # the smallest denormal
+        0x8000000000000000,  # -0.0
+        0x000FFFFFFFFFFFFF,  # the largest denormal
+        0x7FF7FFFFFFFFFFFF,  # signalling NaN, all payload bits
+        0x0123456789ABCDEF,
+    ]
+    signed = [p - (1 << 64) if p >= 1 << 63 else p for p in patterns]
+    row = torch.tensor(signed, dtype=torch.int64).view(torch.uint8)  # 64 bytes
+    src = row.repeat(6).view(6, 64)
+    backing = torch.zeros(8 * 128, dtype=torch.uint8)
+    dst = backing.as_strided((8, 64), (128, 1)) if strided else backing[: 8 * 64].view(8, 64)
+    copy_rows_cpu(
+        src, Rows.of([4, 1, 0]), dst, Rows.of([2, 3, 4]), torch.empty(0, dtype=torch.uint8)
+    )
+    for d in (2, 3, 4):
+        assert dst[d].view(torch.int64).tolist() == signed
