@@ -161,6 +161,13 @@ def check_row_pair(src: torch.Tensor, src_rows: Rows, dst: torch.Tensor, dst_row
         raise ValueError(
             f"source rows of {src.shape[1]} bytes but destination rows of {dst.shape[1]} bytes"
         )
+    for label, view in (("source", src), ("destination", dst)):
+        if view.dim() != 2 or view.dtype != torch.uint8 or view.stride(1) != 1:
+            raise ValueError(
+                f"the {label} is a {view.dtype} view of shape {tuple(view.shape)} and strides "
+                f"{view.stride()}; copies need [rows, row_bytes] uint8 views whose bytes "
+                "within a row are contiguous"
+            )
     if src_rows.count == 0:
         return False
     _check_bounds("source", src_rows, src)
@@ -175,9 +182,10 @@ def copy_rows_cpu(
 
     Which kernel runs (measured on this CPU against a memcpy of the same bytes, and for
     whether it lets other Python threads run meanwhile; see docs/design.md): a run on both
-    sides is one copy; a run on the destination is one torch `index_select` gather; a run on
-    the source is one numpy scatter of rows split into enough sub-items that numpy releases
-    the GIL. None makes a temporary; two index sets go through the staging buffer. Each is
+    sides is one copy; a run on the destination is one gather (numpy `take` when both views
+    are packed, torch `index_select` into strided rows); a run on the source is one numpy
+    scatter. numpy always works on rows split into enough sub-items that it releases the
+    GIL. None makes a temporary; two index sets go through the staging buffer. Each is
     one call into C that releases the GIL for the whole copy: the engine's forward pass and
     the scheduler's loop keep running while pages move.
     """

@@ -155,3 +155,13 @@ def test_float_wide_items_copy_nan_payloads_and_denormals_bit_exact(strided: boo
     )
     for d in (2, 3, 4):
         assert dst[d].view(torch.int64).tolist() == signed
+
+
+def test_views_that_are_not_byte_rows_are_refused() -> None:
+    _, dst = random_rows(4, 32, 9)
+    columns = torch.zeros(32, 4, dtype=torch.uint8).t()  # a row's bytes are 4 apart
+    with pytest.raises(ValueError, match=r"the source is a torch\.uint8 view of shape \(4, 32\)"):
+        copy_rows_cpu(columns, Rows.of([0]), dst, Rows.of([1]), torch.empty(64, dtype=torch.uint8))
+    floats = torch.zeros(4, 32)
+    with pytest.raises(ValueError, match=r"the destination is a torch\.float32 view"):
+        copy_rows_cpu(dst, Rows.of([0]), floats, Rows.of([1]), torch.empty(64, dtype=torch.uint8))
