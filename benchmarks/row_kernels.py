@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from hicache.memory.hugepages import advise_hugepages
+from hicache.transfer.rows import split_for, sub_items
 
 TOKEN_BYTES = 8 * 128 * 2
 MOVE_BYTES = 32 * 2**20
@@ -47,18 +48,9 @@ def buffer(nbytes: int) -> torch.Tensor:
     return t.fill_(1)
 
 
-def items(rows: torch.Tensor, split: int = 1) -> np.ndarray:
-    """`[n, row]` uint8 rows as `[n, split]` void items (split=1: `[n]`)."""
-    n, row = rows.shape
-    out = rows.view(n, split, row // split).numpy().view(np.dtype((np.void, row // split)))
-    return out[..., 0] if split > 1 else out[:, 0, 0]
-
-
-def split_for(count: int, row: int) -> int:
-    split = 1
-    while count * split <= 500 and row % (2 * split) == 0 and row // (2 * split) >= 256:
-        split *= 2
-    return split
+def items(rows: torch.Tensor) -> np.ndarray:
+    """`[n, row]` uint8 rows as n void items, one per row (numpy's loop then has n items)."""
+    return sub_items(rows, 1)[:, 0]
 
 
 def spin_rate() -> float:
@@ -101,7 +93,7 @@ def kernels(
     n, row = host.shape
     split = split_for(n, row)
     dev_items, host_items = items(device), items(host)
-    dev_split, host_split = items(device, split), items(host, split)
+    dev_split, host_split = sub_items(device, split), sub_items(host, split)
     int_dev, int_host = device.view(torch.int64), host.view(torch.int64)
     float_dev, float_host = device.view(torch.float64), host.view(torch.float64)
     dev_at, host_at, host_step = device.data_ptr(), host.data_ptr(), host.stride(0)

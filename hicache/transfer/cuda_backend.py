@@ -235,22 +235,14 @@ class CudaCopyBackend(CopyBackend):
         stream = torch.cuda.current_stream(self.device)
         for pos, first, length in rows.runs():
             staged, hosted = stage[pos : pos + length], host[first : first + length]
+            dst, src = (staged, hosted) if to_device else (hosted, staged)
             if packed:
-                if to_device:
-                    staged.copy_(hosted, non_blocking=True)
-                else:
-                    hosted.copy_(staged, non_blocking=True)
+                dst.copy_(src, non_blocking=True)
             elif self._memcpy_2d is not None:
-                if to_device:
-                    self._memcpy_2d.copy(staged, hosted, stream)
-                else:
-                    self._memcpy_2d.copy(hosted, staged, stream)
+                self._memcpy_2d.copy(dst, src, stream)
             else:
                 for k in range(length):
-                    if to_device:
-                        staged[k].copy_(hosted[k], non_blocking=True)
-                    else:
-                        hosted[k].copy_(staged[k], non_blocking=True)
+                    dst[k].copy_(src[k], non_blocking=True)
 
     def _complete(self) -> None:
         while True:

@@ -25,6 +25,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
 from hicache.errors import PoolManifestError
 from hicache.memory import DevicePool, GroupGeometry
+from hicache.memory.geometry import dtype_name
 
 
 def _export(tensor: torch.Tensor) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def _export(tensor: torch.Tensor) -> dict[str, Any]:
         "shape": list(tensor.shape),
         "stride": list(tensor.stride()),
         "offset": int(tensor.storage_offset()),
-        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "dtype": dtype_name(tensor.dtype),
     }
 
 

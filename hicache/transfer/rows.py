@@ -95,7 +95,7 @@ def widen(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 _NUMPY_GIL_FREE_ITEMS = 500
 
 
-def _sub_items(rows: torch.Tensor, split: int) -> np.ndarray:
+def sub_items(rows: torch.Tensor, split: int) -> np.ndarray:
     """A uint8 `[n, row_bytes]` view (rows contiguous, possibly strided) as an `[n, split]`
     numpy array of void items of row_bytes/split bytes each (a view): numpy then moves one
     item per memcpy instead of looping over bytes."""
@@ -103,7 +103,7 @@ def _sub_items(rows: torch.Tensor, split: int) -> np.ndarray:
     return rows.view(n, split, row // split).numpy().view(np.dtype((np.void, row // split)))[..., 0]
 
 
-def _split_for(count: int, row_bytes: int) -> int:
+def split_for(count: int, row_bytes: int) -> int:
     """Sub-items per row so that numpy's loop runs over more than 500 items and releases the
     GIL (halving the item while the row divides evenly and items stay >= 256 bytes)."""
     split = 1
@@ -120,9 +120,9 @@ def _gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
     """out[i] = src[index[i]] into a run of rows: numpy's `take` when both are packed (it
     copies or buffers a strided `out` whole), torch's `index_select` otherwise."""
     if src.is_contiguous() and out.is_contiguous():
-        split = _split_for(out.shape[0], out.shape[1])
-        items = _sub_items(out, split)
-        np.take(_sub_items(src, split), index.numpy(), axis=0, out=items, mode="clip")
+        split = split_for(out.shape[0], out.shape[1])
+        items = sub_items(out, split)
+        np.take(sub_items(src, split), index.numpy(), axis=0, out=items, mode="clip")
     else:
         wide_src, wide_out = widen(src, out)
         torch.index_select(wide_src, 0, index, out=wide_out)
@@ -130,8 +130,8 @@ def _gather(src: torch.Tensor, index: torch.Tensor, out: torch.Tensor) -> None:
 
 def _scatter(src: torch.Tensor, index: torch.Tensor, dst: torch.Tensor) -> None:
     """dst[index[i]] = src[i] from a run of rows (packed or strided)."""
-    split = _split_for(src.shape[0], src.shape[1])
-    _sub_items(dst, split)[index.numpy()] = _sub_items(src, split)
+    split = split_for(src.shape[0], src.shape[1])
+    sub_items(dst, split)[index.numpy()] = sub_items(src, split)
 
 
 def _copy_run(src: torch.Tensor, dst: torch.Tensor) -> None:

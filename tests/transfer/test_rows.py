@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from hicache.transfer.rows import Rows, _split_for, copy_rows_cpu
+from hicache.transfer.rows import Rows, copy_rows_cpu, split_for
 
 
 def random_rows(pages: int, row_bytes: int, seed: int, stride_bytes: int | None = None):
@@ -124,11 +124,11 @@ def test_runs_and_index_sets() -> None:
 
 def test_rows_split_so_numpy_loops_over_more_than_500_items() -> None:
     # numpy releases the GIL only past 500 items: 64 rows of 128 KiB go as 512 of 16 KiB
-    assert _split_for(64, 128 * 2**10) == 8
-    assert _split_for(16, 512 * 2**10) == 32
-    assert _split_for(1000, 2048) == 1  # enough rows already
-    assert _split_for(5, 4096) == 16  # items stay >= 256 bytes
-    assert _split_for(5, 36) == 1  # a row that does not halve evenly stays whole
+    assert split_for(64, 128 * 2**10) == 8
+    assert split_for(16, 512 * 2**10) == 32
+    assert split_for(1000, 2048) == 1  # enough rows already
+    assert split_for(5, 4096) == 16  # items stay >= 256 bytes
+    assert split_for(5, 36) == 1  # a row that does not halve evenly stays whole
 
 
 @pytest.mark.parametrize("strided", [False, True])
