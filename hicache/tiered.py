@@ -154,14 +154,17 @@ class TieredCache:
             return 0
         present, answered = await self.l3.exists_answered([key for _, key in unknown])
         found: dict[str, list[bytes]] = {}
+        absent = []
         for (group, key), here in zip(unknown, present, strict=True):
             if here:
                 found.setdefault(group, []).append(key)
+            else:
+                absent.append((group, key))
         if answered:  # "absent" from a store that failed is no answer worth remembering
-            self.absent.add(entry for entry, here in zip(unknown, present, strict=True) if not here)
+            self.absent.add(absent)
         for group, keys in found.items():  # one batch per group: none displaces another
             self.index.mark_l3_many(group, keys)
-        return sum(present)
+        return len(unknown) - len(absent)
 
     # ---- store: L1 -> L2 (-> L3) -------------------------------------------------------------
 

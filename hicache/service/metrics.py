@@ -29,6 +29,7 @@ from hicache.storage.breaker import BreakerState
 
 if TYPE_CHECKING:
     from hicache.service.namespaces import Namespace
+    from hicache.tiered import TieredCache
 
 _BYTES_BUCKETS = tuple(float(2**i) for i in range(12, 34, 2))  # 4 KiB .. 8 GiB
 _SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)
@@ -177,9 +178,18 @@ class StateCollector(Collector):
             "Page keys a lookup did not ask L3 about because L3 had just said it lacks them "
             "(cache.l3_absent_ttl_s)",
         )
-        skipped_total = 0
-        q_load = q_backup = inflight_bytes = 0
-        per_group: dict[str, list[int]] = {}
+        # each per-group family with how one namespace's cache adds to it (summed over them)
+        per_group: list[
+            tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[TieredCache, str], int]]
+        ] = [
+            (used, lambda c, g: c.index.l2_pages(g) * _page_bytes(c, g)),
+            (capacity, lambda c, g: c.embedded.host_tier.pool(g).num_pages * _page_bytes(c, g)),
+            (pinned, lambda c, g: c.index.pinned_pages(g) * _page_bytes(c, g)),
+            (l3_only, lambda c, g: c.index.l3_only_pages(g)),
+            (forgotten, lambda c, g: c.index.l3_forgotten[g]),
+        ]
+        sums: list[dict[str, int]] = [{} for _ in per_group]
+        skipped_total = q_load = q_backup = inflight_bytes = 0
         for namespace in self._namespaces():
             cache = namespace.cache
             stats = cache.embedded.scheduler.stats()
@@ -188,25 +198,16 @@ class StateCollector(Collector):
             inflight_bytes += stats.in_flight_bytes
             skipped_total += cache.absent.skipped
             for group in cache.index.rules:
-                pool = cache.embedded.host_tier.pool(group)
-                page = pool.geometry.page_bytes
-                acc = per_group.setdefault(group, [0, 0, 0, 0, 0])
-                acc[0] += cache.index.l2_pages(group) * page
-                acc[1] += pool.num_pages * page
-                acc[2] += cache.index.pinned_pages(group) * page
-                acc[3] += cache.index.l3_only_pages(group)
-                acc[4] += cache.index.l3_forgotten[group]
+                for (_, value), acc in zip(per_group, sums, strict=True):
+                    acc[group] = acc.get(group, 0) + value(cache, group)
         queue.add_metric(["load"], q_load)
         queue.add_metric(["backup"], q_backup)
         inflight.add_metric([], inflight_bytes)
-        for group, (u, c, pin, only, gone) in per_group.items():
-            used.add_metric([group], u)
-            capacity.add_metric([group], c)
-            pinned.add_metric([group], pin)
-            l3_only.add_metric([group], only)
-            forgotten.add_metric([group], gone)
+        for (family, _), acc in zip(per_group, sums, strict=True):
+            for group, total in acc.items():
+                family.add_metric([group], total)
         absent_skipped.add_metric([], skipped_total)
-        yield from (queue, inflight, used, capacity, pinned, l3_only, forgotten, absent_skipped)
+        yield from (queue, inflight, *(family for family, _ in per_group), absent_skipped)
         store = self._store()
         breaker = GaugeMetricFamily(
             "hicache_l3_breaker_state",
@@ -246,6 +247,10 @@ class StateCollector(Collector):
             l3_seconds.add_metric(["put"], s.put_seconds)
             l3_seconds.add_metric(["get"], s.get_seconds)
         yield from (breaker, failures, l3, l3_bytes, l3_seconds)
+
+
+def _page_bytes(cache: TieredCache, group: str) -> int:
+    return cache.embedded.host_tier.pool(group).geometry.page_bytes
 
 
 def metrics_reference() -> str:

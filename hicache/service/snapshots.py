@@ -21,6 +21,7 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
             "l2_capacity_pages": pool.num_pages,
             "pinned_pages": cache.index.pinned_pages(group),
             "l3_pages_known": cache.index.l3_pages(group),
+            "l3_only_pages": cache.index.l3_only_pages(group),
             "l3_pages_forgotten": cache.index.l3_forgotten[group],
         }
     return {

@@ -56,6 +56,20 @@ def test_health_ready_metrics_config_stats(tmp_path: Path) -> None:
         stats = proc.get_json("/v1/stats")
         assert stats["l3"]["stored"] > 0
         assert stats["namespaces"][0]["load"]["ops"] == 2
+        # the per-group gauges agree with the index (the scrape came before the stats call,
+        # and nothing moved in between); lfm2's full-attention page is 196,608 bytes
+        full = stats["namespaces"][0]["groups"]["full"]
+        samples = {
+            name: float(value)
+            for name, value in (line.rsplit(" ", 1) for line in text.splitlines())
+            if not name.startswith("#")
+        }
+        assert full["l2_pages"] > 0
+        assert samples['hicache_host_pool_used_bytes{group="full"}'] == full["l2_pages"] * 196608
+        capacity = full["l2_capacity_pages"] * 196608
+        assert samples['hicache_host_pool_capacity_bytes{group="full"}'] == capacity
+        assert samples['hicache_host_pool_pinned_bytes{group="full"}'] == 0
+        assert samples['hicache_index_l3_only_pages{group="full"}'] == full["l3_only_pages"]
 
 
 def test_admin_endpoints_need_the_token(tmp_path: Path) -> None:
