@@ -21,6 +21,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from hicache.discovery import Discovery
 from hicache.embedded import EmbeddedCache
 from hicache.index import (
     PREFETCH_POLICIES,
@@ -60,8 +61,8 @@ class TieredCache:
         absent: AbsentKeys | None = None,
     ):
         self.embedded = embedded
-        self.absent = absent if absent is not None else AbsentKeys(2.0)
         self.index = index
+        self.discovery = Discovery(index, absent if absent is not None else AbsentKeys(2.0))
         self.l3: GuardedStore | None = None
         self.attach_l3(store)
         self.write_policy = write_policy
@@ -127,44 +128,12 @@ class TieredCache:
     def needs_discovery(self, token_ids: Sequence[int], hit: Hit) -> bool:
         """Could L3 extend this hit with pages the index does not know (persisted before a
         restart, or by another process)? Only then is a lookup worth an L3 round trip."""
-        if self.l3 is None or hit.pages_total == len(token_ids) // self.index.page_size_tokens:
-            return False  # no L3, or the whole prompt hits already: no hashing twice
-        keys = self.index.keys(token_ids)
-        return any(
-            self.index.record(group, key) is None and not self.absent.fresh(group, key)
-            for group, group_keys in keys.items()
-            for key in group_keys[hit.pages_total :]
-        )
+        return self.l3 is not None and self.discovery.needed(token_ids, hit)
 
     async def discover(self, token_ids: Sequence[int]) -> int:
-        """Ask L3 which of the prompt's pages it holds that the index does not know of (after
-        a restart, or pages another process persisted), and record them. Returns how many."""
-        if self.l3 is None:
-            return 0
-        unknown: list[tuple[str, bytes]] = []
-        for group, group_keys in self.index.keys(token_ids).items():
-            for key in group_keys:
-                if self.index.record(group, key) is not None:
-                    continue
-                if self.absent.fresh(group, key):  # L3 said so moments ago
-                    self.absent.skipped += 1
-                    continue
-                unknown.append((group, key))
-        if not unknown:
-            return 0
-        present, answered = await self.l3.exists_answered([key for _, key in unknown])
-        found: dict[str, list[bytes]] = {}
-        absent = []
-        for (group, key), here in zip(unknown, present, strict=True):
-            if here:
-                found.setdefault(group, []).append(key)
-            else:
-                absent.append((group, key))
-        if answered:  # "absent" from a store that failed is no answer worth remembering
-            self.absent.add(absent)
-        for group, keys in found.items():  # one batch per group: none displaces another
-            self.index.mark_l3_many(group, keys)
-        return len(unknown) - len(absent)
+        """Ask L3 which of the prompt's pages it holds that the index does not know of, and
+        record them. Returns how many."""
+        return 0 if self.l3 is None else await self.discovery.run(self.l3, token_ids)
 
     # ---- store: L1 -> L2 (-> L3) -------------------------------------------------------------
 

@@ -233,7 +233,7 @@ async def test_l3_saying_absent_spares_asking_again_for_a_while(tmp_path: Path) 
     never came (L3 down), they do."""
     cache, faulty = build(tmp_path, "qwen2_7b.json", host_pages=4)
     now = [100.0]
-    cache.absent = AbsentKeys(2.0, clock=lambda: now[0])
+    cache.discovery.absent = AbsentKeys(2.0, clock=lambda: now[0])
     try:
         async with cache.embedded.scheduler.running():
             cold = list(range(7000, 7000 + 3 * PAGE))
@@ -244,7 +244,7 @@ async def test_l3_saying_absent_spares_asking_again_for_a_while(tmp_path: Path) 
             assert not cache.needs_discovery(cold, cache.lookup(cold))
             assert await cache.discover(cold) == 0
             assert faulty.calls == calls + 1  # not asked again
-            assert cache.absent.skipped == 3
+            assert cache.discovery.absent.skipped == 3
             now[0] += 2.5  # the answer is stale: ask again
             assert cache.needs_discovery(cold, cache.lookup(cold))
             faulty.down = True

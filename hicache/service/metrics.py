@@ -196,7 +196,7 @@ class StateCollector(Collector):
             q_load += stats.queued_loads
             q_backup += stats.queued_backups
             inflight_bytes += stats.in_flight_bytes
-            skipped_total += cache.absent.skipped
+            skipped_total += cache.discovery.absent.skipped
             for group in cache.index.rules:
                 for (_, value), acc in zip(per_group, sums, strict=True):
                     acc[group] = acc.get(group, 0) + value(cache, group)

@@ -26,8 +26,8 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         }
     return {
         "namespace": str(namespace.key),
-        "l3_absent_remembered": len(cache.absent),
-        "l3_absent_skipped_keys": cache.absent.skipped,
+        "l3_absent_remembered": len(cache.discovery.absent),
+        "l3_absent_skipped_keys": cache.discovery.absent.skipped,
         "attached_session": namespace.owner,
         "groups": groups,
         "queued_loads": sched.queued_loads,

@@ -1,0 +1,64 @@
+"""`Discovery`: finding in L3 the pages of a prompt that the index does not know of.
+
+The index starts empty after a restart, forgets L3-only pages beyond its bound, and never
+hears of pages another process persisted; L3 may still hold them. `needed` answers, on the
+lookup path and without I/O, whether asking L3 could extend a hit; `run` asks (one batched
+`exists`) and records what L3 holds. L3's "absent" answers are remembered for a while
+(`AbsentKeys`), so the same cold prompt looked up at every scheduling step costs one round
+trip, not one per step. Lifecycle: one per `TieredCache`, living as long as its index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+from hicache.index import AbsentKeys, Hit, PageKey, PrefixIndex
+from hicache.storage import GuardedStore
+
+
+class Discovery:
+    def __init__(self, index: PrefixIndex, absent: AbsentKeys):
+        self.index = index
+        self.absent = absent
+
+    def _unknown(
+        self, keys: Mapping[str, list[PageKey]], start: int = 0
+    ) -> Iterator[tuple[str, PageKey, bool]]:
+        """(group, key, L3 just said absent) for every key from page `start` on that the
+        index has no record of."""
+        for group, group_keys in keys.items():
+            for key in group_keys[start:]:
+                if self.index.record(group, key) is None:
+                    yield group, key, self.absent.fresh(group, key)
+
+    def needed(self, token_ids: Sequence[int], hit: Hit) -> bool:
+        """Could L3 extend this hit with pages the index does not know?"""
+        if hit.pages_total == len(token_ids) // self.index.page_size_tokens:
+            return False  # the whole prompt hits already: no hashing twice
+        keys = self.index.keys(token_ids)
+        return any(not fresh for _, _, fresh in self._unknown(keys, hit.pages_total))
+
+    async def run(self, l3: GuardedStore, token_ids: Sequence[int]) -> int:
+        """Ask L3 about the prompt's pages the index does not know of, and record those it
+        holds. Returns how many it holds."""
+        unknown: list[tuple[str, PageKey]] = []
+        for group, key, fresh in self._unknown(self.index.keys(token_ids)):
+            if fresh:  # L3 said so moments ago
+                self.absent.skipped += 1
+            else:
+                unknown.append((group, key))
+        if not unknown:
+            return 0
+        present, answered = await l3.exists_answered([key for _, key in unknown])
+        found: dict[str, list[PageKey]] = {}
+        absent = []
+        for (group, key), here in zip(unknown, present, strict=True):
+            if here:
+                found.setdefault(group, []).append(key)
+            else:
+                absent.append((group, key))
+        if answered:  # "absent" from a store that failed is no answer worth remembering
+            self.absent.add(absent)
+        for group, keys in found.items():  # one batch per group: none displaces another
+            self.index.mark_l3_many(group, keys)
+        return len(unknown) - len(absent)
