@@ -133,6 +133,7 @@ class PrefixIndex:
         # keys of records only L3 holds, least recently marked or hit first
         self._l3_only: dict[str, OrderedDict[PageKey, None]] = {g: OrderedDict() for g in rules}
         self.l3_forgotten = {g: 0 for g in rules}
+        self._pinned = {g: 0 for g in rules}  # records with pins > 0
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -308,6 +309,7 @@ class PrefixIndex:
     def pin(self, group: str, keys: Sequence[PageKey]) -> None:
         records = [self._require(group, k) for k in keys]
         for record in records:
+            self._pinned[group] += record.pins == 0
             record.pins += 1
 
     def unpin(self, group: str, keys: Sequence[PageKey]) -> None:
@@ -317,7 +319,10 @@ class PrefixIndex:
                 raise PinError(f"group {group!r}: key {record.key.hex()} is not pinned")
         for record in records:
             record.pins -= 1
-            if record.pins == 0 and record.l2_page is None and not record.in_l3:
+            if record.pins:
+                continue
+            self._pinned[group] -= 1
+            if record.l2_page is None and not record.in_l3:
                 del self._records[group][record.key]  # no tier holds it any more
 
     def l2_pages(self, group: str) -> int:
@@ -328,7 +333,8 @@ class PrefixIndex:
         return [r for r in self._records[group].values() if r.l2_page is not None]
 
     def pinned_pages(self, group: str) -> int:
-        return sum(1 for r in self._records[group].values() if r.pins)
+        """Records with pins (counted as pins come and go: every metrics scrape asks)."""
+        return self._pinned[group]
 
     def l3_records(self, group: str) -> list[PageRecord]:
         return [r for r in self._records[group].values() if r.in_l3]

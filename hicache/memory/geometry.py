@@ -91,6 +91,12 @@ class CacheDtypes:
         return found
 
 
+def _tensors_of(group: CacheGroup) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape of one slot) of each tensor a layer of the group keeps."""
+    spec = group.spec
+    return tuple(spec.token_tensors() if spec.kind.is_token_cache else spec.state_shapes)
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -110,9 +116,7 @@ class GroupGeometry:
     def of(cls, group: CacheGroup, dtypes: CacheDtypes, page_size_tokens: int) -> GroupGeometry:
         """The geometry of a group whose tensors take their dtypes from `dtypes`."""
         token_cache = group.kind.is_token_cache
-        spec = group.spec
-        names = [n for n, _ in (spec.token_tensors() if token_cache else spec.state_shapes)]
-        per_tensor = {name: dtypes.for_tensor(token_cache, name) for name in names}
+        per_tensor = {name: dtypes.for_tensor(token_cache, name) for name, _ in _tensors_of(group)}
         main = (
             dtypes.kv
             if token_cache
@@ -122,8 +126,7 @@ class GroupGeometry:
         return cls(group, main, page_size_tokens, exceptions)
 
     def __post_init__(self) -> None:
-        spec = self.group.spec
-        tensors = spec.token_tensors() if spec.kind.is_token_cache else spec.state_shapes
+        tensors = _tensors_of(self.group)
         names = {name for name, _ in tensors}
         unknown = sorted(set(dict(self.tensor_dtypes)) - names)
         if unknown:

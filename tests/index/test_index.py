@@ -272,6 +272,8 @@ def test_invariants_under_any_sequence(sequence: list[tuple[str, int, int]], evi
         for group in index.rules:  # L3-only records are bounded, and all of them are counted
             only = [r for r in index.l3_records(group) if r.l2_page is None]
             assert index.l3_only_pages(group) == len(only) <= 5
+            held = {key for g, key in pinned if g == group}
+            assert index.pinned_pages(group) == len(held)  # the running count stays exact
 
 
 def test_l3_only_records_are_bounded_least_recent_first() -> None:
