@@ -15,6 +15,7 @@ what is allowed. Backend-native errors are mapped at the boundary (`raise X(...)
     │   ├── PoolManifestError (ValueError) an engine's shared-pool manifest is unusable
     │   └── PinError (ValueError)         freeing a pinned page, unpinning an unpinned one
     ├── TransferError                     a copy failed; the op's pages are listed
+    │   └── LayerLoadError                wait_layer: the layer's copy failed or was cancelled
     ├── CounterMisuseError (RuntimeError) layer-done counter used against its protocol
     ├── StorageError                      an L3 backend failed (never reaches the engine)
     │   ├── TierUnavailableError          the backend is down, slow or its breaker is open
@@ -79,6 +80,18 @@ class PinError(MemoryTierError, ValueError):
 
 class TransferError(HicacheError):
     """A copy failed. The op's result says which pages moved and which did not."""
+
+
+class LayerLoadError(TransferError):
+    """`wait_layer(layer_id)` on a load whose walk stopped at or before that layer: its copy
+    (or an earlier layer's) failed, or the load was cancelled. Raised as soon as the stop is
+    known, before the load ends; `done()` still reports the load's end."""
+
+    def __init__(self, load_id: int, layer_id: int, cause: str):
+        super().__init__(f"load {load_id}: layer {layer_id} did not land: {cause}")
+        self.load_id = load_id
+        self.layer_id = layer_id
+        self.cause = cause
 
 
 class CounterMisuseError(HicacheError, RuntimeError):

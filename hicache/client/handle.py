@@ -1,6 +1,13 @@
 """What the engine client hands back: `Lookup`, `LoadHandle` (`wait_layer` reads the load's
 counter in shared memory; `done()` / `finished()` wait for its end and free its slot), and the
-client's errors."""
+client's errors.
+
+A load whose walk stopped at layer k (a copy failed, or the load was cancelled: the sidecar
+writes the stop into the row at once, shm.py) makes `wait_layer(i)` raise `LayerLoadError`
+for every i >= k, naming the load, the layer and the cause read from the row; layers before k
+return. A layer that owns no cache returns (nothing of any load lives there). The check costs
+nothing on the fast path: a landed layer returns after one read of `layers_done`. After
+`done()` the handle keeps the outcome, since the slot may serve another load by then."""
 
 from __future__ import annotations
 
@@ -10,9 +17,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.errors import HicacheError
+from hicache.errors import HicacheError, LayerLoadError
 from hicache.model import LayerMap
 from hicache.service.shm import CounterFile, LoadState
+from hicache.transfer import LayerFailure
 
 
 class ClientError(HicacheError):
@@ -25,7 +33,8 @@ class ClientError(HicacheError):
 
 
 class LoadFailedError(HicacheError):
-    """A load ended failed or cancelled before the layer waited on landed."""
+    """A layer did not land, or a load did not end, within the caller's timeout. (A layer
+    that will never land raises `LayerLoadError`.)"""
 
 
 class LoadLostError(HicacheError):
@@ -65,11 +74,13 @@ class LoadHandle:
         self.failed: dict[str, list[int]] = reply["failed"]
         self._release = release
         self._layer_map = layer_map
+        self._counters = counters
         self._row = counters.array[self.slot]
         self._generation = generation
         self._current = current_generation
         self._stalls = stalls
         self._final: str | None = None
+        self._stopped: LayerFailure | None = None  # read from the row when the load ended
         # ns from a layer landing (sidecar's clock) to this engine seeing it, for the layers
         # it had to wait for; CLOCK_MONOTONIC is one clock for every process of the machine
         self.signal_ns: list[int] = []
@@ -83,17 +94,17 @@ class LoadHandle:
     def wait_layer(self, layer_id: int, timeout_s: float = 60.0) -> None:
         index = self._layer_map.stage_index(layer_id)
         row = self._row
-        if row[1] > index:
+        if row[1] > index and self._final is None:
+            return
+        if self._final is not None:  # ended and released: the row may serve another load
+            self._raise_if_stopped(layer_id, index, self._stopped)
             return
         started = time.perf_counter()
         spins = 0
         while row[1] <= index:
-            state = int(row[2])
-            if state in (LoadState.FAILED, LoadState.CANCELLED):
-                raise LoadFailedError(
-                    f"load {self.load_id} ended {_STATES[LoadState(state)]} before layer "
-                    f"{layer_id} landed"
-                )
+            if row[5]:  # the walk stopped at layers_done: this layer will never land
+                self._raise_if_stopped(layer_id, index, self._counters.failure(self.slot))
+                return
             self._check()
             spins += 1
             if spins < 2000:
@@ -108,6 +119,12 @@ class LoadHandle:
         if row[1] == index + 1:
             self.signal_ns.append(seen - int(row[4]))
         self._stalls.append(time.perf_counter() - started)
+
+    def _raise_if_stopped(self, layer_id: int, index: int, stopped: LayerFailure | None) -> None:
+        if stopped is None or index < stopped.position or not self._layer_map.slots(layer_id):
+            return
+        stop_layer = self._layer_map.stage_layer_ids[stopped.position]
+        raise LayerLoadError(self.load_id, layer_id, stopped.cause(layer_id, stop_layer))
 
     def state(self) -> str:
         """running / done / failed / cancelled. A load that ended before its connection was
@@ -146,6 +163,7 @@ class LoadHandle:
                 raise LoadFailedError(f"load {self.load_id} did not end in {timeout_s} s")
             return None
         self._final = state
+        self._stopped = self._counters.failure(self.slot)  # still this load's row
         self._release(self.load_id)
         return state
 

@@ -56,7 +56,7 @@ class WalkBatch:
     token: CancelToken = field(default_factory=CancelToken)
     counter: LoadCounter | None = None
     nbytes: int = 0
-    on_layer: LayerListener | None = None  # hears `upto` as the walk's layers land
+    on_layer: LayerListener | None = None  # hears each landed `upto`, then a stop if any
 
 
 @dataclass(frozen=True, slots=True)

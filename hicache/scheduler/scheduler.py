@@ -13,6 +13,13 @@ takes loads before backups, waits for byte budget and a counter slot (backpressu
 the stage's layers through the layer map and submits the whole walk to the copy backend at
 once — submit. The backend reports the walk from its thread; `_walk_done` records outcomes
 and releases pins and budget — complete/abort, in exactly one place (`_finish`).
+
+A walk that stops at a layer (backend.py: a failed copy stops it, later layers are skipped)
+fails every op with a group at or after the stop; the consumers of its layers from the stop
+on hear it through the counter while the walk is still ending (`OpHandle.wait_layer` raises),
+and `_walk_done` still ends each op once, after the backend reported, so pins outlive every
+copy. A load that ends before its walk is submitted gets a `StoppedCounter`, so its layers
+raise too rather than return for pages nothing copied.
 """
 
 from __future__ import annotations
@@ -41,7 +48,16 @@ from hicache.scheduler.records import (
     result_of,
 )
 from hicache.scheduler.stats import SchedulerStats, StatsRecorder
-from hicache.transfer import NOOP_COUNTER, CopyBackend, CounterRing, Direction, Fence
+from hicache.transfer import (
+    NOOP_COUNTER,
+    CopyBackend,
+    CounterRing,
+    Direction,
+    Fence,
+    LayerFailure,
+    StopKind,
+    StoppedCounter,
+)
 from hicache.transfer.backend import LayerListener, LayerPart
 
 
@@ -163,8 +179,9 @@ class Scheduler:
     ) -> list[OpHandle]:
         """Loads of one engine step, merged into one walk. Returns once the walk is submitted
         (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work.
-        `on_layer(upto)` hears, from the backend's thread, each stage-local layer count that
-        has landed (the sidecar's cross-process counter)."""
+        `on_layer(upto, None)` hears, from the backend's thread, each stage-local layer count
+        that has landed, and `on_layer(k, failure)` the walk's stop at layer k if it stops
+        (the sidecar's cross-process counter; `LayerListener`)."""
         ops = self._admit_all(OpKind.LOAD, requests, deadline_s)
         await self._enqueue(WalkBatch(OpKind.LOAD, ops, on_layer=on_layer))
         # Fast path: start whatever is ready now, in this task, rather than a loop iteration
@@ -435,6 +452,10 @@ class Scheduler:
             failed = set() if acknowledged else set(op.moves)
         result = result_of(op, state, failed, error, self.clock.now())
         release_pages(op, self.host_tier, keep_allocation=acknowledged)
+        if op.kind is OpKind.LOAD and not acknowledged and op.counter is NOOP_COUNTER:
+            # ended before its walk was submitted: none of its layers will land
+            kind = StopKind.CANCELLED if state is OpState.CANCELLED else StopKind.FAILED_WALK
+            op.counter = StoppedCounter(LayerFailure(0, kind, error or state.value))
         if op.in_queue:
             op.in_queue = False
             self._queued_ops -= 1

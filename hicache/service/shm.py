@@ -8,14 +8,25 @@ tensor offsets); the sidecar maps the same file (`map_pools`) after checking the
 file under shm_dir, ours, of the stated size) and every offset (in bounds, aligned, no two
 tensors overlapping). The engine unlinks the file when it closes; a mapping outlives the name.
 
-Counter file. The sidecar creates one per session: `slots` rows of five int64
-`[load_id, layers_done, state, num_layers, landed_ns]` (landed_ns: CLOCK_MONOTONIC when the
-latest layer landed, so the engine can measure how late it saw it). A load's row is written
+Counter file. The sidecar creates one per session: `slots` rows of six int64
+`[load_id, layers_done, state, num_layers, landed_ns, stop]` (landed_ns: CLOCK_MONOTONIC when
+the latest layer landed, so the engine can measure how late it saw it), then, per slot,
+`CAUSE_BYTES` of UTF-8 (NUL-padded): why the load's walk stopped. A load's row is written
 before its reply is sent; the copy thread bumps `layers_done` as layers land (stage-local
 count); the op's end sets `state`. The engine's `wait_layer(i)` reads `layers_done > i` from its
-own mapping — no message per layer. Aligned int64 stores are single writes on x86-64 and
-arm64, and each store follows the copy it reports in program order (x86-64 TSO; CUDA loads
-report after their event).
+own mapping — no message per layer, no syscall when the layer has landed.
+
+A failed layer is written as a stop, as soon as the copy thread knows, before the load ends:
+`layers_done` stays at the failed position k (it never passes a layer that did not land), the
+cause text is written, then `stop` (a `StopKind` code: failed layer, cancelled, failed walk;
+0 while none). `state` stays RUNNING until the op has really ended (its copies drained, its
+pins released), so `done()` still means "ended"; only `wait_layer(i >= k)` changes: it sees
+`stop` and raises at once. A load that ends failed or cancelled without its walk reporting a
+stop (it never ran) gets one at `layers_done` from `end`, before its final state.
+
+Aligned int64 stores are single writes on x86-64 and arm64, and each store follows the copy
+(or the cause text) it reports in program order (x86-64 TSO; CUDA loads report after their
+event).
 """
 
 from __future__ import annotations
@@ -35,9 +46,11 @@ import torch
 
 from hicache.errors import PoolManifestError, PoolShapeError
 from hicache.memory import DevicePool, GroupGeometry
+from hicache.transfer import LayerFailure, StopKind
 
 ALIGN_BYTES = 4096
-COUNTER_FIELDS = 5  # load_id, layers_done, state, num_layers, landed_ns
+COUNTER_FIELDS = 6  # load_id, layers_done, state, num_layers, landed_ns, stop
+CAUSE_BYTES = 256  # per slot, after the rows: the stop's reason, UTF-8, NUL-padded
 
 
 class LoadState(IntEnum):
@@ -211,26 +224,40 @@ def map_pools(
 
 
 class CounterFile:
-    """Per-session load counters in shared memory (`slots` rows of five int64)."""
+    """Per-session load counters in shared memory (`slots` rows of six int64, then a cause
+    text per slot)."""
 
-    def __init__(self, path: Path, slots: int, array: np.ndarray[Any, np.dtype[np.int64]]):
+    def __init__(
+        self,
+        path: Path,
+        slots: int,
+        array: np.ndarray[Any, np.dtype[np.int64]],
+        causes: np.ndarray[Any, np.dtype[np.uint8]],
+    ):
         self.path = path
         self.slots = slots
         self.array = array
+        self.causes = causes
         self._tensor: torch.Tensor | None = None  # keeps the mapping alive
+
+    @staticmethod
+    def nbytes(slots: int) -> int:
+        return max(slots * (COUNTER_FIELDS * 8 + CAUSE_BYTES), 8)
 
     @classmethod
     def create(cls, directory: Path, slots: int) -> CounterFile:
-        nbytes = max(slots * COUNTER_FIELDS * 8, 8)
-        path = _create_file(directory, "hicache-counters", nbytes)
+        path = _create_file(directory, "hicache-counters", cls.nbytes(slots))
         return cls.open(path, slots)
 
     @classmethod
     def open(cls, path: Path | str, slots: int) -> CounterFile:
         path = Path(path)
-        tensor = _map(path, slots * COUNTER_FIELDS * 8)
-        array = tensor.numpy().view(np.int64).reshape(slots, COUNTER_FIELDS)
-        counters = cls(path, slots, array)
+        tensor = _map(path, cls.nbytes(slots))
+        raw = tensor.numpy()
+        rows_end = slots * COUNTER_FIELDS * 8
+        array = raw[:rows_end].view(np.int64).reshape(slots, COUNTER_FIELDS)
+        causes = raw[rows_end : rows_end + slots * CAUSE_BYTES].reshape(slots, CAUSE_BYTES)
+        counters = cls(path, slots, array, causes)
         counters._tensor = tensor
         return counters
 
@@ -239,8 +266,37 @@ class CounterFile:
         row[1] = 0
         row[3] = num_layers
         row[4] = 0
+        row[5] = 0
+        self.causes[slot] = 0
         row[2] = LoadState.RUNNING
         row[0] = load_id
+
+    def stop(self, slot: int, failure: LayerFailure) -> None:
+        """The load's walk stopped (the copy thread, before the op ends): the cause text, then
+        the stop code; `layers_done` already holds `failure.position`."""
+        text = failure.reason.encode()[:CAUSE_BYTES].decode(errors="ignore").encode()
+        cause = self.causes[slot]
+        cause[:] = 0
+        cause[: len(text)] = np.frombuffer(text, dtype=np.uint8)
+        self.array[slot][5] = failure.kind
+
+    def end(self, slot: int, state: LoadState, reason: str) -> None:
+        """The op ended (the event loop): a failed or cancelled load whose walk reported no
+        stop (it never ran) gets one at `layers_done`, then `state` is set."""
+        row = self.array[slot]
+        if state is not LoadState.DONE and int(row[5]) == 0:
+            kind = StopKind.CANCELLED if state is LoadState.CANCELLED else StopKind.FAILED_WALK
+            self.stop(slot, LayerFailure(int(row[1]), kind, reason or state.name.lower()))
+        row[2] = state
+
+    def failure(self, slot: int) -> LayerFailure | None:
+        """The stop a slot's row holds (read after `stop` was seen set), or None."""
+        row = self.array[slot]
+        code = int(row[5])
+        if code == 0:
+            return None
+        reason = self.causes[slot].tobytes().rstrip(b"\0").decode(errors="replace")
+        return LayerFailure(int(row[1]), StopKind(code), reason)
 
     def unlink(self) -> None:
         self.path.unlink(missing_ok=True)

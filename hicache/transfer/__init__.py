@@ -4,6 +4,9 @@ events), the per-layer copy plan, and the layer-done counter. The only package t
 
 from __future__ import annotations
 
+import os
+
+from hicache.errors import ConfigError
 from hicache.transfer.backend import (
     READY,
     CancelToken,
@@ -11,12 +14,20 @@ from hicache.transfer.backend import (
     CopyCancelled,
     Direction,
     Fence,
+    LayerFailure,
     LayerListener,
     LayerPart,
     RowCopy,
+    StopKind,
     WalkSignals,
 )
-from hicache.transfer.counter import NOOP_COUNTER, CounterRing, LayerDoneCounter, LoadCounter
+from hicache.transfer.counter import (
+    NOOP_COUNTER,
+    CounterRing,
+    LayerDoneCounter,
+    LoadCounter,
+    StoppedCounter,
+)
 from hicache.transfer.cpu_backend import CpuCopyBackend
 from hicache.transfer.plan import GroupMove, copy_layers_blocking
 from hicache.transfer.rows import Rows
@@ -33,11 +44,14 @@ __all__ = [
     "Fence",
     "GroupMove",
     "LayerDoneCounter",
+    "LayerFailure",
     "LayerListener",
     "LayerPart",
     "LoadCounter",
     "RowCopy",
     "Rows",
+    "StopKind",
+    "StoppedCounter",
     "WalkSignals",
     "copy_layers_blocking",
     "make_backend",
@@ -45,7 +59,21 @@ __all__ = [
 
 
 def make_backend(kind: str, index: int = 0, pin_chunk_bytes: int = 64 * 2**30) -> CopyBackend:
-    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device)."""
+    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device).
+
+    Test-only: with the environment variable `fakes.FAULTS_ENV` set, a `FakeCopyBackend` with
+    the faults it names (CPU only), so a test can fail copies inside a `hicache serve` child.
+    """
+    from hicache.transfer.fakes import FAULTS_ENV, FakeCopyBackend
+
+    spec = os.environ.get(FAULTS_ENV)
+    if spec is not None:
+        if kind != "cpu":
+            raise ConfigError(
+                f"environment variable {FAULTS_ENV} (test-only copy faults) is set but "
+                f"device.kind is {kind!r}; the fake copy backend is CPU only"
+            )
+        return FakeCopyBackend.from_spec(spec)
     if kind == "cuda":
         from hicache.transfer.cuda_backend import CudaCopyBackend
 

@@ -6,6 +6,14 @@ caller) and returns `WalkSignals` that complete layer by layer; `close()` drains
 A layer's work is a list of (source, local id) parts that the backend expands into row
 copies on its own thread, so the scheduler's cost per layer is a few tuple appends. The only
 modules that touch `torch.cuda` are this package's CUDA files.
+
+A failed layer stops its walk. When layer k's copy raises (or layer k is reached after the
+walk was cancelled), no layer from k on lands: layers after k are not copied (each is
+reported to `done` as `CopyCancelled`, "skipped"), because the op ends failed whatever they
+do and stopping frees the copy thread for the next walk. The stop is one `LayerFailure`
+(position k, its kind, its reason); the signals return it from `wait(i)` for every i >= k,
+and `on_layer(k, failure)` tells a listener at once, before the walk's `done`. Layers before
+k landed and stay landed.
 """
 
 from __future__ import annotations
@@ -13,14 +21,12 @@ from __future__ import annotations
 import abc
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from enum import StrEnum
+from enum import IntEnum, StrEnum
 from typing import Literal, Protocol
 
 import torch
 
 from hicache.transfer.rows import Rows
-
-LayerListener = Callable[[int], None]
 
 
 class Direction(StrEnum):
@@ -75,19 +81,71 @@ class CancelToken:
 
 
 class CopyCancelled(Exception):
-    """A layer's copies were skipped because its walk was cancelled."""
+    """A layer's copies were skipped: its walk was cancelled, or stopped at an earlier layer
+    whose copy failed."""
+
+
+class StopKind(IntEnum):
+    """Why a walk stopped (the values are also the sidecar's counter-row codes, shm.py)."""
+
+    FAILED_LAYER = 1  # the copy of the layer at the stop position raised
+    CANCELLED = 2  # the walk was cancelled before the layer at the stop position started
+    FAILED_WALK = 3  # the walk failed as a whole (never submitted, or the backend failed it)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerFailure:
+    """A walk's stop: no layer from `position` (stage-local) on landed, for `reason`
+    ("cancelled", or the copy error as "Type: message"). Layers before `position` landed."""
+
+    position: int
+    kind: StopKind
+    reason: str
+
+    @classmethod
+    def of(cls, position: int, exc: BaseException) -> LayerFailure:
+        """The stop a layer's exception makes (`CopyCancelled`: a cancelled walk)."""
+        if isinstance(exc, CopyCancelled):
+            return cls(position, StopKind.CANCELLED, "cancelled")
+        return cls(position, StopKind.FAILED_LAYER, f"{type(exc).__name__}: {exc}")
+
+    def cause(self, layer_id: int, stop_layer_id: int) -> str:
+        """Why layer `layer_id` did not land, as `wait_layer` says it; `stop_layer_id` is the
+        global id of the layer at `position`."""
+        if self.kind is StopKind.FAILED_LAYER and layer_id != stop_layer_id:
+            return f"layer {stop_layer_id} failed first ({self.reason})"
+        return self.reason
+
+    def skipped(self, position: int) -> CopyCancelled:
+        """What `done` hears for a later layer the stop kept from starting."""
+        return CopyCancelled(
+            f"layer position {position}: skipped, the walk stopped at layer position "
+            f"{self.position} ({self.reason})"
+        )
+
+
+LayerListener = Callable[[int, LayerFailure | None], None]
+"""`on_layer(upto, None)`: layers `0..upto-1` have landed. `on_layer(upto, failure)`, at most
+once and last: the walk stopped at `upto == failure.position`; no later layer lands."""
 
 
 class WalkSignals(abc.ABC):
     """Per-layer completion of one submitted walk, as the consumer waits on it."""
 
     @abc.abstractmethod
-    def wait(self, position: int) -> None:
-        """CPU: block until layer `position` landed. CUDA: make the current stream wait on it
-        (no host sync)."""
+    def wait(self, position: int) -> LayerFailure | None:
+        """CPU: block until layer `position` landed (None) or the walk stopped at or before it
+        (the stop). CUDA: make the current stream wait on it (no host sync), or return the
+        stop when its submission (or an earlier layer's) failed. The caller raises."""
 
     @abc.abstractmethod
-    def is_done(self, position: int) -> bool: ...
+    def is_done(self, position: int) -> bool:
+        """Layer `position` has landed (a stopped layer never has)."""
+
+    @property
+    @abc.abstractmethod
+    def failure(self) -> LayerFailure | None:
+        """The walk's stop, once it stopped; None while no layer failed."""
 
     def all_done(self, num_layers: int) -> bool:
         return all(self.is_done(i) for i in range(num_layers))
@@ -96,11 +154,15 @@ class WalkSignals(abc.ABC):
 class ReadyWalk(WalkSignals):
     """A walk with nothing to copy: every layer is done from the start."""
 
-    def wait(self, position: int) -> None:
+    def wait(self, position: int) -> LayerFailure | None:
         return None
 
     def is_done(self, position: int) -> bool:
         return True
+
+    @property
+    def failure(self) -> LayerFailure | None:
+        return None
 
 
 READY = ReadyWalk()
@@ -142,9 +204,11 @@ class CopyBackend(abc.ABC):
     ) -> WalkSignals:
         """Enqueue a whole walk, layer by layer in order, without blocking; the returned
         signals complete layer by layer. `done(errors)` is called once, from any thread, when
-        every layer has finished or failed. `on_layer(upto)` is called, in order and from the
-        backend's thread, when layers `0..upto-1` have landed (the sidecar mirrors it into
-        shared memory); it must be cheap and must not raise."""
+        every layer has finished, failed or been skipped (after every copy that was enqueued
+        has landed). `on_layer(upto, None)` is called, in order and from the backend's thread,
+        when layers `0..upto-1` have landed, and `on_layer(k, failure)` once if the walk
+        stops at layer k, before `done` (the sidecar mirrors both into shared memory); it
+        must be cheap and must not raise."""
 
     @abc.abstractmethod
     def close(self) -> None:

@@ -8,6 +8,13 @@ handle reaches the consumer -> the consumer's `wait_layer(i)` -> `CounterRing.re
 (`CounterMisuseError`): on CUDA a wait on an unrecorded event is silently a no-op, which is
 exactly the bug this guards against. `NOOP_COUNTER` serves when nothing loads, so callers
 never write `if counter is not None`.
+
+A walk that stopped (a layer's copy failed, or it was cancelled: `LayerFailure`) never lands
+the layers from its stop on: `wait_layer(i)` returns that stop for them, also after the
+release (the counter keeps it), and None for the layers that landed before it. The counter
+knows positions only; the handle that holds it names the load and the layer and raises
+(`OpHandle.wait_layer` -> `LayerLoadError`). `StoppedCounter` stands in for a load that
+ended before its walk was submitted.
 """
 
 from __future__ import annotations
@@ -16,22 +23,34 @@ import abc
 import threading
 
 from hicache.errors import CounterMisuseError
-from hicache.transfer.backend import WalkSignals
+from hicache.transfer.backend import LayerFailure, WalkSignals
 
 
 class LayerDoneCounter(abc.ABC):
     @abc.abstractmethod
-    def wait_layer(self, index: int) -> None:
-        """Return when layer `index` (stage-local) of this load may be read (CPU: has
-        landed; CUDA: the caller's stream is ordered after it)."""
+    def wait_layer(self, index: int) -> LayerFailure | None:
+        """Return None when layer `index` (stage-local) of this load may be read (CPU: has
+        landed; CUDA: the caller's stream is ordered after it), or the stop that keeps it
+        from ever landing. The caller must raise on a stop."""
 
 
 class NoopCounter(LayerDoneCounter):
-    def wait_layer(self, index: int) -> None:
+    def wait_layer(self, index: int) -> LayerFailure | None:
         return None
 
 
 NOOP_COUNTER = NoopCounter()
+
+
+class StoppedCounter(LayerDoneCounter):
+    """A load that ended before its walk was submitted (cancelled or expired while queued,
+    the scheduler shut down, the backend refused the walk): no layer will land."""
+
+    def __init__(self, failure: LayerFailure):
+        self.failure = failure
+
+    def wait_layer(self, index: int) -> LayerFailure | None:
+        return self.failure if index >= self.failure.position else None
 
 
 class LoadCounter(LayerDoneCounter):
@@ -43,6 +62,7 @@ class LoadCounter(LayerDoneCounter):
         self._walk: WalkSignals | None = None
         self._released = False
         self._completed = False
+        self._stopped: LayerFailure | None = None  # the walk's stop, kept at release
         self._lock = threading.Lock()
 
     def submitted(self, walk: WalkSignals) -> None:
@@ -56,12 +76,15 @@ class LoadCounter(LayerDoneCounter):
                 raise CounterMisuseError(f"load {self.load_id}: walk submitted twice")
             self._walk = walk
 
-    def wait_layer(self, index: int) -> None:
+    def wait_layer(self, index: int) -> LayerFailure | None:
         self._check_index(index)
         with self._lock:
             if self._released:
                 if self._completed:
-                    return  # every layer landed before the release: nothing to wait for
+                    return None  # every layer landed before the release: nothing to wait for
+                stopped = self._stopped
+                if stopped is not None:  # the walk ended at its stop: it stays stopped
+                    return stopped if index >= stopped.position else None
                 raise CounterMisuseError(
                     f"load {self.load_id}'s counter was released before its walk completed "
                     f"(slot {self.slot} of the ring may serve another load now)"
@@ -73,7 +96,7 @@ class LoadCounter(LayerDoneCounter):
                 "is submitted before its handle is returned, so this wait would not be ordered "
                 "after any copy"
             )
-        walk.wait(index)
+        return walk.wait(index)
 
     def _check_index(self, index: int) -> None:
         if not isinstance(index, int) or not 0 <= index < self.num_layers:
@@ -121,6 +144,7 @@ class CounterRing:
                 counter._released = True
                 walk = counter._walk
                 counter._completed = walk is not None and walk.all_done(counter.num_layers)
+                counter._stopped = walk.failure if walk is not None else None
             self._slots[counter.slot] = None
 
     @property

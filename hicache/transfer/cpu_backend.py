@@ -5,6 +5,10 @@ own); `submit_walk` puts a whole walk on a FIFO queue in one step and returns it
 the worker runs the layers in order, advancing the progress as each lands, and reports the
 walk once; `close` lets queued work finish and joins the thread. Not
 a daemon: the owner must close it (the scheduler does, in its shutdown).
+
+A layer that raises (or that the worker reaches after the walk was cancelled) stops the walk
+there: the progress never passes it (`WalkProgress.stop`), the listener hears the stop at
+once, the later layers are skipped (reported as `CopyCancelled`), then `done` runs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from hicache.transfer.backend import (
     CopyCancelled,
     Direction,
     Fence,
+    LayerFailure,
     LayerListener,
     LayerPart,
     WalkDone,
@@ -43,24 +48,37 @@ _Job = tuple[
 
 class WalkProgress(WalkSignals):
     """How far the worker has got through one walk: layers run in order, so layer i has
-    landed exactly when `done_upto > i`. One condition per walk, not one event per layer."""
+    landed exactly when `done_upto > i`; a stopped walk's `done_upto` stays at its stop's
+    position for good. One condition per walk, not one event per layer."""
 
-    __slots__ = ("_cond", "done_upto")
+    __slots__ = ("_cond", "_failure", "done_upto")
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self.done_upto = 0
+        self._failure: LayerFailure | None = None
+
+    @property
+    def failure(self) -> LayerFailure | None:
+        return self._failure
 
     def advance(self, upto: int) -> None:
         with self._cond:
             self.done_upto = upto
             self._cond.notify_all()
 
-    def wait(self, position: int) -> None:
-        if self.done_upto > position:
-            return
+    def stop(self, failure: LayerFailure) -> None:
+        """No layer from `failure.position` on will land: wake every waiter on one."""
         with self._cond:
-            self._cond.wait_for(lambda: self.done_upto > position)
+            self._failure = failure
+            self._cond.notify_all()
+
+    def wait(self, position: int) -> LayerFailure | None:
+        if self.done_upto > position:
+            return None
+        with self._cond:
+            self._cond.wait_for(lambda: self.done_upto > position or self._failure is not None)
+        return None if self.done_upto > position else self._failure
 
     def is_done(self, position: int) -> bool:
         return self.done_upto > position
@@ -112,20 +130,44 @@ class CpuCopyBackend(CopyBackend):
             item = self._queue.get()
             if item is None:
                 return
-            direction, layers, done, cancel, progress, on_layer = item
-            errors: dict[int, BaseException] = {}
-            for position, parts in enumerate(layers):
+            self._walk(*item)
+
+    def _walk(
+        self,
+        direction: Direction,
+        layers: Sequence[Sequence[LayerPart]],
+        done: WalkDone,
+        cancel: CancelToken | None,
+        progress: WalkProgress,
+        on_layer: LayerListener | None,
+    ) -> None:
+        errors: dict[int, BaseException] = {}
+        stopped: LayerFailure | None = None
+        for position, parts in enumerate(layers):
+            if stopped is not None:
                 if parts:
-                    try:
-                        if cancel is not None and cancel.cancelled:
-                            raise CopyCancelled(f"layer position {position}: walk cancelled")
-                        self._run_layer(direction, position, parts)
-                    except Exception as exc:  # reported through `done`, never swallowed
-                        errors[position] = exc
-                progress.advance(position + 1)
-                if on_layer is not None:
-                    on_layer(position + 1)
-            done(errors)
+                    errors[position] = stopped.skipped(position)
+                continue
+            if parts:
+                try:
+                    self._start_layer(direction, position)
+                    if cancel is not None and cancel.cancelled:
+                        raise CopyCancelled(f"layer position {position}: walk cancelled")
+                    self._run_layer(direction, position, parts)
+                except Exception as exc:  # reported through `done`, never swallowed
+                    errors[position] = exc
+                    stopped = LayerFailure.of(position, exc)
+                    progress.stop(stopped)
+                    if on_layer is not None:
+                        on_layer(position, stopped)
+                    continue
+            progress.advance(position + 1)
+            if on_layer is not None:
+                on_layer(position + 1, None)
+        done(errors)
+
+    def _start_layer(self, direction: Direction, position: int) -> None:
+        """Before a layer with copies starts, ahead of the cancel check (the fake's gate)."""
 
     def _run_layer(self, direction: Direction, position: int, parts: Sequence[LayerPart]) -> None:
         """One layer's copies, on the worker thread (the fake backend hooks in here)."""

@@ -12,6 +12,17 @@ page_first host rows are strided: a run of pages is one `cudaMemcpy2DAsync` (`cu
 one copy per page where the runtime's function cannot be found.
 Host buffers are pinned: small ones by torch's pinned allocator, large ones registered with
 `cudaHostRegister` in chunks of at most `pin_chunk_bytes` (a single 512 GiB registration fails).
+
+A layer event means "this layer landed" only for layers before a stop. When enqueuing layer
+k raises (or the walk was cancelled before k), the walk stops at k, as on the CPU: layers
+after k are not enqueued (reported as `CopyCancelled`), the signals return the stop from
+`wait(i)` for every i >= k without a stream wait (there is nothing landed to order after),
+and `is_done(i)` is false for them. What was enqueued before the error, layer k's partial
+copies included, is covered by one more event that the completion thread waits before `done`
+(pins must outlive in-flight copies); the listener hears `on_layer(k, failure)` after that
+event, the layers before k each after their own. An event that itself reports a CUDA error on
+the completion thread stops the walk there too (`FAILED_LAYER` at that position, and the
+whole walk failed in `done`'s errors); a consumer already ordered after it learns at `done`.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -30,6 +42,7 @@ from hicache.transfer.backend import (
     CopyCancelled,
     Direction,
     Fence,
+    LayerFailure,
     LayerListener,
     LayerPart,
     RowPair,
@@ -39,27 +52,53 @@ from hicache.transfer.backend import (
 from hicache.transfer.cuda_2d import Memcpy2D
 from hicache.transfer.rows import Rows, check_row_pair
 
-_Pending = tuple[
-    list["torch.cuda.Event | None"], dict[int, BaseException], WalkDone, "LayerListener | None"
-]
-
 
 class CudaWalkSignals(WalkSignals):
-    """One event per layer that copied something (None for a layer with nothing to copy)."""
+    """One event per layer before the stop that copied something (None for a layer with
+    nothing to copy); `failure`, the stop, from submission or from the completion thread."""
 
-    __slots__ = ("events",)
+    __slots__ = ("_failure", "events")
 
-    def __init__(self, events: list[torch.cuda.Event | None]):
-        self.events = events
+    def __init__(self, events: list[torch.cuda.Event | None], failure: LayerFailure | None):
+        self.events = events  # one per position before the stop (all, when it did not stop)
+        self._failure = failure
 
-    def wait(self, position: int) -> None:
+    @property
+    def failure(self) -> LayerFailure | None:
+        return self._failure
+
+    def stop(self, failure: LayerFailure) -> None:
+        """The completion thread saw an event fail: keep the first stop (the earliest)."""
+        if self._failure is None or failure.position < self._failure.position:
+            self._failure = failure
+
+    def wait(self, position: int) -> LayerFailure | None:
+        failure = self._failure
+        if failure is not None and position >= failure.position:
+            return failure
         event = self.events[position]
         if event is not None:
             torch.cuda.current_stream().wait_event(event)
+        return None
 
     def is_done(self, position: int) -> bool:
+        failure = self._failure
+        if failure is not None and position >= failure.position:
+            return False
         event = self.events[position]
         return event is None or bool(event.query())  # type: ignore[no-untyped-call]
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingWalk:
+    """What the completion thread waits for: each landed layer's event, then `last` (after
+    everything enqueued, a stopped layer's partial copies included), then `done`."""
+
+    signals: CudaWalkSignals
+    last: torch.cuda.Event | None
+    errors: dict[int, BaseException]
+    done: WalkDone
+    on_layer: LayerListener | None
 
 
 class CudaFence(Fence):
@@ -90,7 +129,7 @@ class CudaCopyBackend(CopyBackend):
         self._registered: list[tuple[int, int]] = []
         self._memcpy_2d = Memcpy2D.load()
         self._uploaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._pending: queue.SimpleQueue[_Pending | None] = queue.SimpleQueue()  # None: stop
+        self._pending: queue.SimpleQueue[_PendingWalk | None] = queue.SimpleQueue()  # None: stop
         self._closed = False
         self._thread = threading.Thread(target=self._complete, name="hicache-cuda-complete")
         self._thread.start()
@@ -158,31 +197,45 @@ class CudaCopyBackend(CopyBackend):
         events: list[torch.cuda.Event | None] = []
         last: torch.cuda.Event | None = None
         errors: dict[int, BaseException] = {}
+        stopped: LayerFailure | None = None
         with torch.cuda.stream(stream):
             if isinstance(after, CudaFence):
                 stream.wait_event(after.event)
             for position, parts in enumerate(layers):
+                if stopped is not None:
+                    if parts:
+                        errors[position] = stopped.skipped(position)
+                    continue
                 if not parts:
                     events.append(None)
                     continue
-                if cancel is not None and cancel.cancelled:
-                    errors[position] = CopyCancelled(f"layer position {position}: walk cancelled")
-                    events.append(None)
-                    continue
                 try:
-                    for source, local_id in parts:
-                        for pair in source.row_pairs(direction, local_id):
-                            if direction is Direction.LOAD:
-                                self._load_rows(pair, staging)
-                            else:
-                                self._backup_rows(pair, staging)
+                    if cancel is not None and cancel.cancelled:
+                        raise CopyCancelled(f"layer position {position}: walk cancelled")
+                    self._enqueue_layer(direction, parts, staging)
                 except Exception as exc:  # reported through `done`, after what was enqueued
                     errors[position] = exc  # has landed: pins must outlive in-flight copies
+                    stopped = LayerFailure.of(position, exc)
+                    continue
                 last = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 last.record(stream)
                 events.append(last)
-        self._pending.put((events if on_layer is not None else [last], errors, done, on_layer))
-        return CudaWalkSignals(events)
+            if stopped is not None:  # after the stopped layer's partial copies, if any
+                last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                last.record(stream)
+        signals = CudaWalkSignals(events, stopped)
+        self._pending.put(_PendingWalk(signals, last, errors, done, on_layer))
+        return signals
+
+    def _enqueue_layer(
+        self, direction: Direction, parts: Sequence[LayerPart], staging: torch.Tensor
+    ) -> None:
+        for source, local_id in parts:
+            for pair in source.row_pairs(direction, local_id):
+                if direction is Direction.LOAD:
+                    self._load_rows(pair, staging)
+                else:
+                    self._backup_rows(pair, staging)
 
     @staticmethod
     def _stage_view(staging: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
@@ -249,18 +302,26 @@ class CudaCopyBackend(CopyBackend):
             item = self._pending.get()
             if item is None:
                 return
-            events, errors, done, on_layer = item
+            signals, errors, on_layer = item.signals, item.errors, item.on_layer
+            position = 0
             try:
-                # events record in order: the last one covers the walk; with a listener, each
-                # layer's event is waited in turn so it hears of every layer as it lands
-                for position, event in enumerate(events):
-                    if event is not None:
-                        event.synchronize()
-                    if on_layer is not None:
-                        on_layer(position + 1)
-            except Exception as exc:  # reported to the op through `done`
+                # events record in order: `last` covers the walk; with a listener, each
+                # landed layer's event is waited in turn so it hears of every layer as it lands
+                if on_layer is not None:
+                    for position, event in enumerate(signals.events):
+                        if event is not None:
+                            event.synchronize()
+                        on_layer(position + 1, None)
+                    position = len(signals.events)
+                if item.last is not None:
+                    item.last.synchronize()
+            except Exception as exc:  # the walk failed as a whole; reported through `done`
                 errors = {**errors, -1: exc}
-            done(errors)
+                signals.stop(LayerFailure.of(position, exc))
+            stopped = signals.failure
+            if on_layer is not None and stopped is not None:
+                on_layer(stopped.position, stopped)
+            item.done(errors)
 
     def close(self) -> None:
         if self._closed:

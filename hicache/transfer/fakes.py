@@ -4,18 +4,32 @@ layer until the test releases it (`gate`), fail chosen layers, or add latency pe
 
     backend = FakeCopyBackend(gated=True)
     ... start a load ...
-    backend.release(3)          # let three more layers run
-    backend.fail_next({2})      # the next walk's layer 2 raises InjectedFault
+    backend.release(3)          # let three more layers start
+    backend.fail_next({2})      # the next walk that reaches layer 2 fails there (InjectedFault)
+
+The gate and the latency come before a layer's cancel check, so a walk cancelled while a
+layer waits at the gate skips that layer. A failed layer stops its walk (backend.py), so a
+walk never reaches the positions after it: `fail_next({2, 4})` fails one walk at 2 and leaves
+4 armed for a later walk.
+
+Processes a test cannot reach into (a `hicache serve` child) get a fake with persistent
+faults from the test-only environment variable `FAULTS_ENV`, read in one place
+(`hicache.transfer.make_backend`); `from_spec` says what it may hold.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Sequence
 
+from hicache.errors import ConfigError
 from hicache.transfer.backend import Direction, LayerPart
 from hicache.transfer.cpu_backend import CpuCopyBackend
+
+FAULTS_ENV = "_HICACHE_TEST_COPY_FAULTS"  # not HICACHE_*: that prefix is config overrides
+_SPEC_KEYS = {"fail_load_layers", "load_layer_delay_s"}
 
 
 class InjectedFault(RuntimeError):
@@ -23,14 +37,47 @@ class InjectedFault(RuntimeError):
 
 
 class FakeCopyBackend(CpuCopyBackend):
-    def __init__(self, *, gated: bool = False, layer_delay_s: float = 0.0):
+    def __init__(
+        self,
+        *,
+        gated: bool = False,
+        layer_delay_s: float = 0.0,
+        load_layer_delay_s: float = 0.0,
+        fail_load_layers: frozenset[int] = frozenset(),
+    ):
         self._gated = gated
         self._permits = threading.Semaphore(0)
         self._fail_positions: set[int] = set()
         self._fail_lock = threading.Lock()
-        self.layer_delay_s = layer_delay_s
+        self.layer_delay_s = layer_delay_s  # before each layer of every walk
+        self.load_layer_delay_s = load_layer_delay_s  # and of load walks only
+        self.fail_load_layers = fail_load_layers  # every load walk fails at these positions
         self.layers_run = 0
         super().__init__(staging_bytes=1 << 20)
+
+    @classmethod
+    def from_spec(cls, spec: str) -> FakeCopyBackend:
+        """A fake from `FAULTS_ENV`'s value, a JSON object: `fail_load_layers` (stage-local
+        positions at which every load walk fails) and `load_layer_delay_s` (seconds before
+        each layer of a load walk: time for a test to cancel a load mid-walk)."""
+        where = f"environment variable {FAULTS_ENV} (test-only)"
+        try:
+            data = json.loads(spec)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where}: {spec!r} is not JSON ({exc.msg})") from None
+        if not isinstance(data, dict) or set(data) - _SPEC_KEYS:
+            raise ConfigError(
+                f"{where}: {spec!r}; a JSON object with keys from {sorted(_SPEC_KEYS)}"
+            )
+        layers = data.get("fail_load_layers", [])
+        delay = data.get("load_layer_delay_s", 0.0)
+        if not isinstance(layers, list) or not all(isinstance(i, int) and i >= 0 for i in layers):
+            raise ConfigError(
+                f"{where}: fail_load_layers {layers!r}; a list of layer positions >= 0"
+            )
+        if not isinstance(delay, int | float) or delay < 0:
+            raise ConfigError(f"{where}: load_layer_delay_s {delay!r}; a number of seconds >= 0")
+        return cls(load_layer_delay_s=float(delay), fail_load_layers=frozenset(layers))
 
     def release(self, layers: int = 1) -> None:
         for _ in range(layers):
@@ -47,19 +94,23 @@ class FakeCopyBackend(CpuCopyBackend):
         self._gated = True
 
     def fail_next(self, positions: set[int]) -> None:
-        """Fail these layer positions of the coming walks (each position once)."""
+        """Fail these layer positions of the coming walks (each position once, in the first
+        walk that reaches it)."""
         with self._fail_lock:
             self._fail_positions |= positions
 
-    def _run_layer(self, direction: Direction, position: int, parts: Sequence[LayerPart]) -> None:
+    def _start_layer(self, direction: Direction, position: int) -> None:
         if self._gated:
             self._permits.acquire()
-        if self.layer_delay_s:
-            time.sleep(self.layer_delay_s)
+        delay = self.layer_delay_s + (self.load_layer_delay_s if direction is Direction.LOAD else 0)
+        if delay:
+            time.sleep(delay)
+
+    def _run_layer(self, direction: Direction, position: int, parts: Sequence[LayerPart]) -> None:
         with self._fail_lock:
             fail = position in self._fail_positions
             self._fail_positions.discard(position)
-        if fail:
+        if fail or (direction is Direction.LOAD and position in self.fail_load_layers):
             raise InjectedFault(f"injected fault at layer position {position}")
         super()._run_layer(direction, position, parts)
         self.layers_run += 1

@@ -98,5 +98,10 @@ def copy_layers_blocking(
     backend.submit_walk(direction, layers, done)
     finished.wait()
     if failures:
-        first = next(iter(failures.values()))
-        raise TransferError(f"{len(failures)} layer copies failed; first: {first!r}") from first
+        position, first = next(iter(failures.items()))
+        where = "the walk" if position < 0 else f"layer position {position}"
+        lost = sum(p >= 0 for p in failures)
+        raise TransferError(
+            f"{where} failed, so {lost} layer copies did not land (a failed layer stops its "
+            f"walk); first: {first!r}"
+        ) from first

@@ -109,7 +109,9 @@ def test_failed_layer_reports_through_done_and_worker_survives() -> None:
 
         walk = backend.submit_walk(Direction.LOAD, [[(good, 0)], [], [(bad, 0)]], done)
         assert finished.wait(5)
-        assert walk.all_done(3)
+        assert not walk.all_done(3)  # layer 2 never landed: the walk stopped there
+        assert walk.failure is not None
+        assert walk.failure.position == 2
         assert list(reported[0]) == [2]
         assert "2 source rows but 1 destination rows" in str(reported[0][2])
         assert int(dst[3].min()) == 3  # the good layer landed
