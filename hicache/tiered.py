@@ -99,6 +99,7 @@ class TieredCache:
         for name, geom in geometries.items():
             namespace = Namespace(
                 model=model or embedded.layer_map.model_type,
+                model_type=embedded.layer_map.model_type,
                 dtype=geom.dtype_signature,
                 kv_layout=repr(geom.group.spec),
                 page_size_tokens=page,
@@ -138,30 +139,34 @@ class TieredCache:
     # ---- store: L1 -> L2 (-> L3) -------------------------------------------------------------
 
     async def store(
-        self, token_ids: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+        self,
+        token_ids: Sequence[int],
+        device_pages: Mapping[str, Sequence[int | None]],
+        *,
+        snapshots: Mapping[str, Mapping[int, int]] | None = None,
     ) -> StoreResult:
+        """Back up the prompt's pages the index lacks. Token groups list a device page per
+        full page in token order, None where the engine no longer holds it (a sliding
+        window's freed pages): those are never stored, so never served. State groups give
+        their snapshots as `{num_tokens: device_slot}`: the state after exactly num_tokens
+        tokens (a multiple of the page size, at most the prompt's full pages), filed under
+        that prefix; one per boundary the engine kept, so shorter prefixes hit too."""
         keys = self.index.keys(token_ids)
-        self._check_device_pages(device_pages, len(token_ids) // self.index.page_size_tokens)
+        full_pages = len(token_ids) // self.index.page_size_tokens
+        wanted_pages = self._store_positions(device_pages, snapshots or {}, full_pages)
         request: dict[str, GroupPages] = {}
         new_keys: dict[str, list[bytes]] = {}
         evicted = 0
-        for group, group_keys in keys.items():
-            token_group = self.index.rules[group].kind.is_token_cache
-            last = len(group_keys)
-            positions = range(last) if token_group else range(last - 1, last)
-            pages = list(device_pages[group])
+        for group, wanted in wanted_pages.items():
+            group_keys = keys[group]
             # a page the index knows (L2, or L3 only) is not backed up again: L3's copy is as
-            # good, and the engine may not hold it (a sliding window's evicted pages)
-            wanted = [
-                (i, pages[i] if token_group else pages[0])
-                for i in positions
-                if i >= 0 and self.index.record(group, group_keys[i]) is None
-            ]
-            if not wanted:
+            # good, and the engine may not hold it any more
+            fresh = [(i, d) for i, d in wanted if self.index.record(group, group_keys[i]) is None]
+            if not fresh:
                 continue
-            evicted += await self._make_room(group, len(wanted))
-            request[group] = GroupPages(tuple(d for _, d in wanted))
-            new_keys[group] = [group_keys[i] for i, _ in wanted]
+            evicted += await self._make_room(group, len(fresh))
+            request[group] = GroupPages(tuple(d for _, d in fresh))
+            new_keys[group] = [group_keys[i] for i, _ in fresh]
         if not request:
             return StoreResult(0, 0, evicted)
         result = await (await self.embedded.scheduler.backup(request)).done()
@@ -178,9 +183,67 @@ class TieredCache:
         persisted = await self._persist(to_persist)
         return StoreResult(stored, persisted, evicted, result.bytes_moved, result.seconds)
 
+    def _store_positions(
+        self,
+        device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Mapping[int, int]],
+        full_pages: int,
+    ) -> dict[str, list[tuple[int, int]]]:
+        """(page position, device page) per group that a store may back up, checked before
+        anything is pinned or moved. A state group's snapshot for n tokens is its page
+        n / page_size - 1 (keyed by the prompt's key of that page)."""
+        size = self.index.page_size_tokens
+        groups = sorted(self.index.rules)
+        for group in (*device_pages, *snapshots):
+            if group not in self.index.rules:
+                raise OpRequestError(
+                    f"store names group {group!r}, which is not in the layout; groups: {groups}"
+                )
+        out: dict[str, list[tuple[int, int]]] = {}
+        for group, rule in self.index.rules.items():
+            if rule.kind.is_token_cache:
+                if group in snapshots:
+                    raise OpRequestError(
+                        f"snapshots.{group}: {group!r} is a {rule.kind.description} group; "
+                        "its pages go in device_pages, snapshots are for state groups"
+                    )
+                given = device_pages.get(group)
+                if given is None:
+                    token_groups = [g for g in groups if self.index.rules[g].kind.is_token_cache]
+                    raise OpRequestError(
+                        f"device_pages has no group {group!r}; every token group of the layout "
+                        f"({', '.join(token_groups)}) lists its pages (None for a page the "
+                        "engine no longer holds)"
+                    )
+                if len(given) < full_pages:
+                    raise OpRequestError(
+                        f"device_pages.{group}: {len(given)} pages given; the prompt's "
+                        f"{full_pages} full pages need {full_pages} entries (None for a page "
+                        "the engine no longer holds)"
+                    )
+                out[group] = [(i, d) for i, d in enumerate(given[:full_pages]) if d is not None]
+                continue
+            if group in device_pages:
+                raise OpRequestError(
+                    f"device_pages.{group}: {group!r} is a {rule.kind.description} state group; "
+                    "a store gives its snapshots as snapshots={group: {num_tokens: slot}}, "
+                    "saying how many tokens each snapshot covers"
+                )
+            wanted = []
+            for tokens, slot in sorted(snapshots.get(group, {}).items()):
+                if tokens % size or not 0 < tokens <= full_pages * size:
+                    raise OpRequestError(
+                        f"snapshots.{group}: a snapshot after {tokens} tokens cannot be keyed; "
+                        f"allowed: a multiple of the page size ({size}) in {size}.."
+                        f"{full_pages * size} (the prompt's full pages)"
+                    )
+                wanted.append((tokens // size - 1, slot))
+            out[group] = wanted
+        return out
+
     def _check_device_pages(self, device_pages: Mapping[str, Sequence[int]], pages: int) -> None:
-        """Every group lists a device page per full page of the prompt (state groups: one
-        snapshot page), before anything is pinned or moved."""
+        """A load's device pages: every group lists a page per full page of the prompt (state
+        groups: the one slot the snapshot lands in), before anything is pinned or moved."""
         for group, rule in self.index.rules.items():
             given = device_pages.get(group)
             if given is None:
@@ -283,13 +346,18 @@ class TieredCache:
             needed[group] = tuple(rows)
         request = {}
         for group, group_rows in needed.items():
+            if not group_rows:  # the engine holds all it needs (skip_pages), or a fresh chunk
+                continue
             token_group = self.index.rules[group].kind.is_token_cache
             dev = device_pages[group]
             request[group] = GroupPages(
                 tuple(dev[i] if token_group else dev[0] for i, _ in group_rows),
                 tuple(r.l2_page for _, r in group_rows if r.l2_page is not None),
-                num_tokens=len(group_rows) * size,
+                num_tokens=pages * size if token_group else None,
+                first_page=group_rows[0][0] if token_group else 0,
             )
+        if not request:  # nothing to move (a chunked-only model at a chunk boundary)
+            return None, Hit(size, 0, 0, {}, failed)
         pinned = {g: [r.key for _, r in rows] for g, rows in needed.items()}
         for group, group_keys in pinned.items():
             self.index.pin(group, group_keys)

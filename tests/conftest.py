@@ -1,4 +1,8 @@
-"""Shared fixtures: where the real model configs are, and a skip marker for GPU tests."""
+"""Shared fixtures: where the real model configs are, and a skip marker for GPU tests.
+
+The real configs live in the repository (`configs/models/`), so the suite runs from a fresh
+clone with nothing beside it; `shared_model(name)` keeps the name the tests have always used.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +11,16 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SHARED_MODELS = REPO.parent / "shared" / "models"
 CONFIGS = REPO / "configs"
+MODEL_CONFIGS = CONFIGS / "models"
 
 
 def shared_model(name: str) -> Path:
-    path = SHARED_MODELS / name
+    """A real model's config.json from `configs/models/` (e.g. `lfm2_350m.json`)."""
+    path = MODEL_CONFIGS / name
     if not path.exists():
-        pytest.fail(f"real model config {path} is missing: the tests need ../shared/models")
+        known = sorted(p.name for p in MODEL_CONFIGS.glob("*.json"))
+        pytest.fail(f"real model config {name!r} is not in {MODEL_CONFIGS}; known: {known}")
     return path
 
 

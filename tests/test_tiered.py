@@ -16,14 +16,15 @@ from hicache.model import LayerMap, load_layout
 from hicache.storage import FaultyBackend, FileBackend, GuardedStore
 from hicache.tiered import TieredCache
 from tests.conftest import shared_model
+from tests.pages import split_store
 
 PAGE = 4
 
 
 def build(
-    tmp_path: Path, model: str, host_pages: int, **kwargs
+    tmp_path: Path, config: str, host_pages: int, device_token_pages: int = 16, **kwargs
 ) -> tuple[TieredCache, FaultyBackend]:  # type: ignore[no-untyped-def]
-    layer_map = LayerMap(load_layout(shared_model(model)))
+    layer_map = LayerMap(load_layout(shared_model(config)))
     geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
     per_page = sum(g.page_bytes for g in geoms)
     embedded = EmbeddedCache.build(
@@ -31,7 +32,9 @@ def build(
         dtype=torch.float16,
         page_size_tokens=PAGE,
         host_capacity_bytes=host_pages * per_page,
-        device_pages={g.name: 16 if g.group.kind.is_token_cache else 4 for g in geoms},
+        device_pages={
+            g.name: device_token_pages if g.group.kind.is_token_cache else 4 for g in geoms
+        },
     )
     faulty = FaultyBackend(FileBackend(tmp_path / "l3", capacity_bytes=1 << 30))
     cache = TieredCache.build(embedded, store=GuardedStore(faulty), **kwargs)
@@ -58,6 +61,13 @@ def snapshot(
     return out
 
 
+def split_args(cache: TieredCache, tokens: list[int], pages: dict[str, list[int]]):  # type: ignore[no-untyped-def]
+    device, snapshots = split_store(
+        {g: r.kind for g, r in cache.index.rules.items()}, tokens, pages, PAGE
+    )
+    return {"device_pages": device, "snapshots": snapshots}
+
+
 def wipe(cache: TieredCache) -> None:
     for pool in cache.embedded.device_pools.values():
         for layer in pool.tensors:
@@ -77,17 +87,21 @@ async def test_store_evict_prefetch_load_byte_exact(tmp_path: Path, model: str) 
                 for g in cache.index.rules
             }
             want = snapshot(cache, src)
-            stored = await cache.store(tokens, src)
+            stored = await cache.store(tokens, **split_args(cache, tokens, src))
             assert stored.pages_persisted == stored.pages_stored > 0  # write-through
             assert cache.lookup(tokens).tokens_l2 == 5 * PAGE
             # another prompt fills L2: the first one's pages are evicted to make room
             other = list(range(1000, 1000 + 5 * PAGE))
             await cache.store(
                 other,
-                {
-                    g: [5, 6, 7, 8, 9] if cache.index.rules[g].kind.is_token_cache else [2]
-                    for g in cache.index.rules
-                },
+                **split_args(
+                    cache,
+                    other,
+                    {
+                        g: [5, 6, 7, 8, 9] if cache.index.rules[g].kind.is_token_cache else [2]
+                        for g in cache.index.rules
+                    },
+                ),
             )
             hit = cache.lookup(tokens)
             assert hit.pages_total == 5

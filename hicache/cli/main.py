@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ignore[no-untyped-def]
+    """The layer map of a config.json, a YAML layer list or a deployment, and the model name
+    its page keys are seeded with."""
     from hicache.config import load_deployment
-    from hicache.model import LayerMap, load_layout
+    from hicache.model import LayerMap, load_layout, model_identity
 
     if path.suffix in {".yaml", ".yml"}:
         import yaml
@@ -95,19 +97,21 @@ def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ign
             loaded = load_deployment(path)
             layout = loaded.layout()
             model = loaded.deployment.model
-            return LayerMap(
+            layer_map = LayerMap(
                 layout,
                 model.start_layer if start is None else start,
                 model.end_layer if end is None else end,
             )
-    return LayerMap(load_layout(path), start or 0, end)
+            return layer_map, loaded.model_name()
+    layout = load_layout(path)
+    return LayerMap(layout, start or 0, end), model_identity(path, layout)
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
     from hicache.model.render import layout_json, layout_table
 
-    layer_map = _layer_map_for(args.path, args.start_layer, args.end_layer)
-    print(json.dumps(layout_json(layer_map)) if args.json else layout_table(layer_map))
+    layer_map, name = _layer_map_for(args.path, args.start_layer, args.end_layer)
+    print(json.dumps(layout_json(layer_map, name)) if args.json else layout_table(layer_map, name))
     return 0
 
 

@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.client.base import ClientBase, page_lists, parse_address
+from hicache.client.base import ClientBase, page_lists, parse_address, store_args
 from hicache.client.handle import ClientError, LoadHandle, Lookup
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
@@ -121,11 +121,16 @@ class AsyncClient(ClientBase):
         return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
 
     async def store(
-        self, tokens: Sequence[int], device_pages: Mapping[str, Sequence[int]]
+        self,
+        tokens: Sequence[int],
+        device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Mapping[int, int]] | None = None,
     ) -> dict[str, Any]:
-        return await self.call(
-            "store", {"tokens": list(tokens), "device_pages": page_lists(device_pages)}
-        )
+        """Back up the prompt's pages the sidecar lacks. Token groups: a device page per full
+        page in token order, None where the engine no longer holds it (freed out-of-window
+        pages). State groups: `snapshots[group] = {num_tokens: slot}`, the state after exactly
+        num_tokens tokens (a multiple of the page size), one per boundary kept."""
+        return await self.call("store", store_args(tokens, device_pages, snapshots))
 
     async def load(
         self,

@@ -109,3 +109,23 @@ class ClientBase:
 
 def page_lists(device_pages: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
     return {group: [int(x) for x in pages] for group, pages in device_pages.items()}
+
+
+def store_args(
+    tokens: Sequence[int],
+    device_pages: Mapping[str, Sequence[int | None]],
+    snapshots: Mapping[str, Mapping[int, int]] | None,
+) -> dict[str, Any]:
+    """A store's arguments on the wire: token groups' pages (None where the engine no longer
+    holds one), state groups' snapshots as [num_tokens, slot] pairs."""
+    return {
+        "tokens": list(tokens),
+        "device_pages": {
+            group: [None if x is None else int(x) for x in pages]
+            for group, pages in device_pages.items()
+        },
+        "snapshots": {
+            group: [[int(n), int(slot)] for n, slot in sorted(given.items())]
+            for group, given in (snapshots or {}).items()
+        },
+    }

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from hicache.config.errors import format_validation_error
 from hicache.config.schema import Deployment
 from hicache.errors import ConfigError
-from hicache.model import LayerMap, ModelLayout, load_layout
+from hicache.model import LayerMap, ModelLayout, load_layout, model_identity
 from hicache.model.explicit import ExplicitLayout
 
 ENV_PREFIX = "HICACHE_"
@@ -43,6 +43,14 @@ class LoadedConfig:
             return explicit.to_layout(f"{self.path}: model.layers")
         except ValueError as exc:
             raise ConfigError(f"{self.path}: model: {exc}") from exc
+
+    def model_name(self) -> str:
+        """The weights' identity joined into every page key: `model.name`, or a default
+        derived from the checkpoint (`hicache.model.model_identity`)."""
+        model = self.deployment.model
+        if model.name is not None:
+            return model.name
+        return model_identity(model.config_path, self.layout())
 
     def layer_map(self) -> LayerMap:
         model = self.deployment.model

@@ -17,6 +17,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     SecretStr,
+    field_validator,
     model_validator,
 )
 
@@ -43,6 +44,14 @@ class ModelSection(Section):
         default=None, description="config.json of the checkpoint; relative to the YAML file"
     )
     model_type: str = Field(default="explicit", description="name for an explicit layer list")
+    name: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=256,
+        description="the weights' identity, part of every page key: hosts sharing an L3 must "
+        "agree on it, different weights (fine-tunes of one architecture) must not; default: "
+        "the checkpoint's _name_or_path, else its folder",
+    )
     layers: list[LayerEntry] | None = Field(default=None, description="explicit layer list")
     dtype: Dtype = Field(default="bfloat16", description="KV cache dtype (fp8 stored as uint8)")
     state_dtype: Dtype | None = Field(
@@ -114,6 +123,20 @@ class FileStorage(Section):
 
     kind: Literal["file"] = "file"
     path: Path = Field(default=Path(".hicache/l3"), description="directory; relative to the YAML")
+    key_prefix: str = Field(
+        default="",
+        pattern=r"^[A-Za-z0-9._-]*$",
+        max_length=128,
+        description="objects go in this subfolder of path (letters, digits, . _ -)",
+    )
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _one_folder(cls, value: str) -> str:
+        if value.strip(".") == "" and value:
+            raise ValueError(f"{value!r} is not a folder name; allowed: letters, digits, . _ -")
+        return value
+
     capacity_bytes: ByteSize = Field(
         default=parse_bytes("1GiB"), gt=0, description="on-disk budget; oldest objects go first"
     )
@@ -138,6 +161,7 @@ class MooncakeStorage(Section):
         default="127.0.0.1", description="this node's address as other clients reach it"
     )
     metadata_server: str = Field(default="P2PHANDSHAKE", description="or an etcd/http URL")
+    key_prefix: str = Field(default="hicache:", max_length=128, description="prefix of every key")
     global_segment_bytes: ByteSize = Field(
         default=parse_bytes("256MiB"), gt=0, description="memory this node adds to the store"
     )

@@ -197,7 +197,7 @@ class SyntheticEngine:
         if not stall and miss_tokens:
             self._compute(miss_tokens)
         self._prefill(tokens, pages, hit_pages, l1_pages, full)
-        stored = self.client.store(tokens, pages) if full else {"pages_stored": 0}
+        stored = self._store(tokens, pages, full) if full else {"pages_stored": 0}
         self.resident.append(Resident(tuple(tokens[: full * self.page]), pages, self.clock))
         t.requests += 1
         t.prompt_tokens += len(tokens)
@@ -215,6 +215,20 @@ class SyntheticEngine:
             "stored_pages": stored["pages_stored"],
             "stall_ms": round(sum(stall) * 1e3, 3),
         }
+
+    def _store(
+        self, tokens: Sequence[int], pages: dict[str, list[int]], full: int
+    ) -> dict[str, Any]:
+        """Token groups' pages, and each state group's snapshot: its slot holds the state
+        after the prompt's last full page (what `_prefill` wrote), so it is filed under
+        exactly that many tokens."""
+        token_pages = {n: p for n, p in pages.items() if self.rules[n].kind.is_token_cache}
+        snapshots = {
+            n: {full * self.page: p[0]}
+            for n, p in pages.items()
+            if not self.rules[n].kind.is_token_cache
+        }
+        return self.client.store(tokens, token_pages, snapshots)
 
     def _compute(self, tokens: int) -> None:
         seconds = tokens / self.rate

@@ -1,7 +1,8 @@
 """Page keys: a chained hash over each full page's token ids, seeded by the previous page's
-key; the first page is seeded by the namespace (model, dtype, KV layout, page size, tensor /
-pipeline rank, cache group and an optional tenant salt), so two namespaces never share a key:
-an fp8 cache is never read as bf16, and tenants never read each other's pages.
+key; the first page is seeded by the namespace (the model's identity and architecture, dtype,
+KV layout, page size, tensor / pipeline rank, cache group and an optional tenant salt), so two
+namespaces never share a key: an fp8 cache is never read as bf16, two fine-tunes of one
+architecture never read each other's KV, and tenants never read each other's pages.
 
 Keys are 16-byte digests. Algorithms: xxh3_128 (the default; fast), blake2b and sha256.
 Partial trailing pages get no key.
@@ -28,7 +29,7 @@ KEY_BYTES = 16
 
 @dataclass(frozen=True, slots=True)
 class Namespace:
-    model: str
+    model: str  # the weights' identity (`model.name`): fine-tunes of one architecture differ
     dtype: str
     kv_layout: str  # the group's geometry, e.g. "full:mha:8x128"
     page_size_tokens: int
@@ -36,6 +37,7 @@ class Namespace:
     tp_rank: int = 0
     pp_rank: int = 0
     tenant_salt: str = ""
+    model_type: str = ""  # the architecture, beside the identity
 
     def seed(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()

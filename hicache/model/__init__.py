@@ -1,5 +1,6 @@
 """Model layouts: which cache each layer owns, the cache groups, and the layer map with its
-guards. No torch here. Entry points: `load_layout(path)`, `LayerMap(layout, start, end)`.
+guards. No torch here. Entry points: `load_layout(path)`, `LayerMap(layout, start, end)`,
+and `model_identity(path, layout)` for the model name page keys are seeded with.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import yaml
 from hicache.errors import LayoutError
 from hicache.model.explicit import ExplicitLayout
 from hicache.model.hf_config import layout_from_hf_config, load_hf_layout
+from hicache.model.identity import model_identity
 from hicache.model.layer_map import LayerMap, LayerSlot
 from hicache.model.layout import CacheGroup, ModelLayout
 from hicache.model.specs import CacheKind, CacheSpec, IndexSpec, KvFormat, LayerSpec
@@ -28,6 +30,7 @@ __all__ = [
     "ModelLayout",
     "layout_from_hf_config",
     "load_layout",
+    "model_identity",
 ]
 
 

@@ -122,4 +122,4 @@ class ExplicitLayout(BaseModel):
             caches = tuple(c.to_spec() for c in entry.caches)
             for _ in range(entry.repeat):
                 specs.append(LayerSpec(len(specs), caches, entry.reuses))
-        return ModelLayout.build(self.model_type, specs, source)
+        return ModelLayout.build(self.model_type, specs, source, rule="explicit layer list")

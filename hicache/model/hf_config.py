@@ -2,9 +2,9 @@
 
 Multimodal wrappers keep the decoder in `text_config` (or `llm_config` / `language_config`);
 the rule is chosen by the decoder's `model_type` and the layout is named by the outer one.
-An unknown family falls back to generic fields (`layer_types`, or `sliding_window` with
-`use_sliding_window`); without them the error lists the supported families and shows how to
-give an explicit layer list instead.
+A known family goes to its rule (`families`); an unknown one to the generic rule
+(`families.generic`), which reads plain attention fields and refuses, naming the field,
+anything hybrid it cannot size. The layout's `rule` says which of them was used.
 """
 
 from __future__ import annotations
@@ -14,20 +14,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from hicache.errors import LayoutError, UnsupportedModelError
-from hicache.model.families import rule_for, supported_model_types
-from hicache.model.families.common import ConfigView, attention, full, layers_from_types, sliding
+from hicache.errors import LayoutError
+from hicache.model.families import family_of, rule_for
+from hicache.model.families.common import ConfigView
+from hicache.model.families.generic import generic_rule
 from hicache.model.layout import ModelLayout
-from hicache.model.specs import CacheKind, LayerSpec
 
 _DECODER_KEYS = ("text_config", "llm_config", "language_config")
-
-EXPLICIT_EXAMPLE = """\
-model:
-  model_type: my-model
-  layers:
-    - {repeat: 3, kind: sliding, kv_heads: 8, head_dim: 128, window_tokens: 1024}
-    - {kind: full, kv_heads: 8, head_dim: 128}"""
 
 
 def read_config_json(path: Path) -> dict[str, Any]:
@@ -46,6 +39,15 @@ def read_config_json(path: Path) -> dict[str, Any]:
     return data
 
 
+def decoder_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The decoder's part of a config: its `text_config` (etc.) in a multimodal wrapper."""
+    for key in _DECODER_KEYS:
+        if isinstance(config.get(key), dict):
+            inner: Mapping[str, Any] = config[key]
+            return inner
+    return config
+
+
 def layout_from_hf_config(config: Mapping[str, Any], source: str = "") -> ModelLayout:
     outer_type = config.get("model_type")
     if not isinstance(outer_type, str) or not outer_type:
@@ -53,43 +55,20 @@ def layout_from_hf_config(config: Mapping[str, Any], source: str = "") -> ModelL
             f"model config{f' ({source})' if source else ''} has no 'model_type'; "
             "a Hugging Face config.json names its family there"
         )
-    decoder: Mapping[str, Any] = config
-    for key in _DECODER_KEYS:
-        if isinstance(config.get(key), dict):
-            decoder = config[key]
-            break
+    decoder = decoder_config(config)
     inner_type = decoder.get("model_type")
     rule_type = inner_type if isinstance(inner_type, str) and rule_for(inner_type) else outer_type
     view = ConfigView(decoder, outer_type, source)
     rule = rule_for(rule_type)
-    layers = rule(view) if rule is not None else _generic(view)
-    return ModelLayout.build(outer_type, layers, source)
+    if rule is None:
+        layers, how = generic_rule(view)
+    else:
+        layers = rule(view)
+        how = f"family rule {family_of(rule_type)!r}"
+        if rule_type != family_of(rule_type):
+            how += f" (model_type {rule_type!r})"
+    return ModelLayout.build(outer_type, layers, source, rule=how)
 
 
 def load_hf_layout(path: Path) -> ModelLayout:
     return layout_from_hf_config(read_config_json(path), str(path))
-
-
-def _generic(cfg: ConfigView) -> list[LayerSpec]:
-    types = cfg.layer_types()
-    if types is not None:
-        return layers_from_types(
-            cfg,
-            types,
-            {
-                "full_attention": lambda: (full(cfg),),
-                "sliding_attention": lambda: (sliding(cfg),),
-                "chunked_attention": lambda: (
-                    attention(cfg, CacheKind.CHUNKED, chunk=cfg.req_int("attention_chunk_size")),
-                ),
-            },
-        )
-    if cfg.get("use_sliding_window") is True and cfg.get("sliding_window") is not None:
-        return [LayerSpec(i, (sliding(cfg),)) for i in range(cfg.num_layers)]
-    supported = ", ".join(supported_model_types())
-    raise UnsupportedModelError(
-        f"model_type {cfg.model_type!r}{f' ({cfg.source})' if cfg.source else ''} is not a "
-        f"supported family and its config has no generic 'layer_types' (or 'sliding_window' "
-        f"with 'use_sliding_window'). Supported model types: {supported}. For another model, "
-        f"give an explicit layer list in the deployment file, e.g.\n{EXPLICIT_EXAMPLE}"
-    )

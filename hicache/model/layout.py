@@ -33,15 +33,18 @@ class ModelLayout:
     layers: tuple[LayerSpec, ...]
     groups: tuple[CacheGroup, ...]
     source: str = ""  # where the layout came from, for messages
+    rule: str = ""  # how it was derived: "family rule 'gemma3'", "generic dense fallback (...)"
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
 
     @classmethod
-    def build(cls, model_type: str, layers: Sequence[LayerSpec], source: str = "") -> ModelLayout:
+    def build(
+        cls, model_type: str, layers: Sequence[LayerSpec], source: str = "", rule: str = ""
+    ) -> ModelLayout:
         _validate(model_type, layers, source)
-        return cls(model_type, tuple(layers), _group(layers), source)
+        return cls(model_type, tuple(layers), _group(layers), source, rule)
 
     def group(self, name: str) -> CacheGroup:
         for group in self.groups:

@@ -4,7 +4,12 @@ a compact pattern line such as `(S×5 F)×10 S×2`.
 JSON contract (outside tools depend on it; fields may be added, never renamed):
     {"model_type", "num_layers",
      "layers": [{"id", "kinds", "group", "local_id", "reuses", ...}],
-     "full_attention_layer_ids"}
+     "full_attention_layer_ids",
+     "rule",        # how the layout was derived, e.g. "family rule 'gemma3'" (added)
+     "model_name"}  # the name page keys are seeded with, or null if not given (added)
+
+The caller passes `model_name` (see `identity.model_identity` for the default); the table
+shows it and the rule on their own lines.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ def _primary_slot_index(layer: LayerSpec) -> int:
     return 0
 
 
-def layout_json(layer_map: LayerMap) -> dict[str, Any]:
+def layout_json(layer_map: LayerMap, model_name: str | None = None) -> dict[str, Any]:
     layout = layer_map.layout
     layers = []
     for layer_id in layer_map.stage_layer_ids:
@@ -77,6 +82,8 @@ def layout_json(layer_map: LayerMap) -> dict[str, Any]:
             for g in layer_map.groups
         ],
         "pattern": pattern_line([layout.layers[i] for i in layer_map.stage_layer_ids]),
+        "rule": layout.rule,
+        "model_name": model_name,
     }
 
 
@@ -114,11 +121,17 @@ def pattern_line(layers: list[LayerSpec]) -> str:
     return _runs(symbols)
 
 
-def layout_table(layer_map: LayerMap) -> str:
-    data = layout_json(layer_map)
+def layout_table(layer_map: LayerMap, model_name: str | None = None) -> str:
+    data = layout_json(layer_map, model_name)
     lines = [
         f"model_type: {data['model_type']}    layers: {data['num_layers']}"
-        f"    stage: {data['start_layer']}..{data['end_layer'] - 1}",
+        f"    stage: {data['start_layer']}..{data['end_layer'] - 1}"
+    ]
+    if model_name is not None:
+        lines.append(f"model_name: {model_name}")
+    if data["rule"]:
+        lines.append(f"rule: {data['rule']}")
+    lines += [
         f"pattern: {data['pattern']}    ({LEGEND})",
         "",
         f"{'id':>4}  {'kinds':<14} {'group':<12} {'local':>5}  detail",

@@ -39,16 +39,14 @@ def select_pages(
             raise OpRequestError(
                 f"group {name!r}: a backup allocates its host pages; pass device pages only"
             )
-        tokens = pages.num_tokens
-        if tokens is None:
-            tokens = len(pages.device_pages) * page_size_tokens
         selection = select(
             group,
             len(pages.device_pages),
-            tokens,
+            pages.num_tokens,
             page_size_tokens,
             policy,
             for_load=kind is OpKind.LOAD,
+            first_page=pages.first_page,
         )
         selections[name] = (pages, selection)
     return selections

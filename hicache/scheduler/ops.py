@@ -34,11 +34,17 @@ class OpState(StrEnum):
 class GroupPages:
     """One group's pages of a prefix, in token order. For a load, `host_pages[i]` holds what
     goes to `device_pages[i]`; for a backup, leave `host_pages` empty: the scheduler allocates
-    them. State groups (linear / mamba / conv) carry exactly one page: the snapshot slot."""
+    them. State groups (linear / mamba / conv) carry exactly one page: the snapshot slot.
+
+    `device_pages[i]` is page `first_page + i` of the prompt. `num_tokens` is the prefix
+    length the load serves: a sliding or chunked group's load must say it (which pages its
+    window or chunk needs depends on it, and guessing whole pages once served a window a page
+    short); other groups may leave it None (every page given moves)."""
 
     device_pages: tuple[int, ...]
     host_pages: tuple[int, ...] = ()
-    num_tokens: int | None = None  # prefix length; default: pages x page size
+    num_tokens: int | None = None
+    first_page: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,9 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     server: EngineServer | None = None
     try:
         async with asyncio.TaskGroup() as tg:
-            server = EngineServer(d, layer_map, backend, store, tg, metrics)
+            server = EngineServer(
+                d, layer_map, backend, store, tg, metrics, model_name=loaded.model_name()
+            )
             metrics.watch(lambda: list(server.namespaces.values()), lambda: server.store)
             await server.start()
             runner = None
@@ -80,6 +82,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
                 "tcp_port": server.tcp_port,
                 "http_port": http_port,
                 "model": layer_map.model_type,
+                "model_name": server.model_name,
                 "l3": d.storage.kind,
             }
             gc.freeze()  # start-up objects (torch's among them) leave the collector's scans

@@ -44,6 +44,7 @@ class Namespace:
         cls,
         key: NamespaceKey,
         deployment: Deployment,
+        model_name: str,
         layer_map: LayerMap,
         backend: CopyBackend,
         store: GuardedStore | None,
@@ -57,6 +58,7 @@ class Namespace:
         cache = TieredCache.build(
             embedded,
             store=store,
+            model=model_name,
             write_policy=d.cache.write_policy,
             prefetch_policy=d.cache.prefetch_policy,
             eviction=d.cache.eviction,

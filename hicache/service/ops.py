@@ -8,6 +8,7 @@ import asyncio
 import hmac
 import itertools
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from hicache.service.sessions import LoadEntry, Session
 from hicache.service.shm import CounterFile, LoadState, map_pools
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage import GuardedStore
-from hicache.transfer import CopyBackend
+from hicache.transfer import CopyBackend, LayerFailure
 
 _FINAL = {
     OpState.DONE: LoadState.DONE,
@@ -45,6 +46,7 @@ class EngineOps:
     deployment: Deployment
     service: ServiceSection
     layer_map: LayerMap
+    model_name: str
     backend: CopyBackend
     store: GuardedStore | None
     metrics: ServiceMetrics
@@ -145,6 +147,7 @@ class EngineOps:
                 namespace = await Namespace.start(
                     session.key,
                     self.deployment,
+                    self.model_name,
                     self.layer_map,
                     self.backend,
                     self.store,
@@ -165,29 +168,49 @@ class EngineOps:
             raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send register_pools first")
         return session.namespace
 
-    def _check_pages(self, session: Session, op: str, device_pages: dict[str, list[int]]) -> None:
+    def _check_pages(
+        self,
+        session: Session,
+        op: str,
+        device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    ) -> None:
+        """Every page named is inside the engine's registered pool; a load names every group,
+        a store every token group (its state groups' snapshots come in `snapshots`)."""
         assert session.pools is not None
-        for group, pages in device_pages.items():
-            pool = session.pools.get(group)
-            if pool is None:
-                raise p.RequestError(
-                    p.ErrorCode.BAD_REQUEST,
-                    f"{op}.device_pages: group {group!r} is not in the layout; groups: "
-                    f"{', '.join(sorted(session.pools))}",
-                )
-            bad = [page for page in pages if page >= pool.num_pages]
-            if bad:
-                raise p.RequestError(
-                    p.ErrorCode.OUT_OF_RANGE,
-                    f"{op}.device_pages.{group}: pages {bad[:5]} are outside the registered "
-                    f"pool of {pool.num_pages} pages (0..{pool.num_pages - 1})",
-                )
-        missing = set(session.pools) - set(device_pages)
+        named = dict(device_pages)
+        for group, pairs in (snapshots or {}).items():
+            self._check_in_pool(session, f"{op}.snapshots", group, [slot for _, slot in pairs])
+        for group, pages in named.items():
+            self._check_in_pool(session, f"{op}.device_pages", group, pages)
+        required = set(session.pools)
+        if snapshots is not None:
+            required = {g for g in required if self.layer_map.group(g).kind.is_token_cache}
+        missing = required - set(named)
         if missing:
             raise p.RequestError(
                 p.ErrorCode.BAD_REQUEST,
-                f"{op}.device_pages: groups {sorted(missing)} missing; every group of the "
-                "layout needs its pages",
+                f"{op}.device_pages: groups {sorted(missing)} missing; every "
+                f"{'token ' if snapshots is not None else ''}group of the layout needs its pages",
+            )
+
+    def _check_in_pool(
+        self, session: Session, where: str, group: str, pages: Sequence[int | None]
+    ) -> None:
+        assert session.pools is not None
+        pool = session.pools.get(group)
+        if pool is None:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{where}: group {group!r} is not in the layout; groups: "
+                f"{', '.join(sorted(session.pools))}",
+            )
+        bad = [page for page in pages if page is not None and page >= pool.num_pages]
+        if bad:
+            raise p.RequestError(
+                p.ErrorCode.OUT_OF_RANGE,
+                f"{where}.{group}: pages {bad[:5]} are outside the registered "
+                f"pool of {pool.num_pages} pages (0..{pool.num_pages - 1})",
             )
 
     def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
@@ -210,10 +233,20 @@ class EngineOps:
             "tokens_total": hit.tokens_total,
         }
 
-    async def _store(self, session: Session, args: p.PagesRequest) -> dict[str, Any]:
+    async def _store(self, session: Session, args: p.StoreRequest) -> dict[str, Any]:
         namespace = self._ready(session, "store")
-        self._check_pages(session, "store", args.device_pages)
-        result = await namespace.cache.store(args.tokens, args.device_pages)
+        self._check_pages(session, "store", args.device_pages, args.snapshots)
+        snapshots: dict[str, dict[int, int]] = {}
+        for group, pairs in args.snapshots.items():
+            given = snapshots.setdefault(group, {})
+            for tokens, slot in pairs:
+                if given.setdefault(tokens, slot) != slot:
+                    raise p.RequestError(
+                        p.ErrorCode.BAD_REQUEST,
+                        f"store.snapshots.{group}: two snapshots after {tokens} tokens (slots "
+                        f"{given[tokens]} and {slot}); give one per prefix length",
+                    )
+        result = await namespace.cache.store(args.tokens, args.device_pages, snapshots=snapshots)
         self.metrics.evictions.inc(result.pages_evicted)
         if result.bytes_backed_up:
             self.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
@@ -240,7 +273,10 @@ class EngineOps:
         counters.start(slot, load_id, num_layers)
         row = counters.array[slot]
 
-        def on_layer(upto: int) -> None:  # the copy thread, as each layer lands
+        def on_layer(upto: int, stopped: LayerFailure | None) -> None:  # the copy thread
+            if stopped is not None:  # no layer from `upto` on lands: wait_layer raises now
+                counters.stop(slot, stopped)
+                return
             row[4] = time.monotonic_ns()
             row[1] = upto
 
@@ -261,7 +297,7 @@ class EngineOps:
         session.loads[load_id] = entry
 
         def finished(result: OpResult) -> None:
-            row[2] = _FINAL.get(result.state, LoadState.FAILED)
+            counters.end(slot, _FINAL.get(result.state, LoadState.FAILED), result.error)
             self.metrics.moved("load", result.bytes_moved, result.seconds)
             if entry.released:
                 self._free(session, load_id)

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: stores say each snapshot's length, and which pages are held
 HEADER = struct.Struct("<I")
 MAX_TOKENS = 1 << 20
 TOKEN_ID_MAX = (1 << 32) - 1
@@ -111,6 +111,24 @@ class PagesRequest(Msg):
     device_pages: Annotated[dict[Name, PageIds], Field(max_length=64)]
 
 
+PageId = Annotated[int, Field(ge=0, le=PAGE_ID_MAX)]
+HeldPageIds = Annotated[list[PageId | None], Field(max_length=MAX_TOKENS)]
+# one state snapshot: [num_tokens it covers, device slot]
+Snapshot = Annotated[
+    list[Annotated[int, Field(ge=0, le=PAGE_ID_MAX)]], Field(min_length=2, max_length=2)
+]
+
+
+class StoreRequest(Msg):
+    tokens: TokenIds
+    # token groups: a device page per full page, None where the engine no longer holds it
+    device_pages: Annotated[dict[Name, HeldPageIds], Field(max_length=64)]
+    # state groups: the snapshots the engine kept, each with the prefix length it covers
+    snapshots: Annotated[
+        dict[Name, Annotated[list[Snapshot], Field(max_length=MAX_TOKENS)]], Field(max_length=64)
+    ] = {}
+
+
 class LoadRequest(PagesRequest):
     # the engine's own device cache holds the prompt's first pages: load only later ones
     skip_pages: int = Field(default=0, ge=0, le=PAGE_ID_MAX)
@@ -136,7 +154,7 @@ ARGS: dict[str, type[Msg]] = {
     "register_pools": RegisterPools,
     "register_cuda_pools": RegisterCudaPools,
     "lookup": Tokens,
-    "store": PagesRequest,
+    "store": StoreRequest,
     "load": LoadRequest,
     "prefetch": Tokens,
     "release": Release,

@@ -52,8 +52,11 @@ class EngineServer(EngineOps):
         store: GuardedStore | None,
         tg: asyncio.TaskGroup,
         metrics: ServiceMetrics,
+        *,
+        model_name: str,
     ):
         self.deployment = deployment
+        self.model_name = model_name  # in every page key: the weights' identity
         self.service = deployment.service
         self.layer_map = layer_map
         self.backend = backend

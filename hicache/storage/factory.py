@@ -11,7 +11,8 @@ def make_backend(
     section: FileStorage | RedisStorage | MooncakeStorage | NoStorage,
 ) -> StorageBackend | None:
     if isinstance(section, FileStorage):
-        return FileBackend(section.path, section.capacity_bytes)
+        root = section.path / section.key_prefix if section.key_prefix else section.path
+        return FileBackend(root, section.capacity_bytes)
     if isinstance(section, RedisStorage):
         from hicache.storage.redis_backend import RedisBackend  # redis is an optional extra
 
@@ -28,6 +29,7 @@ def make_backend(
             section.master_address,
             local_hostname=section.local_hostname,
             metadata_server=section.metadata_server,
+            key_prefix=section.key_prefix,
             global_segment_bytes=section.global_segment_bytes,
             local_buffer_bytes=section.local_buffer_bytes,
             protocol=section.protocol,

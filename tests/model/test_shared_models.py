@@ -1,13 +1,13 @@
-"""Every real config in ../shared/models against the layout derived by hand from each
-family's rules (the expected values below are written from the config fields and the
-family's documented defaults, not produced by the code under test)."""
+"""Every real config in configs/models against the layout derived by hand from each family's
+rules (the expected values below are written from the config fields and the family's
+documented defaults, not produced by the code under test)."""
 
 from __future__ import annotations
 
 import pytest
 
 from hicache.model import CacheKind, KvFormat, LayerMap, load_layout
-from tests.conftest import SHARED_MODELS, shared_model
+from tests.conftest import MODEL_CONFIGS, shared_model
 
 F, S, C, X, L, M, V = "full", "sliding", "chunked", "sparse", "linear", "mamba", "conv"
 
@@ -17,8 +17,19 @@ def kinds_of(name: str) -> list[list[str]]:
     return [[k.value for k in layer.kinds] for layer in layout.layers]
 
 
-def test_every_shared_model_is_covered() -> None:
+# Byte-identical copies kept under the deployment files' names.
+TWINS = {
+    "deepseek-v3.2-exp.json": "deepseek_v32_exp.json",
+    "gpt-oss-20b.json": "gpt_oss_20b.json",
+    "qwen3-next-80b.json": "qwen3_next_80b.json",
+}
+
+
+def test_every_real_config_is_covered() -> None:
     covered = {
+        *TWINS,
+        "gpt-oss-120b.json",
+        "llama-3.1-8b.json",
         "deepseek_v32_exp.json",
         "falcon_h1_7b.json",
         "gemma3_27b.json",
@@ -35,7 +46,21 @@ def test_every_shared_model_is_covered() -> None:
         "qwen2_7b.json",
         "qwen3_next_80b.json",
     }
-    assert {p.name for p in SHARED_MODELS.glob("*.json")} == covered
+    assert {p.name for p in MODEL_CONFIGS.glob("*.json")} == covered
+    for copy, original in TWINS.items():
+        assert shared_model(copy).read_bytes() == shared_model(original).read_bytes()
+
+
+def test_llama31_8b_all_full_gqa() -> None:
+    layout = load_layout(shared_model("llama-3.1-8b.json"))
+    assert kinds_of("llama-3.1-8b.json") == [[F]] * 32
+    spec = layout.group("full").spec
+    # head_dim is not in the config: 4096 / 32 heads
+    assert (spec.num_kv_heads, spec.head_dim, spec.v_head_dim) == (8, 128, 128)
+
+
+def test_gpt_oss_120b_alternates_over_36_layers() -> None:
+    assert kinds_of("gpt-oss-120b.json") == [[S], [F]] * 18
 
 
 def test_gemma3_27b_every_sixth_layer_full() -> None:
@@ -115,7 +140,9 @@ def test_lfm2_conv_and_attention() -> None:
     full_ids = {2, 5, 8, 10, 12, 14}
     assert kinds_of("lfm2_350m.json") == [[F] if i in full_ids else [V] for i in range(16)]
     conv = load_layout(shared_model("lfm2_350m.json")).group("conv").spec
-    assert dict(conv.state_shapes) == {"conv": (1024, 3)}
+    # kernel conv_L_cache = 3 over hidden_size 1024 channels keeps the last 2 inputs (vLLM's
+    # short-conv state; transformers keeps all 3 columns, one of which it never reads back)
+    assert dict(conv.state_shapes) == {"conv": (1024, 2)}
 
 
 def test_jamba_attention_every_eighth_from_four() -> None:
@@ -164,7 +191,7 @@ def test_deepseek_v32_mla_with_index_k() -> None:
     assert not layer_map.is_index_kv_layer(0)
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in SHARED_MODELS.glob("*.json")))
+@pytest.mark.parametrize("name", sorted(p.name for p in MODEL_CONFIGS.glob("*.json")))
 def test_groups_partition_every_cache(name: str) -> None:
     layout = load_layout(shared_model(name))
     owned = sorted(

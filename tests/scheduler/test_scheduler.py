@@ -21,6 +21,7 @@ from hicache.scheduler import (
 )
 from hicache.transfer.fakes import FakeCopyBackend
 from tests.scheduler.conftest import (
+    PAGE,
     assert_pinned_none,
     gate_opened_on_exit,
     pages_for,
@@ -59,7 +60,7 @@ async def test_backup_then_load_is_byte_exact(model: str) -> None:
             for name, gp in src.items():
                 hosts = result.groups[name].host_pages
                 dst = tuple(dst_pages) if len(gp.device_pages) > 1 else (0,)
-                load_req[name] = GroupPages(dst, hosts)
+                load_req[name] = GroupPages(dst, hosts, num_tokens=len(dst) * PAGE)
             handle = await sched.load(load_req)
             for layer_id in sched.layer_map.stage_layer_ids:
                 await asyncio.to_thread(handle.wait_layer, layer_id)
@@ -87,7 +88,7 @@ async def test_sliding_window_moves_only_the_tail_and_full_only_policy() -> None
             pages = list(range(70))  # 140 tokens with window 128: tokens 12..139 are needed
             backup = await (await sched.backup(pages_for(cache, pages, 0))).done()
             req = {
-                n: GroupPages(tuple(pages), backup.groups[n].host_pages)
+                n: GroupPages(tuple(pages), backup.groups[n].host_pages, num_tokens=140)
                 for n in ("full", "sliding")
             }
             result = await (await sched.load(req)).done()
@@ -116,6 +117,29 @@ async def test_sliding_window_moves_only_the_tail_and_full_only_policy() -> None
 
 
 @pytest.mark.asyncio
+async def test_windowed_load_must_say_its_token_count() -> None:
+    """A sliding group's load without num_tokens once assumed whole pages and skipped a page
+    still inside the window; now it is refused, and pages given from `first_page` on are
+    placed in the prompt by it."""
+    with stack("gpt_oss_20b.json", token_pages=80, host_pages=80) as cache:
+        async with cache.scheduler.running() as sched:
+            pages = list(range(70))
+            backup = await (await sched.backup(pages_for(cache, pages, 0))).done()
+            hosts = backup.groups["sliding"].host_pages
+            with pytest.raises(
+                OpRequestError,
+                match=r"^group 'sliding' is a sliding-window layer \(window 128\) group: a load must say num_tokens \(the prefix length it serves\), which decides the pages its window needs$",
+            ):
+                await sched.load({"sliding": GroupPages(tuple(pages), hosts)})
+            # 139 tokens need tokens 11..138: pages 5..69; given from page 4 on, one is skipped
+            tail = {"sliding": GroupPages(tuple(pages[4:]), hosts[4:], 139, first_page=4)}
+            result = await (await sched.load(tail)).done()
+            assert result.groups["sliding"].moved_device_pages == tuple(range(5, 70))
+            assert result.groups["sliding"].skipped_device_pages == (4,)
+        assert_pinned_none(cache)
+
+
+@pytest.mark.asyncio
 async def test_many_concurrent_ops_merge_and_stay_exact() -> None:
     with stack("gpt_oss_20b.json", token_pages=64, host_pages=64, counter_ring_size=2) as cache:
         async with cache.scheduler.running() as sched:
@@ -128,7 +152,9 @@ async def test_many_concurrent_ops_merge_and_stay_exact() -> None:
             loads = []
             for k, (req, res) in enumerate(zip(reqs, results, strict=True)):
                 dst = list(range(32 + 4 * (k % 8), 36 + 4 * (k % 8)))
-                loads.append({n: GroupPages(tuple(dst), res.groups[n].host_pages) for n in req})
+                loads.append(
+                    {n: GroupPages(tuple(dst), res.groups[n].host_pages, num_tokens=8) for n in req}
+                )
             step_a = await sched.load_step(loads[:4])
             step_b = await sched.load_step(loads[4:])
             done = await asyncio.gather(*(h.done() for h in [*step_a, *step_b]))
@@ -149,7 +175,10 @@ async def test_consumer_released_when_its_layer_lands_not_before() -> None:
                 backend.open_gate()
                 backup = await (await sched.backup(pages_for(cache, [0, 1], 0))).done()
                 backend.close_gate()
-                req = {n: GroupPages((2, 3), g.host_pages) for n, g in backup.groups.items()}
+                req = {
+                    n: GroupPages((2, 3), g.host_pages, num_tokens=4)
+                    for n, g in backup.groups.items()
+                }
                 handle = await sched.load(req)
                 released = threading.Event()
 
@@ -188,7 +217,14 @@ async def test_failing_layer_fails_op_cleanly_and_later_ops_succeed() -> None:
             )
             ok = await (await sched.backup(src)).done()
             assert ok.state is OpState.DONE
-            load = {n: GroupPages(g.moved_device_pages, g.host_pages) for n, g in ok.groups.items()}
+            load = {
+                n: GroupPages(
+                    g.moved_device_pages,
+                    g.host_pages,
+                    num_tokens=len(g.moved_device_pages) * PAGE,
+                )
+                for n, g in ok.groups.items()
+            }
             backend.fail_next({0})
             bad_load = await (await sched.load(load)).done()
             assert bad_load.state is OpState.FAILED
@@ -270,7 +306,12 @@ async def test_guard_errors_and_bad_requests() -> None:
         async with cache.scheduler.running() as sched:
             backup = await (await sched.backup(pages_for(cache, [0], 0))).done()
             req = {
-                n: GroupPages(g.moved_device_pages, g.host_pages) for n, g in backup.groups.items()
+                n: GroupPages(
+                    g.moved_device_pages,
+                    g.host_pages,
+                    num_tokens=len(g.moved_device_pages) * PAGE,
+                )
+                for n, g in backup.groups.items()
             }
             handle = await sched.load(req)
             with pytest.raises(
@@ -291,9 +332,9 @@ async def test_guard_errors_and_bad_requests() -> None:
                 await sched.load({"sliding": GroupPages((0,), (0,))})
             with pytest.raises(
                 OpRequestError,
-                match=r"^group 'mamba' is a mamba state group: an op moves exactly one snapshot page of it; got 2$",
+                match=r"^group 'mamba' is a mamba state group: a load moves exactly one snapshot page of it \(the state at the hit\); got 2$",
             ):
-                await sched.backup({"mamba": GroupPages((0, 1))})
+                await sched.load({"mamba": GroupPages((0, 1), (0, 0))})
             with pytest.raises(
                 OpRequestError,
                 match=r"^group 'full': 2 device pages but 1 host pages; a load pairs them one to one$",
@@ -306,7 +347,7 @@ async def test_guard_errors_and_bad_requests() -> None:
                 await sched.load({"full": GroupPages((0,), (5,))})
             with pytest.raises(
                 OpRequestError,
-                match=r"^group 'full': num_tokens 9 does not fit 2 pages of 2 tokens; allowed: 3\.\.4$",
+                match=r"^group 'full': num_tokens 9 does not end in the last of the pages given \(prompt pages 0\.\.1 of 2 tokens\); allowed: 3\.\.4$",
             ):
                 await sched.load({"full": GroupPages((0, 1), (0, 0), num_tokens=9)})
         assert_pinned_none(cache)
@@ -342,7 +383,7 @@ async def test_pipeline_stage_walks_only_its_layers() -> None:
             fence = cache.backend.producer_fence()  # made on the producer's thread
             res = await (await sched.backup(pages_for(cache, [0, 1], 0), fence=fence)).done()
             assert res.ok
-            req = {n: GroupPages((4, 5), g.host_pages) for n, g in res.groups.items()}
+            req = {n: GroupPages((4, 5), g.host_pages, num_tokens=4) for n, g in res.groups.items()}
             handle = await sched.load(req)
             await asyncio.to_thread(handle.wait_layer, 23)
             assert (await handle.done()).ok

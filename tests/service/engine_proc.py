@@ -23,6 +23,7 @@ from hicache.client import Client, connect
 from hicache.config import load_deployment
 from hicache.demo.content import check_page, fill_page, seeds_for
 from hicache.service.shm import SharedPools
+from tests.pages import split_store
 
 PAGE = 16
 PROMPT_PAGES = 6
@@ -51,6 +52,11 @@ def prefill(client: Client, pools: SharedPools, tokens: list[int], pages: dict[s
         seeds = seeds_for(tokens, name, geom.group.kind.is_token_cache, PAGE)
         for page, seed in zip(pages[name], seeds, strict=True):
             fill_page(device[name], page, seed)
+
+
+def store(client: Client, tokens: list[int], pages: dict[str, list[int]]) -> None:
+    kinds = {n: g.group.kind for n, g in client.geometries.items()}
+    client.store(tokens, *split_store(kinds, tokens, pages, PAGE))
 
 
 def wipe(pools: SharedPools) -> None:
@@ -126,7 +132,7 @@ def main() -> int:
                 tokens = prompt(i)
                 src = pages_for(client, pools, 0, PROMPT_PAGES)
                 prefill(client, pools, tokens, src)
-                client.store(tokens, src)
+                store(client, tokens, src)
                 wipe(pools)
                 got = load_and_verify(client, pools, tokens, pages_for(client, pools, 32, 6))
                 total = [a + b for a, b in zip(total, got, strict=True)]
@@ -135,7 +141,7 @@ def main() -> int:
             tokens = prompt(0)
             src = pages_for(client, pools, 0, PROMPT_PAGES)
             prefill(client, pools, tokens, src)
-            client.store(tokens, src)
+            store(client, tokens, src)
             emit(event="looping")
             while True:
                 handle = client.load(tokens, pages_for(client, pools, 32, PROMPT_PAGES))
@@ -146,7 +152,7 @@ def main() -> int:
                 tokens = prompt(i)
                 src = pages_for(client, pools, (i * PROMPT_PAGES) % 48, PROMPT_PAGES)
                 prefill(client, pools, tokens, src)
-                client.store(tokens, src)
+                store(client, tokens, src)
                 emit(stored=i)
         else:
             verified = mismatches = hits = 0

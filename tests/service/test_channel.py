@@ -137,7 +137,7 @@ def test_hello_refusals_name_the_difference(served: tuple[SidecarProcess, Path])
         )
         assert (code, message) == (
             "refused",
-            "hello.protocol: engine speaks version 99; this sidecar speaks 1",
+            "hello.protocol: engine speaks version 99; this sidecar speaks 2",
         )
     with pytest.raises(ClientError) as info:
         client_for(config, dtype="float16")
@@ -186,20 +186,33 @@ def test_register_pools_and_page_range_errors(served: tuple[SidecarProcess, Path
             client.register_pools(pools)
             tokens = list(range(32))
             with pytest.raises(ClientError) as info:
-                client.store(tokens, {"full": [0, 9], "conv": [0]})
+                client.store(tokens, {"full": [0, 9]}, {"conv": {32: 0}})
             assert info.value.code == "out_of_range"
             assert info.value.message == (
                 "store.device_pages.full: pages [9] are outside the registered pool of 4 "
                 "pages (0..3)"
             )
             with pytest.raises(ClientError) as info:
-                client.store(tokens, {"full": [0, 1]})
+                client.store(tokens, {"conv": [0]}, {})
             assert info.value.message == (
-                "store.device_pages: groups ['conv'] missing; every group of the layout "
+                "store.device_pages: groups ['full'] missing; every token group of the layout "
                 "needs its pages"
             )
+            with pytest.raises(ClientError) as info:
+                client.store(tokens, {"full": [0, 1], "conv": [0]})
+            assert info.value.message == (
+                "store: device_pages.conv: 'conv' is a short-conv state group; a store gives "
+                "its snapshots as snapshots={group: {num_tokens: slot}}, saying how many tokens "
+                "each snapshot covers"
+            )
+            with pytest.raises(ClientError) as info:
+                client.store(tokens, {"full": [0, 1]}, {"conv": {30: 0}})
+            assert info.value.message == (
+                "store: snapshots.conv: a snapshot after 30 tokens cannot be keyed; allowed: a "
+                "multiple of the page size (16) in 16..32 (the prompt's full pages)"
+            )
             # the session still works after every refusal
-            assert client.store(tokens, {"full": [0, 1], "conv": [0]})["pages_stored"] == 3
+            assert client.store(tokens, {"full": [0, 1]}, {"conv": {32: 0}})["pages_stored"] == 3
             with pytest.raises(ClientError) as info:
                 client.call("release", {"load_id": 12345})
             assert info.value.code == "out_of_range"

@@ -34,6 +34,11 @@ def pages(first: int, n: int) -> dict[str, list[int]]:
     return {"full": list(range(first, first + n)), "conv": [first]}
 
 
+def store_args(first: int, n: int) -> tuple[dict[str, list[int]], dict[str, dict[int, int]]]:
+    """A store's arguments for `n` full pages: the conv group's snapshot after them."""
+    return {"full": list(range(first, first + n))}, {"conv": {n * 16: first}}
+
+
 @pytest.mark.asyncio
 async def test_async_client_round_trip(sidecar: SidecarProcess, deploy: Path) -> None:
     loaded = load_deployment(deploy)
@@ -47,7 +52,7 @@ async def test_async_client_round_trip(sidecar: SidecarProcess, deploy: Path) ->
                 t[: 3 * 16].normal_()
         tokens = list(range(48))
         assert (await client.lookup(tokens)).tokens_total == 0
-        stored = await client.store(tokens, pages(0, 3))
+        stored = await client.store(tokens, *store_args(0, 3))
         assert stored["pages_stored"] == 4  # 3 full-attention pages + 1 conv snapshot
         assert (await client.lookup(tokens)).tokens_l2 == 48
         handle = await client.load(tokens, pages(8, 3))
@@ -80,7 +85,7 @@ def test_client_reconnects_after_sidecar_restart(deploy: Path) -> None:
         for layer in pools.device_pools()["full"].tensors:
             for t in layer.values():
                 t[:64].normal_()
-        client.store(tokens, pages(0, 4))  # write-through: persisted to the file L3
+        client.store(tokens, *store_args(0, 4))  # write-through: persisted to the file L3
         handle = client.load(tokens, pages(8, 4))
         assert handle is not None
         assert handle.done() == "done"
@@ -175,7 +180,7 @@ def test_tenants_never_see_each_others_pages(sidecar: SidecarProcess, deploy: Pa
     try:
         for client in clients.values():
             client.register_pools(client.create_pools(8))
-        assert clients["acme"].store(tokens, pages(0, 4))["pages_stored"] == 5
+        assert clients["acme"].store(tokens, *store_args(0, 4))["pages_stored"] == 5
         assert clients["acme"].lookup(tokens).tokens_total == 64
         assert clients["globex"].lookup(tokens).tokens_total == 0  # same tokens, other tenant
         namespaces = {ns["namespace"] for ns in sidecar.get_json("/v1/stats")["namespaces"]}
@@ -192,17 +197,18 @@ def test_too_few_device_pages_is_a_clear_error(sidecar: SidecarProcess, deploy: 
         client.register_pools(client.create_pools(8))
         tokens = list(range(64))  # 4 full pages
         with pytest.raises(ClientError) as info:
-            client.store(tokens, {"full": [0, 1], "conv": [0]})
+            client.store(tokens, {"full": [0, 1]}, {"conv": {64: 0}})
         assert info.value.code == "bad_request"
         assert info.value.message == (
-            "store: device_pages.full: 2 pages given; the prompt's 4 full pages need 4"
+            "store: device_pages.full: 2 pages given; the prompt's 4 full pages need 4 entries "
+            "(None for a page the engine no longer holds)"
         )
         with pytest.raises(ClientError) as info:
             client.load(tokens, {"full": [0, 1, 2, 3], "conv": []})
         assert info.value.message == (
             "load: device_pages.conv: 0 pages given; the prompt's 4 full pages need 1 snapshot page"
         )
-        assert client.store(tokens, pages(0, 4))["pages_stored"] == 5  # nothing was pinned
+        assert client.store(tokens, *store_args(0, 4))["pages_stored"] == 5  # nothing was pinned
         stats = sidecar.get_json("/v1/stats")
         assert all(g["pinned_pages"] == 0 for g in stats["namespaces"][0]["groups"].values())
     finally:

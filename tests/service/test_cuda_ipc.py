@@ -13,6 +13,7 @@ from hicache.config import load_deployment
 from hicache.demo.content import seeds_for
 from hicache.memory import DevicePool
 from hicache.service.process import SidecarProcess
+from tests.pages import split_store
 from tests.service.conftest import write_config
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +52,8 @@ def test_cuda_pools_by_ipc_round_trip_byte_exact(tmp_path: Path) -> None:
             ):
                 fill(pools[name], page, seed)
         torch.cuda.synchronize()
-        assert client.store(tokens, src)["pages_stored"] == 7
+        kinds = {n: g.group.kind for n, g in client.geometries.items()}
+        assert client.store(tokens, *split_store(kinds, tokens, src, 16))["pages_stored"] == 7
         handle = client.load(tokens, dst)
         assert handle is not None
         for layer_id in client.layer_map.stage_layer_ids:

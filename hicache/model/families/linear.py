@@ -1,8 +1,10 @@
-"""Rules for linear-attention hybrids: Qwen3-Next and Qwen3.5 (gated delta net), MiniMax-M1 /
-Text-01 (lightning attention), Kimi Linear (KDA + MLA) and LFM2 (short conv + attention).
+"""Rules for linear-attention hybrids: Qwen3-Next, Qwen3.5 and OLMo-Hybrid (gated delta net),
+MiniMax-M1 / Text-01 (lightning attention), Kimi Linear (KDA + MLA) and LFM2 / LFM2-MoE
+(short conv + attention).
 
 Linear layers keep a fixed-size per-request state, not per-token KV; its shapes come from
-the config the way the model's cache code sizes them.
+the config the way the serving engines size them (see `common` for the conv convention).
+`layer_types` (transformers 5.x) is read first, then each family's older fields.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from hicache.model.families.common import (
     mla,
     state,
 )
-from hicache.model.specs import CacheKind, LayerSpec
+from hicache.model.specs import CacheKind, CacheSpec, LayerSpec
 
 FULL, LINEAR = "full_attention", "linear_attention"
 
@@ -40,7 +42,35 @@ def qwen3_next(cfg: ConfigView) -> list[LayerSpec]:
         cfg.num_layers, cfg.req_int("full_attention_interval"), FULL, LINEAR
     )
     return layers_from_types(
-        cfg, types, {FULL: lambda: (full(cfg),), LINEAR: lambda: (gated_delta_net(cfg),)}
+        cfg, types, {FULL: lambda c: (full(c),), LINEAR: lambda c: (gated_delta_net(c),)}
+    )
+
+
+@family("olmo_hybrid")
+def olmo_hybrid(cfg: ConfigView) -> list[LayerSpec]:
+    """Gated delta net with every 4th layer full attention by default (the last layer when
+    that leaves none). Linear heads default to `num_attention_heads`; the key head dim to
+    int(0.75 * hidden_size / key heads) and the value head dim to twice that."""
+    heads = cfg.num_heads
+    k_heads = cfg.opt_int("linear_num_key_heads") or heads
+    k_dim = cfg.opt_int("linear_key_head_dim") or int(0.75 * cfg.req_int("hidden_size") / k_heads)
+    cfg = cfg.with_defaults(
+        {
+            "linear_num_key_heads": k_heads,
+            "linear_num_value_heads": heads,
+            "linear_key_head_dim": k_dim,
+            "linear_value_head_dim": 2 * k_dim,
+            "linear_conv_kernel_dim": 4,
+        }
+    )
+    types = cfg.layer_types()
+    if types is None:
+        n = cfg.num_layers
+        types = [FULL if i % 4 == 3 else LINEAR for i in range(n)]
+        if FULL not in types:
+            types[-1] = FULL
+    return layers_from_types(
+        cfg, types, {FULL: lambda c: (full(c),), LINEAR: lambda c: (gated_delta_net(c),)}
     )
 
 
@@ -61,35 +91,62 @@ def minimax(cfg: ConfigView) -> list[LayerSpec]:
         if bad:
             raise cfg.error(f"attn_type_list holds {bad[0]!r}; allowed: 0 (linear) or 1 (full)")
         types = [FULL if f == 1 else LINEAR for f in flags]
-    heads, dim = cfg.num_heads, cfg.head_dim
-    return layers_from_types(
-        cfg,
-        types,
-        {
-            FULL: lambda: (full(cfg),),
-            LINEAR: lambda: (state(CacheKind.LINEAR, ("kv", (heads, dim, dim))),),
-        },
-    )
+
+    def lightning(c: ConfigView) -> tuple[CacheSpec, ...]:
+        return (state(CacheKind.LINEAR, ("kv", (c.num_heads, c.head_dim, c.head_dim))),)
+
+    return layers_from_types(cfg, types, {FULL: lambda c: (full(c),), LINEAR: lightning})
+
+
+def _kimi_types(cfg: ConfigView, block: dict[str, object] | None) -> list[str]:
+    """Kimi Linear's layer list: `layer_types`, else `linear_attn_config`'s 1-based
+    `full_attn_layers` / `kda_layers`, else every 4th layer from layer 4 full."""
+    types = cfg.layer_types()
+    if types is not None:
+        return types
+    n = cfg.num_layers
+    if block is not None and "full_attn_layers" in block and "kda_layers" in block:
+        sub = ConfigView(block, cfg.model_type, cfg.source + " linear_attn_config")
+        full_1based = set(sub.int_list("full_attn_layers") or [])
+        kda_1based = set(sub.int_list("kda_layers") or [])
+        if full_1based & kda_1based or (full_1based | kda_1based) != set(range(1, n + 1)):
+            raise cfg.error(
+                "linear_attn_config.full_attn_layers and kda_layers must split the 1-based layer "
+                f"numbers 1..{n} between them"
+            )
+        return [FULL if i + 1 in full_1based else LINEAR for i in range(n)]
+    return [FULL if i and i % 4 == 0 else LINEAR for i in range(n)]
 
 
 @family("kimi_linear")
 def kimi_linear(cfg: ConfigView) -> list[LayerSpec]:
-    """`linear_attn_config` lists KDA and full (MLA) layers with 1-based numbers. A KDA layer
-    keeps short-conv states for q, k and v plus a head_dim x head_dim state per head."""
+    """KDA layers keep short-conv states for q, k and v (kept apart, as SGLang does) plus a
+    head_dim x head_dim state per head; full layers are MLA. Geometry from `linear_num_heads`
+    / `linear_head_dim` / `linear_conv_kernel_dim` (32 / 128 / 4), or from the checkpoint's
+    `linear_attn_config` (`num_heads`, `head_dim`, `short_conv_kernel_size`)."""
     block = cfg.get("linear_attn_config")
-    if not isinstance(block, dict):
+    if block is not None and not isinstance(block, dict):
         raise cfg.error(f"field 'linear_attn_config' is {block!r}; a mapping is required")
-    sub = ConfigView(block, cfg.model_type, cfg.source + " linear_attn_config")
-    full_1based = set(sub.int_list("full_attn_layers") or [])
-    kda_1based = set(sub.int_list("kda_layers") or [])
-    n = cfg.num_layers
-    if full_1based & kda_1based or (full_1based | kda_1based) - set(range(1, n + 1)):
-        raise cfg.error(
-            "linear_attn_config.full_attn_layers and kda_layers must be disjoint 1-based layer "
-            f"numbers in 1..{n}"
-        )
-    heads, dim = sub.req_int("num_heads"), sub.req_int("head_dim")
-    kernel = sub.req_int("short_conv_kernel_size")
+    # As in transformers, the checkpoint's block wins over the top-level fields.
+    legacy = {
+        "linear_num_heads": "num_heads",
+        "linear_head_dim": "head_dim",
+        "linear_conv_kernel_dim": "short_conv_kernel_size",
+    }
+    given = block or {}
+    from_block = {key: given[old] for key, old in legacy.items() if given.get(old) is not None}
+    cfg = ConfigView({**cfg.data, **from_block}, cfg.model_type, cfg.source).with_defaults(
+        {
+            "linear_num_heads": 32,
+            "linear_head_dim": 128,
+            "linear_conv_kernel_dim": 4,
+            "kv_lora_rank": 512,
+            "qk_rope_head_dim": 64,
+        }
+    )
+    types = _kimi_types(cfg, block)
+    heads, dim = cfg.req_int("linear_num_heads"), cfg.req_int("linear_head_dim")
+    kernel = cfg.req_int("linear_conv_kernel_dim")
     kda = state(
         CacheKind.LINEAR,
         ("conv_q", (heads * dim, kernel - 1)),
@@ -97,23 +154,25 @@ def kimi_linear(cfg: ConfigView) -> list[LayerSpec]:
         ("conv_v", (heads * dim, kernel - 1)),
         ("recurrent", (heads, dim, dim)),
     )
-    attn = mla(cfg.with_defaults({"qk_rope_head_dim": 64}))
-    return [
-        LayerSpec(i, (attn,) if i + 1 in full_1based else (kda,) if i + 1 in kda_1based else ())
-        for i in range(n)
-    ]
+    return layers_from_types(cfg, types, {FULL: lambda c: (mla(c),), LINEAR: lambda c: (kda,)})
 
 
 @family("lfm2", "lfm2_moe")
 def lfm2(cfg: ConfigView) -> list[LayerSpec]:
-    """`layer_types` ('conv' / 'full_attention'), or `full_attn_idxs`; a conv layer keeps a
-    (hidden_size x conv_L_cache) state."""
+    """`layer_types` ('conv' / 'full_attention'), or LFM2's `full_attn_idxs` (absent: every
+    layer full attention). A conv layer's short conv has kernel `conv_L_cache` over
+    hidden_size channels and keeps the last conv_L_cache - 1 inputs."""
     cfg = cfg.with_defaults({"conv_L_cache": 3})
     types = cfg.layer_types()
     if types is None:
-        idxs = set(cfg.int_list("full_attn_idxs") or [])
-        types = [FULL if i in idxs else "conv" for i in range(cfg.num_layers)]
-    conv = state(
-        CacheKind.CONV, ("conv", (cfg.req_int("hidden_size"), cfg.req_int("conv_L_cache")))
-    )
-    return layers_from_types(cfg, types, {FULL: lambda: (full(cfg),), "conv": lambda: (conv,)})
+        if cfg.model_type == "lfm2_moe":
+            raise cfg.error(
+                "field 'layer_types' is missing; LFM2-MoE names each layer's type there"
+            )
+        n = cfg.num_layers
+        idxs = cfg.int_list("full_attn_idxs")
+        attn = set(range(n)) if idxs is None else set(idxs)
+        types = [FULL if i in attn else "conv" for i in range(n)]
+    kernel = cfg.req_int("conv_L_cache", minimum=2)
+    conv = state(CacheKind.CONV, ("conv", (cfg.req_int("hidden_size"), kernel - 1)))
+    return layers_from_types(cfg, types, {FULL: lambda c: (full(c),), "conv": lambda c: (conv,)})
