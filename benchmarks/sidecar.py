@@ -33,13 +33,13 @@ from pathlib import Path
 
 import yaml
 
+from hicache.cache import TieredCache
 from hicache.client import connect
 from hicache.config import load_deployment
 from hicache.embedded import EmbeddedCache
 from hicache.scheduler import run
 from hicache.service.process import SidecarProcess
 from hicache.service.protocol import frame
-from hicache.tiered import TieredCache
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES, SMALL, TRIALS, LOADS_PER_TRIAL = 64, 5000, 5, 10
@@ -123,7 +123,7 @@ async def embedded_trials(config: Path, tokens: list[int], results: list[float])
     embedded = EmbeddedCache.from_config(load_deployment(config))
     cache = TieredCache.build(embedded)
     layer_ids = embedded.layer_map.stage_layer_ids
-    async with embedded.scheduler.running():
+    async with cache.running():
         await cache.store(tokens, pages_of(embedded.geometries, 0))
         dst = pages_of(embedded.geometries, PAGES)
         for _ in range(TRIALS + 1):

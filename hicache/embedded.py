@@ -3,7 +3,10 @@ or from parts: layer map -> geometries -> copy backend -> device pools (the engi
 own for the demo) -> host tier -> scheduler.
 
 Lifecycle: `EmbeddedCache.build(...)` (or `from_config`) allocates everything at start;
-`async with cache.scheduler.running():` serves ops; `cache.close()` stops the copy backend.
+`async with cache.scheduler.running():` serves ops; `cache.close()` stops the copy backend
+(queued copies finish, its thread is joined). An engine that raises before `close()`, or
+never calls it, still exits: the backend's thread is a daemon, closed the same way at
+interpreter exit (`hicache/transfer/workers.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,8 @@ class EmbeddedCache:
         host_capacity_bytes: int,
         device_pages: int | Mapping[str, int] = 64,
         host_layout: HostLayout = "layer_first",
+        host_state_fraction: float = 0.25,
+        host_pages_per_group: Mapping[str, int] | None = None,
         backend: CopyBackend | None = None,
         device_pools: Mapping[str, DevicePool] | None = None,
         queue_depth: int = 64,
@@ -71,6 +76,8 @@ class EmbeddedCache:
                 host_layout,
                 backend.alloc_host,
                 pinned=backend.pins_host_memory,
+                state_fraction=host_state_fraction,
+                pages_per_group=host_pages_per_group,
             )
             scheduler = Scheduler(
                 layer_map,
@@ -122,6 +129,7 @@ class EmbeddedCache:
             host_capacity_bytes=d.host.capacity_bytes,
             device_pages=max(1, d.device.pool_capacity_bytes // per_page),
             host_layout=d.host.layout,
+            host_state_fraction=d.host.state_fraction,
             backend=backend,
             device_pools=device_pools,
             queue_depth=d.scheduler.queue_depth,

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.cache import TieredCache
 from hicache.scheduler import OpRequestError
-from hicache.tiered import TieredCache
 from tests.test_tiered import build, snapshot, wipe
 
 PAGE = 4
@@ -35,7 +35,7 @@ async def test_a_snapshot_is_filed_under_the_length_it_covers(tmp_path: Path) ->
     two pages, and an exact repeat looked up without its last token, both hit."""
     cache, _ = build(tmp_path, "qwen3_next_80b.json", host_pages=16)
     try:
-        async with cache.embedded.scheduler.running():
+        async with cache.running():
             tokens = list(range(14))
             full = {"full": [0, 1, 2]}
             with pytest.raises(
@@ -79,7 +79,7 @@ async def test_a_wrong_snapshot_cannot_stick(tmp_path: Path) -> None:
     snapshot under 12 is the one the engine says is the state after 12 tokens."""
     cache, _ = build(tmp_path, "qwen3_next_80b.json", host_pages=16)
     try:
-        async with cache.embedded.scheduler.running():
+        async with cache.running():
             tokens = list(range(14))
             fill_slot(cache, "linear", 0, 12.0)
             await cache.store(tokens, {"full": [0, 1, 2]}, snapshots={"linear": {12: 0}})
@@ -100,7 +100,7 @@ async def test_pages_the_engine_freed_are_never_stored_or_served(tmp_path: Path)
     bytes), a longer one whose window has moved past it does."""
     cache, _ = build(tmp_path, "gpt_oss_20b.json", host_pages=80, device_token_pages=80)
     try:
-        async with cache.embedded.scheduler.running():
+        async with cache.running():
             tokens = list(range(40 * PAGE))  # 160 tokens, 40 pages
             full = list(range(40))
             sliding: list[int | None] = list(range(40))

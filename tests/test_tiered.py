@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.cache import TieredCache
 from hicache.embedded import EmbeddedCache
 from hicache.index import AbsentKeys
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.storage import FaultyBackend, FileBackend, GuardedStore
-from hicache.tiered import TieredCache
 from tests.conftest import shared_model
 from tests.pages import split_store
 
@@ -80,7 +80,7 @@ def wipe(cache: TieredCache) -> None:
 async def test_store_evict_prefetch_load_byte_exact(tmp_path: Path, model: str) -> None:
     cache, _ = build(tmp_path, model, host_pages=6, prefetch_policy="wait_complete")
     try:
-        async with cache.embedded.scheduler.running():
+        async with cache.running():
             tokens = list(range(5 * PAGE))  # 5 full pages
             src = {
                 g: [3, 1, 4, 0, 2] if cache.index.rules[g].kind.is_token_cache else [1]
@@ -88,7 +88,8 @@ async def test_store_evict_prefetch_load_byte_exact(tmp_path: Path, model: str) 
             }
             want = snapshot(cache, src)
             stored = await cache.store(tokens, **split_args(cache, tokens, src))
-            assert stored.pages_persisted == stored.pages_stored > 0  # write-through
+            assert stored.pages_queued == stored.pages_stored > 0  # write-through, behind the ack
+            await cache.drain()
             assert cache.lookup(tokens).tokens_l2 == 5 * PAGE
             # another prompt fills L2: the first one's pages are evicted to make room
             other = list(range(1000, 1000 + 5 * PAGE))
@@ -103,6 +104,9 @@ async def test_store_evict_prefetch_load_byte_exact(tmp_path: Path, model: str) 
                     },
                 ),
             )
+            # its pages are being written to L3 behind the ack: until then none of them can
+            # make room for a fetch (L3 reads them), so let the writes land
+            await cache.drain()
             hit = cache.lookup(tokens)
             assert hit.pages_total == 5
             assert hit.pages_l2 < 5  # partly or wholly only in L3 now
@@ -141,10 +145,11 @@ async def test_store_evict_prefetch_load_byte_exact(tmp_path: Path, model: str) 
 async def test_dead_l3_shortens_the_hit_without_raising(tmp_path: Path) -> None:
     cache, faulty = build(tmp_path, "qwen2_7b.json", host_pages=4, prefetch_policy="wait_complete")
     try:
-        async with cache.embedded.scheduler.running():
+        async with cache.running():
             first = list(range(3 * PAGE))
             await cache.store(first, {"full": [0, 1, 2]})
             await cache.store(list(range(500, 500 + 3 * PAGE)), {"full": [3, 4, 5]})  # evicts
+            await cache.drain()  # the writes behind the acks land before L3 goes down
             assert cache.lookup(first).pages_total == 3
             faulty.down = True
             # L2 kept only the first prompt's page 2 (LRU evicted 0 and 1): no usable L2 prefix,
@@ -183,17 +188,18 @@ async def test_pages_persisted_before_a_restart_are_found_and_loaded(tmp_path: P
     tokens = list(range(4 * PAGE))
     first, _ = build(tmp_path, "qwen2_7b.json", host_pages=6)
     try:
-        async with first.embedded.scheduler.running():
+        async with first.running():
             want = snapshot(first, {"full": [0, 1, 2, 3]})
             stored = await first.store(tokens, {"full": [0, 1, 2, 3]})
-            assert stored.pages_persisted == 4
+            assert stored.pages_queued == 4
+            await first.drain()
     finally:
         first.embedded.close()
     # a new process over the same L3 directory: empty index, empty host tier
     second, _ = build(tmp_path, "qwen2_7b.json", host_pages=6, prefetch_policy="wait_complete")
     try:
         assert second.lookup(tokens).pages_total == 0  # the index alone knows nothing
-        async with second.embedded.scheduler.running():
+        async with second.running():
             wipe(second)
             handle, loaded = await second.load(tokens, {"full": [8, 9, 10, 11]})
             assert loaded.pages_total == 4
@@ -217,7 +223,7 @@ async def test_a_page_the_index_forgot_is_found_again_in_l3(tmp_path: Path) -> N
         l3_index_max_pages=2,
     )
     try:
-        async with cache.embedded.scheduler.running():
+        async with cache.running():
             first = list(range(2 * PAGE))
             want = snapshot(cache, {"full": [0, 1]})
             await cache.store(first, {"full": [0, 1]})
@@ -249,7 +255,7 @@ async def test_l3_saying_absent_spares_asking_again_for_a_while(tmp_path: Path) 
     now = [100.0]
     cache.discovery.absent = AbsentKeys(2.0, clock=lambda: now[0])
     try:
-        async with cache.embedded.scheduler.running():
+        async with cache.running():
             cold = list(range(7000, 7000 + 3 * PAGE))
             assert cache.needs_discovery(cold, cache.lookup(cold))
             calls = faulty.calls

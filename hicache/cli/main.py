@@ -45,7 +45,12 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
     demo.add_argument("--model", type=Path, help="a config.json to use instead of the config's")
     demo.add_argument("--json", action="store_true", help="end with one JSON line of figures")
-    demo.add_argument("--host-capacity", default="128MiB", help="the sidecar's L2, scaled down")
+    demo.add_argument(
+        "--host-capacity",
+        default=None,
+        help="the sidecar's L2 (default: sized from the layout, KV pages that spill to L3 "
+        "plus a few state snapshots)",
+    )
     demo.add_argument("--device-pages", type=int, default=64, help="the engine's pool per group")
     demo.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
     demo.add_argument("--keep", action="store_true", help="keep the run directory")
@@ -176,12 +181,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
         print("== layout")
         print(layout_table(loaded.layer_map()))
     trace = TraceOptions(**{name: getattr(args, name) for name, _ in _trace_defaults()})
+    host_bytes, state_fraction = args.host_capacity, None
+    if host_bytes is None:  # sized from the layout: a large hybrid's snapshot is tens of MiB
+        from hicache.demo import host_plan
+        from hicache.memory import CacheDtypes, GroupGeometry
+
+        d = loaded.deployment
+        dtypes = CacheDtypes.of_model(d.model)
+        plan = host_plan(
+            [
+                GroupGeometry.of(g, dtypes, d.model.page_size_tokens)
+                for g in loaded.layer_map().groups
+            ]
+        )
+        host_bytes, state_fraction = str(plan.capacity_bytes), plan.state_fraction
+        if not args.json:
+            print(plan.line())
     return run_demo(
         args.config,
         storage_kind=loaded.deployment.storage.kind,
         model=args.model,
         trace=trace,
-        host_bytes=args.host_capacity,
+        host_bytes=host_bytes,
+        state_fraction=state_fraction,
         device_pages=args.device_pages,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         as_json=args.json,

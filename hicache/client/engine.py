@@ -13,9 +13,15 @@ Lifecycle:
     client.close()                               # also removes the pool file
 
 A heartbeat thread (task, for the async client) keeps the session alive and carries the
-engine's per-layer stall times to the sidecar's metrics. When the connection drops, the next
-call reconnects once, says hello and re-registers the same pools (loads in flight on the old
-connection fail with `LoadLostError`), then retries the call.
+engine's per-layer stall times to the sidecar's metrics. It is a daemon (`hicache-heartbeat`)
+and holds nothing that must be finished, so an engine that raises before `close()` still
+exits; the sidecar then sees the session end (or its heartbeats stop) and removes the pool
+file once the process is gone. `close()` stops it and joins it. The async client's task is
+cancelled with its loop (`asyncio.run` cancels what is left).
+
+When the connection drops, the next call reconnects once, says hello and re-registers the
+same pools (loads in flight on the old connection fail with `LoadLostError`), then retries
+the call.
 """
 
 from __future__ import annotations
@@ -74,7 +80,9 @@ class Client(ClientBase):
         self._connect()
         self._beat: threading.Thread | None = None
         if heartbeat:
-            self._beat = threading.Thread(target=self._heartbeats, daemon=True)
+            self._beat = threading.Thread(
+                target=self._heartbeats, name="hicache-heartbeat", daemon=True
+            )
             self._beat.start()
 
     # ---- transport ------------------------------------------------------------------------

@@ -97,7 +97,15 @@ class HostSection(Section):
     capacity_bytes: ByteSize = Field(
         default=parse_bytes("256MiB"),
         gt=0,
-        description="L2 per engine namespace, split into equal page counts per cache group",
+        description="L2 per engine namespace: token groups share it by tokens, state groups "
+        "(linear / Mamba / conv) get state_fraction of it in snapshots",
+    )
+    state_fraction: float = Field(
+        default=0.25,
+        gt=0,
+        lt=1,
+        description="share of capacity_bytes for state snapshots, when the model has state "
+        "groups beside token groups",
     )
     layout: Literal["layer_first", "page_first"] = Field(
         default="layer_first",
@@ -225,6 +233,12 @@ class CacheSection(Section):
         ge=0,
         description="how long L3's answer that it lacks a page spares asking again (engines "
         "look up a waiting request's prompt at every scheduling step); 0: always ask",
+    )
+    persist_queue_pages: int = Field(
+        default=65_536,
+        ge=1,
+        description="pages waiting to be written to L3 behind acknowledged stores, at most; "
+        "beyond it new ones are dropped (counted), never the store delayed",
     )
     l3_index_max_pages: int = Field(
         default=262_144,

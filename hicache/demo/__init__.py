@@ -17,17 +17,59 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
 from hicache.config import format_bytes
 from hicache.demo.trace import TraceOptions
+from hicache.memory import GroupGeometry
 from hicache.service.process import SidecarProcess, SidecarStartError
+
+DEMO_KV_BYTES = 96 * 2**20  # L2 for KV pages: small, so the trace spills to L3
+DEMO_SNAPSHOTS = 4  # L2 state snapshots per state group (and engine slots for them)
+
+
+@dataclass(frozen=True, slots=True)
+class HostPlan:
+    """The demo's L2, sized from the layout: KV pages for a spilling trace, and a few
+    snapshots per state group (a large hybrid's snapshot is tens of MiB)."""
+
+    capacity_bytes: int
+    state_fraction: float | None  # None: the model has only one kind of group
+    kv_bytes: int
+    state_bytes: int
+
+    def line(self) -> str:
+        if self.state_fraction is None:
+            return f"host tier sized from the layout: {format_bytes(self.capacity_bytes)}"
+        return (
+            f"host tier sized from the layout: {format_bytes(self.capacity_bytes)} = "
+            f"{format_bytes(self.kv_bytes)} for KV pages + {format_bytes(self.state_bytes)} for "
+            f"{DEMO_SNAPSHOTS} snapshots per state group (--host-capacity sets it)"
+        )
+
+
+def host_plan(geometries: Sequence[GroupGeometry]) -> HostPlan:
+    tokens = [g for g in geometries if g.group.kind.is_token_cache]
+    states = [g for g in geometries if not g.group.kind.is_token_cache]
+    kv = max(DEMO_KV_BYTES, 8 * sum(g.page_bytes for g in tokens)) if tokens else 0
+    state = DEMO_SNAPSHOTS * sum(g.page_bytes for g in states)
+    # a little slack, so rounding never leaves a group a page short
+    if tokens and states:
+        total = kv + state + sum(g.page_bytes for g in geometries)
+        return HostPlan(total, (state + sum(g.page_bytes for g in states)) / total, kv, state)
+    total = (kv or state) + sum(g.page_bytes for g in geometries)
+    return HostPlan(total, None, kv, state)
 
 
 def demo_env(
-    run_dir: Path, storage_kind: str, host_bytes: str, model: Path | None
+    run_dir: Path,
+    storage_kind: str,
+    host_bytes: str,
+    model: Path | None,
+    state_fraction: float | None = None,
 ) -> dict[str, str]:
     """Overrides that scale the deployment down and keep this run's files in `run_dir`."""
     env = {
@@ -36,6 +78,8 @@ def demo_env(
         "HICACHE_HOST__CAPACITY_BYTES": host_bytes,
         "HICACHE_CACHE__PREFETCH_POLICY": "wait_complete",
     }
+    if state_fraction is not None:
+        env["HICACHE_HOST__STATE_FRACTION"] = f"{state_fraction:.6f}"
     if storage_kind == "file":
         env["HICACHE_STORAGE__PATH"] = str(run_dir / "l3")
     if model is not None:
@@ -144,7 +188,8 @@ def run_demo(
     storage_kind: str,
     model: Path | None = None,
     trace: TraceOptions | None = None,
-    host_bytes: str = "128MiB",
+    host_bytes: str | None = None,
+    state_fraction: float | None = None,
     device_pages: int = 64,
     prefill_tokens_per_s: float = 50_000.0,
     as_json: bool = False,
@@ -152,7 +197,7 @@ def run_demo(
 ) -> int:
     trace = trace or TraceOptions()
     run_dir = Path(tempfile.mkdtemp(prefix="hicache-demo-"))
-    env = demo_env(run_dir, storage_kind, host_bytes, model)
+    env = demo_env(run_dir, storage_kind, host_bytes or "128MiB", model, state_fraction)
     out = sys.stdout
     try:
         print(f"\n== sidecar: hicache serve --config {config} (run dir {run_dir})", file=out)

@@ -332,7 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         token=d.service.token.get_secret_value() if d.service.token else None,
     )
     try:
-        pools = client.create_pools(args.device_pages)
+        # a state group needs a slot per resident sequence, not per page: a few will do (a
+        # large hybrid's snapshot is tens of MiB)
+        pools = client.create_pools(
+            {
+                name: args.device_pages
+                if g.group.kind.is_token_cache
+                else min(4, args.device_pages)
+                for name, g in client.geometries.items()
+            }
+        )
         client.register_pools(pools)
         engine = SyntheticEngine(client, pools, d.model.page_size_tokens, args.prefill_tokens_per_s)
         emit("start", requests=len(trace), device_pages=args.device_pages)

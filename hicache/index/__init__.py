@@ -1,6 +1,6 @@
 """The prefix index: page keys, where each page lives per tier, hybrid-aware lookup, eviction
 strategies and write/prefetch policies. No torch; it keeps the books, the scheduler moves the
-bytes. The L3 backends are in `hicache.storage`; `hicache.tiered` wires the two together."""
+bytes. The L3 backends are in `hicache.storage`; `hicache.cache` wires the two together."""
 
 from hicache.index.absent import AbsentKeys
 from hicache.index.eviction import EVICTION_POLICIES, EvictionPolicy, LruPolicy, S3FifoPolicy

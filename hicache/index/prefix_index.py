@@ -22,7 +22,7 @@ No torch here; the scheduler moves the bytes, this only keeps the books.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hicache.errors import HicacheError, PinError
@@ -140,9 +140,11 @@ class PrefixIndex:
     def keys(self, token_ids: Sequence[int]) -> dict[str, list[PageKey]]:
         return {group: keyer.keys(token_ids) for group, keyer in self.keyers.items()}
 
-    def lookup(self, token_ids: Sequence[int], *, touch: bool = True, skip_pages: int = 0) -> Hit:
+    def lookup(self, token_ids: Sequence[int], *, touch: bool = False, skip_pages: int = 0) -> Hit:
         """The hit per tier. `skip_pages`: the engine holds the prompt's first pages already
-        (its own device cache); they count as served, and `needed` lists only later pages."""
+        (its own device cache); they count as served, and `needed` lists only later pages.
+        A lookup changes nothing unless `touch` (engines probe waiting requests at every step:
+        a probe is not a use; loads count their hits, `touch`)."""
         keys = self.keys(token_ids)
         pages = min((len(k) for k in keys.values()), default=0)
         skip = min(skip_pages, pages)
@@ -158,13 +160,7 @@ class PrefixIndex:
             )
             needed[group] = rows
             if touch:
-                l3_only = self._l3_only[group]
-                for _, record in rows:
-                    record.hits += 1
-                    if record.l2_page is not None:
-                        self._policies[group].touch(record.key)
-                    elif record.key in l3_only:
-                        l3_only.move_to_end(record.key)
+                self.touch(group, [r for _, r in rows])
         return Hit(self.page_size_tokens, pages_l2, pages_total, needed)
 
     def _longest(
@@ -274,11 +270,31 @@ class PrefixIndex:
             del records[old]
         self.l3_forgotten[group] += len(victims)
 
-    def l2_victims(self, group: str, count: int) -> list[PageRecord]:
-        """Up to `count` unpinned L2 pages to evict, in the policy's order (not yet dropped)."""
+    def l2_victims(
+        self, group: str, count: int, can_evict: Callable[[PageRecord], bool] | None = None
+    ) -> list[PageRecord]:
+        """Up to `count` unpinned L2 pages to evict, in the policy's order (not yet dropped);
+        `can_evict` may refuse more (pages a plan reserved, or a copy still reads)."""
         records = self._records[group]
-        keys = self._policies[group].victims(count, lambda k: records[k].pins == 0)  # type: ignore[index]
+        if can_evict is None:
+            keys = self._policies[group].victims(count, lambda k: records[k].pins == 0)  # type: ignore[index]
+        else:
+            check = can_evict
+            keys = self._policies[group].victims(
+                count,
+                lambda k: records[k].pins == 0 and check(records[k]),  # type: ignore[index]
+            )
         return [records[k] for k in keys]  # type: ignore[index]
+
+    def touch(self, group: str, records: Sequence[PageRecord]) -> None:
+        """A load used these pages: count the hits, and mark them recently used."""
+        l3_only = self._l3_only[group]
+        for record in records:
+            record.hits += 1
+            if record.l2_page is not None:
+                self._policies[group].touch(record.key)
+            elif record.key in l3_only:
+                l3_only.move_to_end(record.key)
 
     def drop_l2(self, group: str, key: PageKey) -> int:
         """Forget the page's L2 copy; returns the host page to free. The record stays while

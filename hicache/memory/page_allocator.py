@@ -127,6 +127,10 @@ class PageAllocator:
     def is_allocated(self, page: int) -> bool:
         return page in self._used
 
+    def is_pinned(self, page: int) -> bool:
+        """A copy still reads or writes it: it can be neither freed nor reused."""
+        return page in self._pins
+
     def stats(self) -> AllocatorStats:
         return AllocatorStats(self.num_pages, self._free_count, len(self._pins))
 

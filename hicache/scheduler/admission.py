@@ -1,8 +1,9 @@
 """Admission: validate an op's request, select the pages each group moves, and reserve them.
 
 `select_pages` checks every group against the layer map and the hybrid rules (moves.py);
-`reserve` pins a load's host pages, or allocates a backup's (a run, handed to the device
-pages in ascending order so the copy is one gather), and builds each group's move. On any
+`reserve` pins a load's host pages, or a backup's — the ones its caller reserved (the cache's
+planner does), or a run it allocates itself, handed to the device pages in ascending order so
+the copy is one gather — and builds each group's move. On any
 error the caller releases what was reserved, so a rejected op leaves every pool as it was.
 """
 
@@ -35,9 +36,15 @@ def select_pages(
                 f"group {name!r}: {len(pages.device_pages)} device pages but "
                 f"{len(pages.host_pages)} host pages; a load pairs them one to one"
             )
-        if kind is OpKind.BACKUP and pages.host_pages:
+        if (
+            kind is OpKind.BACKUP
+            and pages.host_pages
+            and (len(pages.host_pages) != len(pages.device_pages))
+        ):
             raise OpRequestError(
-                f"group {name!r}: a backup allocates its host pages; pass device pages only"
+                f"group {name!r}: {len(pages.device_pages)} device pages but "
+                f"{len(pages.host_pages)} host pages; a backup either names one reserved host "
+                "page per device page or none (the scheduler allocates them)"
             )
         selection = select(
             group,
@@ -76,6 +83,14 @@ def reserve(
                     raise OpRequestError(
                         f"group {name!r}: host page {page} holds nothing (not allocated "
                         f"in the host pool of {host.num_pages} pages)"
+                    )
+        elif pages.host_pages:  # reserved by the caller, who keeps them whatever happens
+            hosts = [pages.host_pages[i] for i in selection.positions]
+            for page in hosts:
+                if not 0 <= page < host.num_pages or not host.allocator.is_allocated(page):
+                    raise OpRequestError(
+                        f"group {name!r}: host page {page} is not reserved (not allocated in "
+                        f"the host pool of {host.num_pages} pages)"
                     )
         else:
             run = host.allocator.alloc(len(dev))

@@ -33,8 +33,10 @@ class OpState(StrEnum):
 @dataclass(frozen=True, slots=True)
 class GroupPages:
     """One group's pages of a prefix, in token order. For a load, `host_pages[i]` holds what
-    goes to `device_pages[i]`; for a backup, leave `host_pages` empty: the scheduler allocates
-    them. State groups (linear / mamba / conv) carry exactly one page: the snapshot slot.
+    goes to `device_pages[i]`; for a backup, `host_pages` are pages the caller reserved (it
+    keeps them, success or not), or empty: the scheduler allocates them. A load of a state
+    group (linear / mamba / conv) carries exactly one page, the snapshot slot; a backup one
+    per snapshot.
 
     `device_pages[i]` is page `first_page + i` of the prompt. `num_tokens` is the prefix
     length the load serves: a sliding or chunked group's load must say it (which pages its

@@ -14,6 +14,12 @@ the stage's layers through the layer map and submits the whole walk to the copy 
 once — submit. The backend reports the walk from its thread; `_walk_done` records outcomes
 and releases pins and budget — complete/abort, in exactly one place (`_finish`).
 
+A caller cancelled (or failing) at an await of `load`, `load_step` or `backup` — waiting for
+queue space, or for its walk to be submitted — takes its ops with it (`_abandon`): an op not
+yet queued or still queued ends CANCELLED at once, its pins and pages released; one whose walk
+was submitted is cancelled like any running op and ends, its pins released, when the backend
+reports the walk. Nothing is left that no one holds a handle to.
+
 A walk that stops at a layer (backend.py: a failed copy stops it, later layers are skipped)
 fails every op with a group at or after the stop; the consumers of its layers from the stop
 on hear it through the counter while the walk is still ending (`OpHandle.wait_layer` raises),
@@ -181,15 +187,22 @@ class Scheduler:
         (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work.
         `on_layer(upto, None)` hears, from the backend's thread, each stage-local layer count
         that has landed, and `on_layer(k, failure)` the walk's stop at layer k if it stops
-        (the sidecar's cross-process counter; `LayerListener`)."""
+        (the sidecar's cross-process counter; `LayerListener`). A caller cancelled while this
+        waits (for queue space or a walk slot) cancels its ops: nothing stays pinned, and no
+        walk writes its device pages after it (one already submitted is cancelled and ends
+        when the backend reports it)."""
         ops = self._admit_all(OpKind.LOAD, requests, deadline_s)
-        await self._enqueue(WalkBatch(OpKind.LOAD, ops, on_layer=on_layer))
-        # Fast path: start whatever is ready now, in this task, rather than a loop iteration
-        # later in the dispatcher (same rules; the loop runs one of them at a time).
-        while (ready := self._next_ready()) is not None:
-            self._launch(ready)
-        if not all(op.submitted.done() for op in ops):
-            await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
+        try:
+            await self._enqueue(WalkBatch(OpKind.LOAD, ops, on_layer=on_layer))
+            # Fast path: start whatever is ready now, in this task, rather than a loop
+            # iteration later in the dispatcher (same rules; the loop runs one at a time).
+            while (ready := self._next_ready()) is not None:
+                self._launch(ready)
+            if not all(op.submitted.done() for op in ops):
+                await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
+        except BaseException as exc:  # cancelled (or failed) before the caller got its handles
+            self._abandon(ops, exc)
+            raise
         return [OpHandle(self, op) for op in ops]
 
     async def backup(
@@ -202,12 +215,17 @@ class Scheduler:
         """Copy device pages to newly allocated host pages, ordered after the producer's work:
         after `fence` (made with `backend.producer_fence()` on the thread and stream that wrote
         the KV), or, without one, after the work queued on this thread's current stream. The
-        result's outcomes name the host pages (owned by the caller once DONE)."""
+        result's outcomes name the host pages (owned by the caller once DONE). A caller
+        cancelled while this waits for queue space cancels the op: its pages are freed."""
         if fence is None:
             fence = self.backend.producer_fence()
         ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s)
         ops[0].fence = fence
-        await self._enqueue(WalkBatch(OpKind.BACKUP, ops))
+        try:
+            await self._enqueue(WalkBatch(OpKind.BACKUP, ops))
+        except BaseException as exc:  # cancelled (or failed) waiting for queue space
+            self._abandon(ops, exc)
+            raise
         return OpHandle(self, ops[0])
 
     def attach_device_pools(self, device_pools: Mapping[str, DevicePool]) -> None:
@@ -241,12 +259,22 @@ class Scheduler:
                 f"{len(self._in_flight)} walk(s) in flight, {queued} queued"
             )
 
-    def cancel_op(self, op: OpRecord) -> None:
+    def cancel_op(self, op: OpRecord, reason: str = "cancelled before it started") -> None:
+        """A queued op (or one admitted, not yet queued) ends now, CANCELLED with `reason`;
+        a running one asks its walk to stop and ends when the backend reports the walk."""
         if op.state is OpState.QUEUED:
-            self._finish(op, OpState.CANCELLED, error="cancelled before it started")
+            self._finish(op, OpState.CANCELLED, error=reason)
         elif op.state is OpState.RUNNING:
             op.cancel_requested = True
             self._maybe_cancel_walk(op)
+
+    def _abandon(self, ops: Sequence[OpRecord], cause: BaseException) -> None:
+        """The caller left before it got its handles (cancelled at an await, or an error):
+        no one can wait for, use or cancel these ops, so cancel them all now."""
+        why = "cancelled" if isinstance(cause, asyncio.CancelledError) else type(cause).__name__
+        for op in ops:
+            self.cancel_op(op, f"its caller left ({why}) before it got the op's handle")
+        self._set_idle()
 
     def stats(self) -> SchedulerStats:
         return self.recorder.snapshot(
@@ -385,7 +413,10 @@ class Scheduler:
         loop = self.loop
 
         def done(errors: dict[int, BaseException]) -> None:  # backend thread
-            loop.call_soon_threadsafe(self._walk_done, batch, errors)
+            if loop.is_closed():
+                return  # the loop is gone (a process exiting): no one is left to hear it
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                loop.call_soon_threadsafe(self._walk_done, batch, errors)
 
         if batch.kind is OpKind.LOAD:
             batch.counter = self._ring.acquire(batch.ops[0].op_id, len(layers))
@@ -438,6 +469,10 @@ class Scheduler:
         self._in_flight.discard(batch)
         self._wake.set()
         self._set_idle()
+
+    async def idle(self) -> None:
+        """Until no op is queued or in flight (every walk ended, its pins released)."""
+        await self._idle.wait()
 
     def _set_idle(self) -> None:
         if not self._in_flight and self._queued_ops == 0:

@@ -28,8 +28,8 @@ from hicache.storage import GuardedStore
 from hicache.storage.breaker import BreakerState
 
 if TYPE_CHECKING:
+    from hicache.cache import TieredCache
     from hicache.service.namespaces import Namespace
-    from hicache.tiered import TieredCache
 
 _BYTES_BUCKETS = tuple(float(2**i) for i in range(12, 34, 2))  # 4 KiB .. 8 GiB
 _SECONDS_BUCKETS = (1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0)

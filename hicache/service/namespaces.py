@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from hicache.cache import TieredCache
 from hicache.config import Deployment
 from hicache.embedded import EmbeddedCache
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 from hicache.storage import GuardedStore
-from hicache.tiered import TieredCache
 from hicache.transfer import CopyBackend
 
 
@@ -68,6 +68,7 @@ class Namespace:
             key_algorithm=d.cache.key_algorithm,
             l3_index_max_pages=d.cache.l3_index_max_pages,
             l3_absent_ttl_s=d.cache.l3_absent_ttl_s,
+            persist_queue_pages=d.cache.persist_queue_pages,
         )
         namespace = cls(key, cache)
         started = asyncio.Event()
@@ -76,7 +77,7 @@ class Namespace:
         return namespace
 
     async def _run(self, started: asyncio.Event) -> None:
-        async with self.cache.embedded.scheduler.running():
+        async with self.cache.running():
             started.set()
             await self._stop.wait()
             await self.cache.drain()

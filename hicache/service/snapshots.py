@@ -14,11 +14,19 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
     cache = namespace.cache
     sched = cache.embedded.scheduler.stats()
     groups = {}
-    for group in cache.index.rules:
+    for group, rule in cache.index.rules.items():
         pool = cache.embedded.host_tier.pool(group)
+        token_group = rule.kind.is_token_cache
         groups[group] = {
             "l2_pages": cache.index.l2_pages(group),
             "l2_capacity_pages": pool.num_pages,
+            # what a page is: page_size tokens of KV, or one state snapshot
+            "l2_budget": (
+                {"tokens": pool.num_pages * cache.index.page_size_tokens}
+                if token_group
+                else {"snapshots": pool.num_pages}
+            ),
+            "l2_bytes": pool.nbytes,
             "pinned_pages": cache.index.pinned_pages(group),
             "l3_pages_known": cache.index.l3_pages(group),
             "l3_only_pages": cache.index.l3_only_pages(group),
@@ -35,6 +43,8 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "in_flight_bytes": sched.in_flight_bytes,
         "in_flight_walks": sched.in_flight_walks,
         "ops_by_state": dict(sched.ops_by_state),
+        "persist": asdict(cache.persist.stats()),
+        "background_errors": cache.background_errors,
         "load": asdict(sched.load),
         "backup": asdict(sched.backup),
     }

@@ -3,8 +3,12 @@
 Lifecycle: created at start (the worker thread starts, with one torch intra-op thread of its
 own); `submit_walk` puts a whole walk on a FIFO queue in one step and returns its progress;
 the worker runs the layers in order, advancing the progress as each lands, and reports the
-walk once; `close` lets queued work finish and joins the thread. Not
-a daemon: the owner must close it (the scheduler does, in its shutdown).
+walk once; `close` (the owner's: `EmbeddedCache.close`, the sidecar's shutdown) lets queued
+work finish and joins the thread. The thread is a daemon registered with `workers`: a process
+that raises before `close()`, or never calls it, still exits — at exit the backend is closed
+the same way, queued work included, with the join bounded (workers.py says why this design).
+A callback that raises (`done`, `on_layer`) is logged and the worker goes on with the next
+walk: a dead worker would leave every later walk unreported.
 
 A layer that raises (or that the worker reaches after the walk was cancelled) stops the walk
 there: the progress never passes it (`WalkProgress.stop`), the listener hears the stop at
@@ -13,6 +17,7 @@ once, the later layers are skipped (reported as `CopyCancelled`), then `done` ru
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Sequence
@@ -22,6 +27,7 @@ import torch
 
 from hicache.errors import TransferError
 from hicache.memory.hugepages import advise_hugepages
+from hicache.transfer import workers
 from hicache.transfer.backend import (
     CancelToken,
     CopyBackend,
@@ -35,6 +41,8 @@ from hicache.transfer.backend import (
     WalkSignals,
 )
 from hicache.transfer.rows import copy_rows_cpu
+
+log = logging.getLogger("hicache.transfer")
 
 _Job = tuple[
     Direction,
@@ -96,8 +104,9 @@ class CpuCopyBackend(CopyBackend):
         self._staging = torch.empty(staging_bytes, dtype=torch.uint8)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="hicache-cpu-copy")
+        self._thread = threading.Thread(target=self._run, name="hicache-cpu-copy", daemon=True)
         self._thread.start()
+        workers.register(self)
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)
@@ -130,7 +139,10 @@ class CpuCopyBackend(CopyBackend):
             item = self._queue.get()
             if item is None:
                 return
-            self._walk(*item)
+            try:
+                self._walk(*item)
+            except Exception:  # from a callback: the walk's copies are done or skipped
+                log.exception("copy worker: a walk's callback raised; later walks still run")
 
     def _walk(
         self,
@@ -177,8 +189,17 @@ class CpuCopyBackend(CopyBackend):
                 copy_rows_cpu(src, src_rows, dst, dst_rows, staging)
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._queue.put(None)
-        self._thread.join()
+        """Accept no more walks, let the queued ones finish, join the worker; idempotent."""
+        self._stop(None)
+
+    def close_for_exit(self, timeout_s: float) -> None:
+        """`close` at interpreter exit (workers.py): the join waits at most `timeout_s`."""
+        self._stop(timeout_s)
+
+    def _stop(self, timeout_s: float | None) -> None:
+        if not self._closed:
+            self._closed = True
+            workers.forget(self)
+            self._queue.put(None)  # after every walk already queued
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout_s)

@@ -3,11 +3,18 @@
 Lifecycle: created at start with a load stream (higher priority) and a backup stream, one
 device staging buffer per stream, and a completion thread. `submit_walk` enqueues every layer
 on the direction's stream — after the producer's fence for backups — recording an event per
-layer; the
-consumer's `wait()` makes its current stream wait on that event (no host sync); the completion
-thread waits the events in order and reports `done`. Page-granular moves are batched: a run
-of host pages is one `cudaMemcpyAsync` into staging, and the device side is one gather
-(`index_select`) or scatter (`index_copy_`) kernel, never one memcpy per page per layer.
+layer; the consumer's `wait()` makes its current stream wait on that event (no host sync); the
+completion thread waits the events in order and reports `done`. `close` lets the pending walks
+complete, joins the thread, synchronizes the device and unregisters the host buffers.
+
+The completion thread is a daemon registered with `workers`, so a process that raises before
+`close()` still exits: at exit the backend is closed the same way with the join bounded, and
+where the join timed out (a copy still running) the device sync and the unregistering are left
+to the process's end, never done under a copy in flight (workers.py says why this design).
+
+Page-granular moves are batched: a run of host pages is one `cudaMemcpyAsync` into staging,
+and the device side is one gather (`index_select`) or scatter (`index_copy_`) kernel, never
+one memcpy per page per layer.
 page_first host rows are strided: a run of pages is one `cudaMemcpy2DAsync` (`cuda_2d`), or
 one copy per page where the runtime's function cannot be found.
 Host buffers are pinned: small ones by torch's pinned allocator, large ones registered with
@@ -27,6 +34,7 @@ whole walk failed in `done`'s errors); a consumer already ordered after it learn
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 from collections.abc import Sequence
@@ -36,6 +44,7 @@ from typing import Literal
 import torch
 
 from hicache.errors import TransferError
+from hicache.transfer import workers
 from hicache.transfer.backend import (
     CancelToken,
     CopyBackend,
@@ -51,6 +60,8 @@ from hicache.transfer.backend import (
 )
 from hicache.transfer.cuda_2d import Memcpy2D
 from hicache.transfer.rows import Rows, check_row_pair
+
+log = logging.getLogger("hicache.transfer")
 
 
 class CudaWalkSignals(WalkSignals):
@@ -131,8 +142,11 @@ class CudaCopyBackend(CopyBackend):
         self._uploaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._pending: queue.SimpleQueue[_PendingWalk | None] = queue.SimpleQueue()  # None: stop
         self._closed = False
-        self._thread = threading.Thread(target=self._complete, name="hicache-cuda-complete")
+        self._thread = threading.Thread(
+            target=self._complete, name="hicache-cuda-complete", daemon=True
+        )
         self._thread.start()
+        workers.register(self)
 
     # ---- host memory ------------------------------------------------------------------
 
@@ -319,16 +333,32 @@ class CudaCopyBackend(CopyBackend):
                 errors = {**errors, -1: exc}
                 signals.stop(LayerFailure.of(position, exc))
             stopped = signals.failure
-            if on_layer is not None and stopped is not None:
-                on_layer(stopped.position, stopped)
-            item.done(errors)
+            try:
+                if on_layer is not None and stopped is not None:
+                    on_layer(stopped.position, stopped)
+                item.done(errors)
+            except Exception:  # a dead completion thread would leave every later walk unheard
+                log.exception("completion thread: a walk's callback raised; later walks go on")
 
     def close(self) -> None:
-        if self._closed:
+        """Accept no more walks, let pending ones complete, join the completion thread, then
+        synchronize and unregister the host buffers; idempotent."""
+        self._stop(None)
+
+    def close_for_exit(self, timeout_s: float) -> None:
+        """`close` at interpreter exit (workers.py): the join waits at most `timeout_s`."""
+        self._stop(timeout_s)
+
+    def _stop(self, timeout_s: float | None) -> None:
+        if not self._closed:
+            self._closed = True
+            workers.forget(self)
+            self._pending.put(None)  # after every walk already pending
+        if threading.current_thread() is self._thread:
             return
-        self._closed = True
-        self._pending.put(None)
-        self._thread.join()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            return  # a copy may still run: never unregister memory under it
         torch.cuda.synchronize(self.device)
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
         for ptr, _ in self._registered:

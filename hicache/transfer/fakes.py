@@ -115,6 +115,6 @@ class FakeCopyBackend(CpuCopyBackend):
         super()._run_layer(direction, position, parts)
         self.layers_run += 1
 
-    def close(self) -> None:
-        self.open_gate()
-        super().close()
+    def _stop(self, timeout_s: float | None) -> None:
+        self.open_gate()  # a walk held at the gate must end: `close` and exit join it
+        super()._stop(timeout_s)

@@ -99,7 +99,7 @@ def test_secret_token_is_redacted(tmp_path: Path) -> None:
             BASE + "host:\n  capasity_bytes: 1GiB\n",
             {},
             r"{f}: host\.capasity_bytes: unknown key; allowed keys here: capacity_bytes, layout, "
-            r"pin_chunk_bytes, pin_memory, prefault$",
+            r"pin_chunk_bytes, pin_memory, prefault, state_fraction$",
         ),
         (
             BASE + "host:\n  capacity_bytes: 12 parsecs\n",

@@ -282,7 +282,9 @@ def test_l3_only_records_are_bounded_least_recent_first() -> None:
     keys = [index.keys(tokens)["full"][0] for tokens in prompts]
     for key in keys[:3]:
         index.mark_l3("full", key)
-    assert index.lookup(prompts[0]).pages_total == 1  # a hit makes page 0 the most recent
+    assert (
+        index.lookup(prompts[0], touch=True).pages_total == 1
+    )  # a load makes page 0 the most recent
     index.mark_l3("full", keys[3])  # over the bound: the least recent (page 1) goes
     assert index.record("full", keys[1]) is None
     assert [index.record("full", k) is not None for k in keys[:4]] == [True, False, True, True]

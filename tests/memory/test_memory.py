@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from hicache.errors import ConfigError, PinError, PoolExhaustedError, PoolShapeError
 from hicache.memory import DevicePool, GroupGeometry, HostPool, HostTier, PageAllocator
+from hicache.memory.host_tier import budget_pages
 from hicache.model import CacheGroup, CacheKind, CacheSpec, KvFormat, LayerMap, load_layout
 from tests.conftest import shared_model
 
@@ -180,20 +181,42 @@ def test_host_layouts_place_the_same_rows_differently() -> None:
         HostPool(g, 3, "layer_first", torch.zeros(10, dtype=torch.uint8))
 
 
-def test_host_tier_sizes_every_group_alike_within_budget() -> None:
+def test_host_tier_sizes_every_token_group_alike_within_budget() -> None:
     layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
     geometries = [GroupGeometry(grp, torch.bfloat16, 16) for grp in layer_map.groups]
     per_page = sum(g.page_bytes for g in geometries)
     tier = HostTier.create(
         geometries, 10 * per_page + 5, "page_first", lambda n: torch.zeros(n, dtype=torch.uint8)
     )
-    assert tier.report.pages_per_group == 10
+    assert tier.report.pages_per_group == {"full": 10, "sliding": 10}
     assert tier.nbytes == 10 * per_page <= tier.report.capacity_bytes
     assert {p.num_pages for p in tier.pools.values()} == {10}
-    assert "pages per group" in tier.report.lines()[0]
+    assert "pages per group: full 10, sliding 10" in tier.report.lines()[0]
     with pytest.raises(
         ConfigError,
-        match=r"^host\.capacity_bytes 1KiB cannot hold one page across all "
-        r"cache groups \(768KiB\); raise it or lower model\.page_size_tokens$",
+        match=r"^host\.capacity_bytes 1KiB cannot hold one page of the token groups \(full, "
+        r"sliding: 768KiB, 1KiB budgeted for them\); allowed: at least 768KiB$",
     ):
         HostTier.create(geometries, 1024, "page_first", lambda n: torch.zeros(n, dtype=torch.uint8))
+
+
+def test_host_tier_budgets_state_groups_by_snapshots() -> None:
+    """Qwen3-Next-80B at equal page counts spent 92 of 96 GiB on state snapshots; by need,
+    the snapshots get `state_fraction` of the budget and the KV pages the rest."""
+    layer_map = LayerMap(load_layout(shared_model("qwen3_next_80b.json")))
+    geometries = [GroupGeometry(grp, torch.bfloat16, 16) for grp in layer_map.groups]
+    by_name = {g.name: g for g in geometries}
+    budget = 8 << 30
+    counts = budget_pages(geometries, budget, 0.25)
+    state_bytes = counts["linear"] * by_name["linear"].page_bytes
+    token_bytes = counts["full"] * by_name["full"].page_bytes
+    assert state_bytes <= budget * 0.25 < state_bytes + by_name["linear"].page_bytes
+    assert token_bytes <= budget * 0.75 < token_bytes + by_name["full"].page_bytes
+    assert counts["full"] > 50 * counts["linear"]  # KV pages far outnumber snapshots
+    with pytest.raises(
+        ConfigError,
+        match=r"^host\.capacity_bytes 64MiB cannot hold one snapshot of the state groups "
+        r"\(linear: .+, 16MiB budgeted for them\); allowed: at least .+ \(or a larger "
+        r"host\.state_fraction\)$",
+    ):
+        budget_pages(geometries, 64 << 20, 0.25)

@@ -651,9 +651,9 @@ async def run_embedded(
     """Store A, NaN the pools, look up and load, restore, continue, compare (module doc).
     With `l3_dir`, L2 is emptied after the store so the load comes from L3. `skip_pages`: the
     engine holds the first pages itself (written back after the NaN fill) and loads the rest."""
+    from hicache.cache import TieredCache
     from hicache.embedded import EmbeddedCache
     from hicache.storage import FileBackend, GuardedStore
-    from hicache.tiered import TieredCache
 
     sizes = pool_sizes(tm, case)
     embedded = EmbeddedCache.build(
@@ -674,12 +674,13 @@ async def run_embedded(
     )
     pools = embedded.device_pools
     try:
-        async with embedded.scheduler.running():
+        async with cache.running():
             stored = 0
             for pre, pages, snapshots in staged_stores(tm, pools, case, sizes):
                 result = await cache.store(pre.tokens, pages, snapshots=snapshots)
                 stored += result.pages_stored
             if l3_dir is not None:
+                await cache.drain()  # L3 is written behind the acked stores
                 cache.clear_l2()
             fill_nan(pools)
             hit = cache.lookup(case.lookup)

@@ -205,8 +205,8 @@ async def test_a_snapshot_off_a_page_boundary_or_past_the_prompt_is_refused(
 ) -> None:
     """A 14-token prompt at P=4 can file snapshots for 4, 8 and 12 tokens only: 14 (not a page
     boundary), 16 (past the prompt) and 0 are refused with the group and the length named."""
+    from hicache.cache import TieredCache
     from hicache.embedded import EmbeddedCache
-    from hicache.tiered import TieredCache
 
     tm = zoo.get("qwen3_next")
     embedded = EmbeddedCache.build(
@@ -218,7 +218,7 @@ async def test_a_snapshot_off_a_page_boundary_or_past_the_prompt_is_refused(
     )
     cache = TieredCache.build(embedded)
     try:
-        async with embedded.scheduler.running():
+        async with cache.running():
             tokens = list(range(1, 15))
             with pytest.raises(OpRequestError, match=rf"linear.*\b{label}\b"):
                 await cache.store(tokens, {"full": [0, 1, 2]}, snapshots={"linear": {label: 0}})
@@ -233,8 +233,8 @@ async def test_a_store_without_snapshots_gives_a_state_model_no_hit(zoo: Zoo, fa
     """Token pages alone cannot serve a state model: without a snapshot nothing hits (the old
     API filed the engine's one state slot under the prompt's last full page, whatever length
     it held)."""
+    from hicache.cache import TieredCache
     from hicache.embedded import EmbeddedCache
-    from hicache.tiered import TieredCache
 
     tm = zoo.get(family)
     embedded = EmbeddedCache.build(
@@ -246,7 +246,7 @@ async def test_a_store_without_snapshots_gives_a_state_model_no_hit(zoo: Zoo, fa
     )
     cache = TieredCache.build(embedded)
     try:
-        async with embedded.scheduler.running():
+        async with cache.running():
             tokens = list(range(1, 15))
             pages = {g.name: [0, 1, 2] for g in tm.groups() if g.kind.is_token_cache}
             stored = await cache.store(tokens, pages)

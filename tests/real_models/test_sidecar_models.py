@@ -7,6 +7,8 @@ hit; one case per family comes back from L3 after L2 is emptied over the HTTP ad
 
 from __future__ import annotations
 
+import json
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -124,6 +126,19 @@ def test_loaded_from_the_sidecars_l3_after_l2_is_emptied(
     sidecar = sidecars.get(family)
 
     def clear_l2() -> None:
+        # L3 is written behind the acked store: wait until nothing is queued or being written
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(sidecar.http + "/v1/stats", timeout=10) as reply:
+                stats = json.loads(reply.read())
+            busy = [
+                ns["persist"]["queued_pages"]
+                + sum(g["pinned_pages"] for g in ns["groups"].values())
+                for ns in stats["namespaces"]
+            ]
+            if not any(busy):
+                break
+            time.sleep(0.02)
         request = urllib.request.Request(sidecar.http + "/v1/admin/clear?tier=l2", method="POST")
         with urllib.request.urlopen(request, timeout=10) as reply:
             assert reply.status == 200

@@ -42,6 +42,7 @@ def stack(
         dtype=torch.float16,
         page_size_tokens=PAGE,
         host_capacity_bytes=host_pages * per_page,
+        host_pages_per_group={g.name: host_pages for g in geoms},
         device_pages=device_pages,
         backend=backend,
         **kwargs,

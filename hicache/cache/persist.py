@@ -1,0 +1,139 @@
+"""`PersistQueue`: L2 -> L3 writes, off the critical path, through a bounded queue.
+
+A store is acknowledged once L2 holds its pages; the pages the write policy wants in L3 are
+offered here and written behind it by one worker task (owned by the cache's TaskGroup, see
+`TieredCache.running`). Lifecycle: `offer` (never blocks: beyond `max_pages` waiting, the
+new pages are dropped and counted — back-pressure on a store would put L3's latency back on
+the engine's path) -> the worker takes up to `batch_pages` at a time and calls the writer
+-> `idle()` returns once nothing is waiting or being written (tests, shutdown flush). A page
+evicted from L2 before its turn is skipped and counted; a write that fails is counted (the
+guarded store already turned it into "not stored").
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from hicache.index import PageRecord
+
+Writer = Callable[[Mapping[str, Sequence[PageRecord]]], Awaitable[tuple[int, int]]]
+# -> (pages written, pages skipped: no longer in L2, or in L3 already)
+
+
+@dataclass(frozen=True, slots=True)
+class PersistStats:
+    queued_pages: int  # waiting now
+    offered_pages: int
+    dropped_pages: int  # the queue was full
+    written_pages: int
+    skipped_pages: int  # left L2 (or reached L3 another way) before their turn
+    failed_pages: int
+
+
+class PersistQueue:
+    def __init__(self, max_pages: int = 65_536, batch_pages: int = 256):
+        if max_pages < 1 or batch_pages < 1:
+            raise ValueError(
+                f"persist queue: max_pages {max_pages} and batch_pages {batch_pages} must be >= 1"
+            )
+        self.max_pages = max_pages
+        self.batch_pages = batch_pages
+        self._items: deque[tuple[str, PageRecord]] = deque()
+        self._waiting: set[tuple[str, bytes]] = set()  # (group, key) of `_items`
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._batch_done = asyncio.Event()  # cleared while a batch is being written
+        self._batch_done.set()
+        self._offered = self._dropped = self._written = self._skipped = self._failed = 0
+
+    def offer(self, records: Mapping[str, Sequence[PageRecord]]) -> int:
+        """Queue the pages for L3; returns how many were accepted (the rest dropped)."""
+        accepted = 0
+        for group, group_records in records.items():
+            for record in group_records:
+                self._offered += 1
+                if len(self._items) >= self.max_pages:
+                    self._dropped += 1
+                    continue
+                if (group, record.key) in self._waiting:
+                    continue  # queued already
+                self._items.append((group, record))
+                self._waiting.add((group, record.key))
+                accepted += 1
+        if accepted:
+            self._idle.clear()
+            self._wakeup.set()
+        return accepted
+
+    async def run(self, write: Writer) -> None:
+        """The worker: write batches until cancelled (a batch in flight is finished first:
+        the writer pins the pages it reads and must unpin them)."""
+        while True:
+            if not self._items:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch: dict[str, list[PageRecord]] = {}
+            while self._items and sum(len(v) for v in batch.values()) < self.batch_pages:
+                group, record = self._items.popleft()
+                if (group, record.key) not in self._waiting:
+                    continue  # withdrawn: someone else writes it
+                self._waiting.discard((group, record.key))
+                batch.setdefault(group, []).append(record)
+            size = sum(len(v) for v in batch.values())
+            if not size:
+                continue
+            self._batch_done.clear()
+            task = asyncio.ensure_future(write(batch))
+            try:
+                written, skipped = await asyncio.shield(task)
+            except asyncio.CancelledError:
+                await asyncio.wait({task})  # the batch ends first: its pages are unpinned
+                raise
+            except Exception:  # the guarded store maps L3 errors; anything else is counted
+                self._failed += size
+                continue
+            finally:
+                self._batch_done.set()
+            self._written += written
+            self._skipped += skipped
+            self._failed += size - written - skipped
+
+    def withdraw(self, records: Mapping[str, Sequence[PageRecord]]) -> None:
+        """Take queued pages back: their caller writes them itself, now (a store that needs
+        their room)."""
+        for group, group_records in records.items():
+            for record in group_records:
+                self._waiting.discard((group, record.key))
+
+    def waiting(self, group: str, record: PageRecord) -> bool:
+        """Is the page queued (not yet taken by the worker)?"""
+        return (group, record.key) in self._waiting
+
+    @property
+    def writing(self) -> bool:
+        """A batch is being written now (its pages are pinned while L3 reads them)."""
+        return not self._batch_done.is_set()
+
+    async def batch_end(self) -> None:
+        """Until the batch being written now (if any) has ended."""
+        await self._batch_done.wait()
+
+    async def idle(self) -> None:
+        """Until nothing is waiting or being written."""
+        await self._idle.wait()
+
+    def stats(self) -> PersistStats:
+        return PersistStats(
+            len(self._items),
+            self._offered,
+            self._dropped,
+            self._written,
+            self._skipped,
+            self._failed,
+        )

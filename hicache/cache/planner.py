@@ -1,0 +1,386 @@
+"""`Planner`: the pure half of the tier core. Every decision that touches the index or a host
+pool's allocator is taken here, synchronously — no awaits, no torch — so nothing another
+coroutine does can slip between a decision and its reservation.
+
+Lifecycle of each op (the executor, `cache/tiered.py`, awaits only between the steps):
+
+    store:  write_back_victims -> [persist them] -> evict_victims   (only when room costs a
+                                                                     page L3 should have)
+            plan_store -> [backup L1 -> L2] -> commit_store | abort_store
+    fetch:  plan_fetch -> [L3 read into the reserved pages] -> commit_fetch | abort_fetch
+            (abort only once no backend thread can still write the pages)
+    load:   plan_load (lookup, touch and pin in one step) -> [copies] -> release_load
+
+A plan owns exactly what it reserved: host pages it allocated, index pins, and *pending*
+keys — keys being stored or fetched, which every other plan skips, so two stores of one
+prefix never both back it up and a fetch never takes a page a store is filling. Commit
+publishes a plan to the index once; abort gives back everything once; a second call of
+either is an error (`PlanStateError`). Victims are never pinned, pending, or pages a copy
+still reads (allocator pins). A store that does not fit L2 keeps its longest prefix that
+does (`StorePlan.truncated_to_pages`) instead of failing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from hicache.errors import HicacheError
+from hicache.index import Hit, PageKey, PageRecord, PrefixIndex, WritePolicy
+from hicache.memory.page_allocator import PageAllocator
+
+
+class PlanStateError(HicacheError, RuntimeError):
+    """A plan was committed or aborted twice (a bug in the executor, never the engine's)."""
+
+
+class PlanState(StrEnum):
+    PLANNED = "planned"
+    COMMITTED = "committed"
+    ABORTED = "aborted"
+
+
+@dataclass(slots=True)
+class _Plan:
+    state: PlanState = PlanState.PLANNED
+
+    def _close(self, to: PlanState) -> None:
+        if self.state is not PlanState.PLANNED:
+            raise PlanStateError(f"{type(self).__name__} is {self.state.value}; cannot {to.value}")
+        self.state = to
+
+
+@dataclass(slots=True)
+class GroupStore:
+    positions: list[int]  # page positions in the prompt (a state group: its snapshot's page)
+    device_pages: list[int]
+    keys: list[PageKey]
+    host_pages: list[int]
+
+
+@dataclass(slots=True)
+class StorePlan(_Plan):
+    groups: dict[str, GroupStore] = field(default_factory=dict)
+    evicted: int = 0
+    truncated_to_pages: int | None = None  # the prompt's longest prefix that fit L2
+
+
+@dataclass(slots=True)
+class GroupFetch:
+    records: list[PageRecord]
+    host_pages: list[int]
+
+
+@dataclass(slots=True)
+class FetchPlan(_Plan):
+    groups: dict[str, GroupFetch] = field(default_factory=dict)
+    evicted: int = 0
+
+
+@dataclass(slots=True)
+class LoadPlan(_Plan):
+    hit: Hit = field(default_factory=lambda: Hit(1, 0, 0))
+    pinned: dict[str, list[PageKey]] = field(default_factory=dict)
+    hot: dict[str, list[PageRecord]] = field(default_factory=dict)  # selective write-through
+
+
+class Planner:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        allocators: Mapping[str, PageAllocator],
+        write_policy: WritePolicy,
+    ):
+        self.index = index
+        self.allocators = dict(allocators)
+        self.write_policy = write_policy
+        self.pending: dict[str, set[PageKey]] = {g: set() for g in index.rules}
+        # pages L3 is owed but does not have yet (queued behind an acked store): evicting
+        # one would lose it for L3 as well, so it is persisted first, like write-back's
+        self.owed: Callable[[str, PageRecord], bool] = lambda group, record: False
+        self._orphans: list[StorePlan] = []  # aborted while a copy may still write them
+
+    # ---- victims --------------------------------------------------------------------------
+
+    def _evictable(
+        self, group: str, clean_only: bool, protect: frozenset[PageKey] = frozenset()
+    ) -> Callable[[PageRecord], bool]:
+        allocator, pending = self.allocators[group], self.pending[group]
+
+        def can_evict(record: PageRecord) -> bool:
+            return (
+                record.pins == 0
+                and record.key not in pending
+                and record.key not in protect
+                and record.l2_page is not None
+                and not allocator.is_pinned(record.l2_page)
+                and not (clean_only and self._dirty(group, record))
+            )
+
+        return can_evict
+
+    def _dirty(self, group: str, record: PageRecord) -> bool:
+        """L3 should have this page first: the write policy says so (write-back), or a
+        write behind an acked store has not happened yet."""
+        return not record.in_l3 and (self.write_policy.on_evict(record) or self.owed(group, record))
+
+    def _victims(
+        self,
+        group: str,
+        count: int,
+        clean_only: bool,
+        protect: frozenset[PageKey] = frozenset(),
+    ) -> list[PageRecord]:
+        if count <= 0:
+            return []
+        return self.index.l2_victims(group, count, self._evictable(group, clean_only, protect))
+
+    def _evict(self, group: str, victims: Sequence[PageRecord]) -> int:
+        allocator = self.allocators[group]
+        freed = [self.index.drop_l2(group, v.key) for v in victims]
+        allocator.free(freed)
+        return len(freed)
+
+    def write_back_victims(self, needs: Mapping[str, int]) -> dict[str, list[PageRecord]]:
+        """The victims making room for `needs[group]` new pages would cost that L3 should
+        have first (write-back's, or owed by a write behind an acked store), pinned until
+        `evict_victims`."""
+        out: dict[str, list[PageRecord]] = {}
+        for group, need in needs.items():
+            short = need - self.allocators[group].stats().free_pages
+            dirty = [v for v in self._victims(group, short, False) if self._dirty(group, v)]
+            if dirty:
+                self.index.pin(group, [v.key for v in dirty])
+                out[group] = dirty
+        return out
+
+    def evict_victims(self, victims: Mapping[str, Sequence[PageRecord]]) -> int:
+        """Unpin what `write_back_victims` pinned and evict those nothing else holds now
+        (persisted or not: L2 is a cache, and a write-back persist that failed must not fill
+        it for good)."""
+        evicted = 0
+        for group, records in victims.items():
+            self.index.unpin(group, [r.key for r in records])
+            current = [self.index.record(group, r.key) for r in records]
+            gone = [r for r in current if r is not None and self._evictable(group, False)(r)]
+            evicted += self._evict(group, gone)
+        return evicted
+
+    # ---- store ----------------------------------------------------------------------------
+
+    def plan_store(
+        self, keys: Mapping[str, Sequence[PageKey]], wanted: Mapping[str, Sequence[tuple[int, int]]]
+    ) -> StorePlan:
+        """Reserve host pages for the `wanted` (position, device page) pairs the index lacks:
+        evict clean victims, allocate, mark the keys pending. Positions from the first one
+        that does not fit in some group on are dropped in every group: the longest prefix
+        that fits is stored."""
+        self.sweep()
+        fresh: dict[str, list[tuple[int, int]]] = {}
+        limit: int | None = None
+        for group, pairs in wanted.items():
+            pending, group_keys = self.pending[group], keys[group]
+            todo = [
+                (i, d)
+                for i, d in pairs
+                if group_keys[i] not in pending and self.index.record(group, group_keys[i]) is None
+            ]
+            free = self.allocators[group].stats().free_pages
+            room = free + len(self._victims(group, len(todo) - free, True))
+            if len(todo) > room:
+                cut = todo[room][0]
+                limit = cut if limit is None else min(limit, cut)
+            fresh[group] = todo
+        plan = StorePlan(truncated_to_pages=limit)
+        for group, todo in fresh.items():
+            if limit is not None:
+                todo = [(i, d) for i, d in todo if i < limit]
+            if not todo:
+                continue
+            allocator = self.allocators[group]
+            short = len(todo) - allocator.stats().free_pages
+            plan.evicted += self._evict(group, self._victims(group, short, True))
+            run = allocator.alloc(len(todo))
+            # the run handed out in device-page order: the backup is then one gather
+            order = sorted(range(len(todo)), key=lambda j: todo[j][1])
+            host = [0] * len(todo)
+            for rank, j in enumerate(order):
+                host[j] = run[rank]
+            group_keys = [keys[group][i] for i, _ in todo]
+            self.pending[group].update(group_keys)
+            plan.groups[group] = GroupStore(
+                [i for i, _ in todo], [d for _, d in todo], group_keys, host
+            )
+        return plan
+
+    def commit_store(self, plan: StorePlan) -> dict[str, list[PageRecord]]:
+        """The backup landed: index its pages (the host pages pass to the index)."""
+        plan._close(PlanState.COMMITTED)
+        out: dict[str, list[PageRecord]] = {}
+        for group, g in plan.groups.items():
+            self.pending[group].difference_update(g.keys)
+            out[group] = [
+                self.index.insert_l2(group, key, page)
+                for key, page in zip(g.keys, g.host_pages, strict=True)
+            ]
+        return out
+
+    def abort_store_later(self, plan: StorePlan) -> None:
+        """Abort once no copy writes the plan's pages (their allocator pins are gone): the
+        caller left while the backup's walk may have started."""
+        self._orphans.append(plan)
+        self.sweep()
+
+    def sweep(self) -> int:
+        """Abort the orphaned plans whose copies have ended; returns how many are left."""
+        for plan in list(self._orphans):
+            if not any(
+                self.allocators[group].is_pinned(page)
+                for group, g in plan.groups.items()
+                for page in g.host_pages
+            ):
+                self._orphans.remove(plan)
+                self.abort_store(plan)
+        return len(self._orphans)
+
+    def abort_store(self, plan: StorePlan) -> None:
+        """The backup failed or was cancelled, and has ended: give everything back."""
+        plan._close(PlanState.ABORTED)
+        for group, g in plan.groups.items():
+            self.pending[group].difference_update(g.keys)
+            self.allocators[group].free(g.host_pages)
+
+    # ---- fetch (L3 -> L2) -------------------------------------------------------------------
+
+    def fetch_short(self, hit: Hit) -> bool:
+        """Are some of the hit's L3-only pages neither in L2 nor reserved by a fetch?"""
+        return any(
+            r.l2_page is None and r.in_l3 and r.key not in self.pending[group]
+            for group, rows in hit.needed.items()
+            for _, r in rows
+        )
+
+    def plan_fetch(self, hit: Hit, into: FetchPlan | None = None) -> FetchPlan:
+        """Reserve host pages for the hit's pages only L3 holds (as many as fit), pinning
+        their records so the index cannot forget them meanwhile. The hit's own L2 pages are
+        never victims: room for half a prefix bought with its other half serves nothing."""
+        plan = FetchPlan() if into is None else into
+        for group, rows in hit.needed.items():
+            pending = self.pending[group]
+            protect = frozenset(r.key for _, r in rows if r.l2_page is not None)
+            missing = [
+                r
+                for _, r in rows
+                if r.l2_page is None
+                and r.in_l3
+                and r.key not in pending
+                and self.index.record(group, r.key) is r  # not forgotten meanwhile
+            ]
+            if not missing:
+                continue
+            allocator = self.allocators[group]
+            free = allocator.stats().free_pages
+            victims = self._victims(group, len(missing) - free, True, protect)
+            take = missing[: free + len(victims)]
+            if not take:
+                continue
+            keys = [r.key for r in take]
+            self.index.pin(group, keys)  # first: evicting turns L2 pages into L3-only records,
+            # and the bound on those may forget any unpinned one
+            plan.evicted += self._evict(group, victims[: max(0, len(take) - free)])
+            pages = allocator.alloc(len(take))
+            pending.update(keys)
+            g = plan.groups.setdefault(group, GroupFetch([], []))
+            g.records.extend(take)
+            g.host_pages.extend(pages)
+        return plan
+
+    def commit_fetch(
+        self, plan: FetchPlan, ok: Mapping[str, Sequence[bool]], answered: bool
+    ) -> int:
+        """The read ended and no thread writes the pages any more: index the pages that
+        verified, free the rest; an object L3 answered for but could not give is stale in
+        the index. Returns the pages L2 gained."""
+        plan._close(PlanState.COMMITTED)
+        gained = 0
+        for group, g in plan.groups.items():
+            allocator, keys = self.allocators[group], [r.key for r in g.records]
+            self.pending[group].difference_update(keys)
+            goods = ok.get(group, [False] * len(g.records))
+            for record, page, good in zip(g.records, g.host_pages, goods, strict=True):
+                current = self.index.record(group, record.key)
+                if good and current is not None and current.l2_page is None:
+                    self.index.insert_l2(group, record.key, page)
+                    gained += 1
+                    continue
+                allocator.free([page])
+                if not good and answered and current is not None and current.in_l3:
+                    self.index.drop_l3(group, record.key)
+            self.index.unpin(group, keys)
+        return gained
+
+    def abort_fetch(self, plan: FetchPlan) -> None:
+        """The read failed or was cancelled and its threads have settled: free it all."""
+        plan._close(PlanState.ABORTED)
+        for group, g in plan.groups.items():
+            keys = [r.key for r in g.records]
+            self.pending[group].difference_update(keys)
+            self.allocators[group].free(g.host_pages)
+            self.index.unpin(group, keys)
+
+    # ---- load (L2 -> L1) --------------------------------------------------------------------
+
+    def plan_load(self, token_ids: Sequence[int], skip_pages: int) -> LoadPlan:
+        """The L2 hit now, its records pinned in the same step (no eviction can come between
+        the hit and the pins), and hits counted: only loads count, never lookups."""
+        hit = self.index.lookup(token_ids, touch=False, skip_pages=skip_pages)
+        pages, size = hit.pages_l2, hit.page_size_tokens
+        keys = self.index.keys(token_ids) if pages > skip_pages else {}
+        needed: dict[str, tuple[tuple[int, PageRecord], ...]] = {}
+        for group, group_keys in keys.items():
+            rows: list[tuple[int, PageRecord]] = []
+            for i in self.index.rules[group].needed(pages, size):
+                if i < skip_pages:
+                    continue
+                record = self.index.record(group, group_keys[i])
+                if record is None or record.l2_page is None:  # the index's own invariant
+                    raise PlanStateError(
+                        f"group {group!r}: page {i} of an L2 hit of {pages} pages is not in L2"
+                    )
+                rows.append((i, record))
+            needed[group] = tuple(rows)
+        plan = LoadPlan(hit=Hit(size, pages, pages, needed))
+        for group, loaded in needed.items():
+            group_keys = [r.key for _, r in loaded]
+            self.index.pin(group, group_keys)
+            plan.pinned[group] = group_keys
+            self.index.touch(group, [r for _, r in loaded])
+            hot = [r for _, r in loaded if self.write_policy.on_hit(r)]
+            if hot:
+                plan.hot[group] = hot
+        return plan
+
+    def release_load(self, plan: LoadPlan) -> None:
+        """The load's copies ended (or it never started): its records may go."""
+        plan._close(PlanState.COMMITTED)
+        for group, keys in plan.pinned.items():
+            self.index.unpin(group, keys)
+
+    def evict_all(self) -> int:
+        """Drop every L2 page nothing holds (pins, pending plans, copies): the admin API."""
+        dropped = 0
+        for group in self.index.rules:
+            can_evict = self._evictable(group, False)
+            dropped += self._evict(group, [r for r in self.index.l2_records(group) if can_evict(r)])
+        return dropped
+
+    # ---- checks (tests) ---------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Invariants: the index and every allocator agree page for page."""
+        for group, allocator in self.allocators.items():
+            allocator.check()
+            in_index = [r.l2_page for r in self.index.l2_records(group)]
+            assert len(set(in_index)) == len(in_index), f"{group}: an L2 page indexed twice"
+            assert all(allocator.is_allocated(p) for p in in_index if p is not None), group

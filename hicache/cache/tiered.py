@@ -1,0 +1,462 @@
+"""`TieredCache`: the cache an engine talks to — index, host tier (L2), storage (L3) and the
+scheduler of one stage — as plan / execute / commit.
+
+    async with cache.running():            # owns the scheduler, the persist worker, fetches
+        hit = cache.lookup(tokens)          # no side effects: a probe is not a use
+        await cache.store(tokens, device_pages, snapshots=...)  # acked once L2 holds it
+        handle, hit = await cache.load(tokens, device_pages)    # L3 -> L2 per the prefetch
+                                                                # policy, then layer by layer
+Every op is a pure plan (`planner.py`: reserve host pages, pin, choose victims, mark keys
+pending — no awaits), an execution here (the scheduler's copies, L3 I/O — the only awaits),
+and a commit or an abort (the planner again), exactly once on every path: success, error, or
+the caller's cancellation at any await. A backup or load the caller stops waiting for is
+released when its op ends, never before (its copies still touch the pages); a page an L3
+read may still write is freed only once that read has settled.
+
+Tasks: `running()` opens a TaskGroup that owns the persist worker (`persist.py`: write-through
+is acknowledged at L2 and written to L3 behind it, through a bounded queue whose drops are
+counted) and every background L3 -> L2 fetch; nothing is fire-and-forget. L3 errors never
+reach the caller: a page that cannot be fetched shortens the hit (`hit.failed`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.cache.discovery import Discovery
+from hicache.cache.persist import PersistQueue
+from hicache.cache.planner import FetchPlan, Planner, StorePlan
+from hicache.cache.requests import check_load_pages, store_positions
+from hicache.embedded import EmbeddedCache
+from hicache.errors import HicacheError
+from hicache.index import (
+    PREFETCH_POLICIES,
+    WRITE_POLICIES,
+    AbsentKeys,
+    GroupRule,
+    Hit,
+    Namespace,
+    PageKeyer,
+    PageRecord,
+    PrefetchPolicy,
+    PrefixIndex,
+    WritePolicy,
+)
+from hicache.scheduler import GroupPages, OpHandle, OpResult
+from hicache.storage import GuardedStore
+from hicache.transfer import LayerListener
+
+log = logging.getLogger("hicache.cache")
+
+
+class CacheNotRunningError(HicacheError, RuntimeError):
+    """An op was asked of a cache outside `async with cache.running()`."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    pages_stored: int  # new L2 pages across groups
+    pages_queued: int  # offered to L3 by the write policy (written behind the ack)
+    pages_evicted: int
+    bytes_backed_up: int = 0  # L1 -> L2
+    backup_seconds: float = 0.0
+    truncated_to_tokens: int | None = None  # L2 held only this prefix of the prompt
+
+
+class TieredCache:
+    def __init__(
+        self,
+        embedded: EmbeddedCache,
+        index: PrefixIndex,
+        store: GuardedStore | None,
+        write_policy: WritePolicy,
+        prefetch_policy: PrefetchPolicy,
+        absent: AbsentKeys | None = None,
+        persist_queue_pages: int = 65_536,
+    ):
+        self.embedded = embedded
+        self.index = index
+        self.discovery = Discovery(index, absent if absent is not None else AbsentKeys(2.0))
+        self.write_policy = write_policy
+        self.prefetch_policy = prefetch_policy
+        allocators = {g: p.allocator for g, p in embedded.host_tier.pools.items()}
+        self.planner = Planner(index, allocators, write_policy)
+        self.persist = PersistQueue(persist_queue_pages)
+        self.planner.owed = self.persist.waiting
+        self.background_errors = 0
+        self.l3: GuardedStore | None = None
+        self.attach_l3(store)
+        self._tg: asyncio.TaskGroup | None = None
+        self._fetches: set[asyncio.Task[Any]] = set()
+
+    def attach_l3(self, store: GuardedStore | None) -> None:
+        """Use `store` as L3 (None: none); its backend registers the host pools, into which
+        fetches scatter and from which puts read. Ops in flight keep the L3 they started on."""
+        self.l3 = store
+        if store is not None:
+            for pool in self.embedded.host_tier.pools.values():
+                store.backend.register_memory(pool.buffer.numpy().data)
+
+    @classmethod
+    def build(
+        cls,
+        embedded: EmbeddedCache,
+        *,
+        store: GuardedStore | None = None,
+        model: str = "",
+        write_policy: str = "write_through",
+        prefetch_policy: str = "best_effort",
+        eviction: str = "lru",
+        tenant_salt: str = "",
+        tp_rank: int = 0,
+        key_algorithm: str = "xxh3_128",
+        l3_index_max_pages: int = 262_144,
+        l3_absent_ttl_s: float = 2.0,
+        persist_queue_pages: int = 65_536,
+    ) -> TieredCache:
+        geometries = embedded.geometries
+        page = next(iter(geometries.values())).page_size_tokens
+        keyers, rules, capacity = {}, {}, {}
+        for name, geom in geometries.items():
+            namespace = Namespace(
+                model=model or embedded.layer_map.model_type,
+                model_type=embedded.layer_map.model_type,
+                dtype=geom.dtype_signature,
+                kv_layout=repr(geom.group.spec),
+                page_size_tokens=page,
+                group=name,
+                tp_rank=tp_rank,
+                pp_rank=embedded.layer_map.start_layer,
+                tenant_salt=tenant_salt,
+            )
+            keyers[name] = PageKeyer(namespace, key_algorithm)
+            rules[name] = GroupRule.of(geom.group)
+            capacity[name] = embedded.host_tier.pool(name).num_pages
+        index = PrefixIndex(keyers, rules, capacity, page, eviction, l3_index_max_pages)
+        return cls(
+            embedded,
+            index,
+            store,
+            WRITE_POLICIES[write_policy](),
+            PREFETCH_POLICIES[prefetch_policy](),
+            AbsentKeys(l3_absent_ttl_s),
+            persist_queue_pages,
+        )
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[TieredCache]:
+        """Serve ops: the scheduler runs, the persist worker writes L3 behind acked stores.
+        On exit every background fetch and queued persist is awaited first."""
+        async with self.embedded.scheduler.running(), asyncio.TaskGroup() as tg:
+            self._tg = tg
+            worker = tg.create_task(self.persist.run(self._write), name="hicache-persist")
+            try:
+                yield self
+            finally:
+                await self.drain()
+                worker.cancel()
+                self._tg = None
+
+    def _group(self) -> asyncio.TaskGroup:
+        if self._tg is None:
+            raise CacheNotRunningError(
+                "the cache is not running; serve ops inside `async with cache.running():`"
+            )
+        return self._tg
+
+    def _spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[Any]:
+        """A background task owned by the running cache; its errors are logged and counted,
+        never raised into the TaskGroup (they would cancel every op)."""
+
+        async def guarded() -> object:
+            try:
+                return await coro
+            except Exception:
+                self.background_errors += 1
+                log.exception("background %s failed", name)
+                return None
+
+        task = self._group().create_task(guarded(), name=f"hicache-{name}")
+        self._fetches.add(task)
+        task.add_done_callback(self._fetches.discard)
+        return task
+
+    async def drain(self) -> None:
+        """Until no fetch is in flight and no persist is queued (shutdown; tests)."""
+        while self._fetches:
+            await asyncio.gather(*self._fetches, return_exceptions=True)
+        if self._tg is not None:
+            await self.persist.idle()
+            await self.embedded.scheduler.idle()  # ops whose callers left end too
+        self.planner.sweep()
+
+    # ---- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Sequence[int]) -> Hit:
+        """How much of the prompt each tier can serve, now; changes nothing."""
+        return self.index.lookup(token_ids)
+
+    def needs_discovery(self, token_ids: Sequence[int], hit: Hit) -> bool:
+        """Could L3 extend this hit with pages the index does not know (persisted before a
+        restart, or by another process)? Only then is a lookup worth an L3 round trip."""
+        return self.l3 is not None and self.discovery.needed(token_ids, hit)
+
+    async def discover(self, token_ids: Sequence[int]) -> int:
+        """Ask L3 which of the prompt's pages it holds that the index does not know of, and
+        record them. Returns how many."""
+        l3 = self.l3
+        return 0 if l3 is None else await self.discovery.run(l3, token_ids)
+
+    # ---- store: L1 -> L2 (-> L3 behind) ------------------------------------------------------
+
+    async def store(
+        self,
+        token_ids: Sequence[int],
+        device_pages: Mapping[str, Sequence[int | None]],
+        *,
+        snapshots: Mapping[str, Mapping[int, int]] | None = None,
+    ) -> StoreResult:
+        """Back up the prompt's pages the index lacks; acknowledged once L2 holds them (L3
+        is written behind, per the write policy). Token groups list a device page per full
+        page in token order, None where the engine no longer holds it (a sliding window's
+        freed pages): those are never stored, so never served. State groups give their
+        snapshots as `{num_tokens: device_slot}`: the state after exactly num_tokens tokens
+        (a multiple of the page size), filed under that prefix. A prompt larger than L2
+        stores its longest prefix that fits."""
+        self._group()
+        size = self.index.page_size_tokens
+        full_pages = len(token_ids) // size
+        wanted = store_positions(self.index.rules, size, device_pages, snapshots or {}, full_pages)
+        keys = self.index.keys(token_ids)
+        evicted = 0
+        dirty = self.planner.write_back_victims({g: len(w) for g, w in wanted.items()})
+        if dirty:
+            self.persist.withdraw(dirty)  # written here and now, not by the worker
+            try:
+                await self._write(dirty)
+            finally:
+                evicted += self.planner.evict_victims(dirty)
+        plan = self.planner.plan_store(keys, wanted)
+        evicted += plan.evicted
+        truncated = None if plan.truncated_to_pages is None else plan.truncated_to_pages * size
+        if not plan.groups:
+            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated)
+        result = await self._backup(plan)
+        if not result.ok:
+            self.planner.abort_store(plan)
+            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated)
+        records = self.planner.commit_store(plan)
+        to_l3 = {g: [r for r in rs if self.write_policy.on_store(r)] for g, rs in records.items()}
+        queued = self.persist.offer(to_l3) if self.l3 is not None else 0
+        stored = sum(len(rs) for rs in records.values())
+        return StoreResult(stored, queued, evicted, result.bytes_moved, result.seconds, truncated)
+
+    async def _backup(self, plan: StorePlan) -> OpResult:
+        """The plan's copies; on the caller's cancellation the plan is aborted when the
+        backup ends (its copies write the reserved pages until then)."""
+        request = {
+            g: GroupPages(tuple(s.device_pages), tuple(s.host_pages))
+            for g, s in plan.groups.items()
+        }
+        try:
+            handle = await self.embedded.scheduler.backup(request)
+        except BaseException:
+            # refused, or the caller left: if its walk started, it writes the pages until it
+            # ends, so they are given back then
+            self.planner.abort_store_later(plan)
+            raise
+        try:
+            return await handle.done()
+        except BaseException:
+            handle.cancel()
+            handle.add_done_callback(lambda _result: self.planner.abort_store(plan))
+            raise
+
+    # ---- L2 -> L3 ---------------------------------------------------------------------------
+
+    async def _write(self, records: Mapping[str, Sequence[PageRecord]]) -> tuple[int, int]:
+        """Persist the records' L2 pages (the persist worker's writer, write-back victims,
+        the flush). Returns (written, skipped: no longer in L2, or in L3 already)."""
+        l3 = self.l3
+        items: list[tuple[bytes, list[memoryview]]] = []
+        owners: list[tuple[str, PageRecord]] = []
+        skipped = 0
+        for group, group_records in records.items():
+            pool = self.embedded.host_tier.pool(group)
+            for record in group_records:
+                current = self.index.record(group, record.key)
+                if l3 is None or current is not record or record.l2_page is None or record.in_l3:
+                    skipped += 1
+                    continue
+                # the page's chunks, uncopied: pinned so no eviction reuses it while L3 reads
+                items.append(
+                    (record.key, [c.numpy().data for c in pool.page_chunks(record.l2_page)])
+                )
+                owners.append((group, record))
+        if not items or l3 is None:
+            return 0, skipped
+        for group, record in owners:
+            self.index.pin(group, [record.key])
+        try:
+            stored = await l3.put(items)
+        finally:
+            for group, record in owners:
+                self.index.unpin(group, [record.key])
+        for (group, record), ok in zip(owners, stored, strict=True):
+            if ok and self.index.record(group, record.key) is record:
+                self.index.mark_l3(group, record.key)
+        return sum(stored), skipped
+
+    async def flush(self) -> int:
+        """Persist every L2 page L3 lacks (what write-back owes at shutdown); returns how many
+        were written."""
+        if self._tg is not None:
+            await self.persist.idle()
+        owed = {
+            group: [r for r in self.index.l2_records(group) if not r.in_l3]
+            for group in self.index.rules
+        }
+        written, _ = await self._write(owed)
+        return written
+
+    # ---- load: (L3 ->) L2 -> L1 -------------------------------------------------------------
+
+    async def load(
+        self,
+        token_ids: Sequence[int],
+        device_pages: Mapping[str, Sequence[int]],
+        *,
+        on_layer: LayerListener | None = None,
+        skip_pages: int = 0,
+    ) -> tuple[OpHandle | None, Hit]:
+        """Load the usable prefix into the given device pages; returns the handle (None when
+        nothing beyond `skip_pages` hits) and the hit actually loaded — shorter than
+        `lookup`'s when L3 pages could not be fetched in time, with those pages' positions in
+        `hit.failed`. `skip_pages`: the engine's own device cache holds the prompt's first
+        pages; only later ones move."""
+        self._group()
+        size = self.index.page_size_tokens
+        check_load_pages(self.index.rules, device_pages, len(token_ids) // size)
+        await self.discover(token_ids)
+        hit = self.index.lookup(token_ids, skip_pages=skip_pages)
+        failed: dict[str, tuple[int, ...]] = {}
+        if hit.pages_total > hit.pages_l2 and self.l3 is not None:
+            await self._prefetch(hit, len(token_ids))
+            failed = {
+                group: lost
+                for group, rows in hit.needed.items()
+                if (lost := tuple(i for i, r in rows if r.l2_page is None))
+            }
+        plan = self.planner.plan_load(token_ids, skip_pages)
+        if plan.hot and self.l3 is not None:
+            self.persist.offer(plan.hot)  # selective write-through: hit often enough
+        pages = plan.hit.pages_l2
+        request = {}
+        for group, rows in plan.hit.needed.items():
+            if not rows:  # the engine holds all it needs (skip_pages), or a fresh chunk
+                continue
+            token_group = self.index.rules[group].kind.is_token_cache
+            dev = device_pages[group]
+            request[group] = GroupPages(
+                tuple(dev[i] if token_group else dev[0] for i, _ in rows),
+                tuple(r.l2_page for _, r in rows if r.l2_page is not None),
+                num_tokens=pages * size if token_group else None,
+                first_page=rows[0][0] if token_group else 0,
+            )
+        if pages <= skip_pages or not request:
+            self.planner.release_load(plan)
+            return None, Hit(size, 0, 0, {}, failed)
+        try:
+            handle = await self.embedded.scheduler.load(request, on_layer=on_layer)
+        except BaseException:
+            self.planner.release_load(plan)  # the copies' own pins keep the pages meanwhile
+            raise
+        handle.add_done_callback(lambda _result: self.planner.release_load(plan))
+        return handle, Hit(size, pages, pages, plan.hit.needed, failed)
+
+    async def prefetch(self, token_ids: Sequence[int]) -> int:
+        """Bring the prompt's L3-only pages into L2 ahead of its load (the engine's hint when a
+        request is queued); returns how many pages L2 gained."""
+        self._group()
+        await self.discover(token_ids)
+        hit = self.index.lookup(token_ids)
+        if hit.pages_total == hit.pages_l2 or self.l3 is None:
+            return 0
+        gained = await self._spawn(self._fetch(hit), "prefetch")
+        return int(gained or 0)
+
+    async def _prefetch(self, hit: Hit, tokens: int) -> None:
+        """Bring the hit's L3-only pages into L2 within the prefetch policy's wait; the
+        fetch goes on in the background past it (owned by the running cache), so the next
+        request for the prefix finds it in L2."""
+        wait = self.prefetch_policy.wait_s(tokens)
+        task = self._spawn(self._fetch(hit), "fetch")
+        if wait != 0.0:
+            await asyncio.wait({task}, timeout=wait)
+
+    async def _fetch(self, hit: Hit) -> int:
+        """Plan, read, commit: the hit's L3-only pages into reserved host pages."""
+        l3 = self.l3
+        if l3 is None:
+            return 0
+        plan = self.planner.plan_fetch(hit)
+        if self.persist.writing and self.planner.fetch_short(hit):
+            # the room is held by pages L3 is reading for a write behind an acked store: it
+            # frees up when that batch ends (bounded by L3's timeouts)
+            try:
+                await self.persist.batch_end()
+            except BaseException:
+                self.planner.abort_fetch(plan)
+                raise
+            self.planner.plan_fetch(hit, into=plan)
+        if not plan.groups:
+            self.planner.abort_fetch(plan)
+            return 0
+        return await self._read_into(l3, plan)
+
+    async def _read_into(self, l3: GuardedStore, plan: FetchPlan) -> int:
+        keys: list[bytes] = []
+        targets: list[list[memoryview]] = []
+        spans: dict[str, tuple[int, int]] = {}
+        for group, g in plan.groups.items():
+            pool = self.embedded.host_tier.pool(group)
+            start = len(keys)
+            keys.extend(r.key for r in g.records)
+            targets.extend([c.numpy().data for c in pool.page_chunks(p)] for p in g.host_pages)
+            spans[group] = (start, len(keys))
+        try:
+            ok, answered = await l3.fetch_into(keys, targets)
+        except BaseException:
+            self.planner.abort_fetch(plan)
+            raise
+        by_group = {group: ok[a:b] for group, (a, b) in spans.items()}
+        return self.planner.commit_fetch(plan, by_group, answered)
+
+    # ---- admin ------------------------------------------------------------------------------
+
+    def clear_l2(self) -> int:
+        """Drop every L2 page nothing holds (the admin API); L3 copies stay findable."""
+        return self.planner.evict_all()
+
+    async def clear_l3(self) -> int:
+        """Delete every L3 page the index knows of (the admin API); returns how many."""
+        l3 = self.l3
+        if l3 is None:
+            return 0
+        known = [
+            (group, record.key)
+            for group in self.index.rules
+            for record in list(self.index.l3_records(group))
+        ]
+        await l3.delete([key for _, key in known])
+        for group, key in known:
+            if self.index.record(group, key) is not None:
+                self.index.drop_l3(group, key)
+        return len(known)

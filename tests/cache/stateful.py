@@ -1,0 +1,300 @@
+"""A hypothesis state machine over one `TieredCache`: interleaved lookups, stores, loads,
+evictions, cancellations at random await points, L3 faults, slow reads past their timeout,
+and concurrent calls on the same prefix — the schedule a busy engine and a flaky L3 make.
+
+Invariants after every step (once the step's ops and background work have ended):
+- every byte a load moved is what was stored for that prefix (token pages, and the state
+  snapshot for exactly the hit's length);
+- no pin outlives its op; nothing stays pending; the index agrees with every allocator;
+- nothing raised but documented errors (cancellation where the rule cancels).
+
+The cache runs on its own event loop in one long-lived task (a TaskGroup must be entered and
+left by the same task); each rule hands it a coroutine and waits for the result.
+`CacheMachine.run(steps, examples)` drives it from tests/cache/test_stateful.py (short, in CI)
+and benchmarks/stateful_soak.py (long).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import Awaitable, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+
+import torch
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from hicache.cache import TieredCache
+from hicache.demo.content import check_page, fill_page, prefix_seed
+from hicache.embedded import EmbeddedCache
+from hicache.model import ExplicitLayout, LayerMap
+from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+
+PAGE = 4
+LAYOUT = ExplicitLayout.model_validate(
+    {
+        "model_type": "stateful",
+        "layers": [
+            {"kind": "sliding", "kv_heads": 1, "head_dim": 8, "window_tokens": 8},
+            {"kind": "full", "kv_heads": 1, "head_dim": 8},
+            {"kind": "linear", "state_shapes": {"conv": [8, 3], "recurrent": [1, 4, 4]}},
+        ],
+    }
+).to_layout("tests/cache/stateful.py")
+A = list(range(1, 1 + 6 * PAGE))
+C = list(range(500, 500 + 5 * PAGE))
+PROMPTS = [
+    A,
+    A[: 3 * PAGE] + list(range(900, 900 + 3 * PAGE)),  # shares 3 pages of A
+    A[: 4 * PAGE + 2],  # off a page boundary
+    C,
+    A[: 2 * PAGE],
+    C[: 3 * PAGE] + list(range(700, 700 + 2 * PAGE)),
+]
+LANES = 3  # concurrent ops use disjoint device pages: lane k owns pages [16k, 16k + 16)
+
+
+def lane_pages(lane: int, load: bool, count: int) -> list[int]:
+    base = 16 * lane + (8 if load else 0)
+    return list(range(base, base + count))
+
+
+def state_slot(lane: int, load: bool, boundary: int) -> int:
+    return 16 * lane + (15 if load else boundary)
+
+
+class Driver:
+    """The cache on its own loop, running inside one task for the machine's life."""
+
+    def __init__(self, root: Path, seed: int):
+        self.loop = asyncio.new_event_loop()
+        layer_map = LayerMap(LAYOUT)
+        self.embedded = EmbeddedCache.build(
+            layer_map,
+            dtype=torch.float32,
+            page_size_tokens=PAGE,
+            host_capacity_bytes=1 << 20,  # unused: sized in pages below
+            device_pages=16 * LANES,
+            host_pages_per_group={"full": 10, "sliding": 8, "linear": 6},
+        )
+        self.faulty = FaultyBackend(FileBackend(root, capacity_bytes=1 << 28), seed=seed)
+        self.store = GuardedStore(self.faulty, base_timeout_s=0.05)
+        self.cache = TieredCache.build(
+            self.embedded, store=self.store, prefetch_policy="timeout", write_policy="write_through"
+        )
+        self._inbox: asyncio.Queue[tuple[Coroutine[Any, Any, Any], asyncio.Future[Any]]]
+        self._ready: asyncio.Future[None] = self.loop.create_future()
+        self._main = self.loop.create_task(self._serve())
+        self.loop.run_until_complete(self._ready)
+
+    async def _serve(self) -> None:
+        self._inbox = asyncio.Queue()
+        async with self.cache.running():
+            self._ready.set_result(None)
+            while True:
+                coro, result = await self._inbox.get()
+                if coro is None:
+                    break
+                task = asyncio.ensure_future(coro)
+                task.add_done_callback(lambda t, r=result: _settle(t, r))
+
+    def call(self, make: Callable[[], Awaitable[Any]]) -> Any:
+        async def submit() -> Any:
+            result: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            await self._inbox.put((make(), result))  # type: ignore[arg-type]
+            return await result
+
+        return self.loop.run_until_complete(submit())
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._inbox.put((None, None))  # type: ignore[arg-type]
+            await self._main
+
+        try:
+            self.loop.run_until_complete(stop())
+        finally:
+            self.embedded.close()
+            self.loop.close()
+
+
+def _settle(task: asyncio.Task[Any], result: asyncio.Future[Any]) -> None:
+    if result.done():
+        return
+    if task.cancelled():
+        result.set_result(None)
+    elif task.exception() is not None:
+        result.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        result.set_result(task.result())
+
+
+class CacheMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        import tempfile
+
+        self._tmp = tempfile.TemporaryDirectory()
+        self.rng = random.Random(0)
+        self.driver = Driver(Path(self._tmp.name), seed=0)
+        self.cache = self.driver.cache
+        self.pools = self.driver.embedded.device_pools
+        self.rules = self.cache.index.rules
+        self.loads = 0
+        self.loaded_tokens = 0
+
+    # ---- the engine's side: what a prefill writes, and the check of a load -------------------
+
+    def _fill(
+        self, tokens: list[int], lane: int
+    ) -> tuple[dict[str, list[int]], dict[str, dict[int, int]]]:
+        full = len(tokens) // PAGE
+        pages, snapshots = {}, {}
+        for group, group_rule in self.rules.items():
+            pool = self.pools[group]
+            if group_rule.kind.is_token_cache:
+                dev = lane_pages(lane, False, full)
+                for i, page in enumerate(dev):
+                    fill_page(pool, page, prefix_seed(tokens, (i + 1) * PAGE, group))
+                pages[group] = dev
+            else:
+                snaps = {}
+                for k in range(full):
+                    slot = state_slot(lane, False, k)
+                    fill_page(pool, slot, prefix_seed(tokens, (k + 1) * PAGE, group))
+                    snaps[(k + 1) * PAGE] = slot
+                snapshots[group] = snaps
+        return pages, snapshots
+
+    async def _store(self, which: int, lane: int, freed: bool) -> None:
+        tokens = PROMPTS[which]
+        pages, snapshots = self._fill(tokens, lane)
+        held: dict[str, list[int | None]] = {g: list(p) for g, p in pages.items()}
+        if freed:  # the engine freed the sliding pages its window left
+            keep = max(0, (len(tokens) - 8) // PAGE)
+            held["sliding"] = [None if i < keep else p for i, p in enumerate(held["sliding"])]
+        await self.cache.store(tokens, held, snapshots=snapshots)
+
+    async def _load(self, which: int, lane: int) -> None:
+        tokens = PROMPTS[which]
+        full = len(tokens) // PAGE
+        dev = {
+            g: lane_pages(lane, True, full)
+            if r.kind.is_token_cache
+            else [state_slot(lane, True, 0)]
+            for g, r in self.rules.items()
+        }
+        for group in dev:  # NaN-like poison: anything not loaded fails the check
+            for page in dev[group]:
+                for layer in self.pools[group].tensors:
+                    for t in layer.values():
+                        t[page * (PAGE if self.rules[group].kind.is_token_cache else 1)].fill_(-1.0)
+        handle, hit = await self.cache.load(tokens, dev)
+        if handle is None:
+            return
+        result = await handle.done()
+        if not result.ok:
+            return  # a failed load is reported, never served
+        self.loads += 1
+        self.loaded_tokens += hit.tokens_total
+        for group, rows in hit.needed.items():
+            pool = self.pools[group]
+            for i, _ in rows:
+                if self.rules[group].kind.is_token_cache:
+                    seed = prefix_seed(tokens, (i + 1) * PAGE, group)
+                    assert check_page(pool, dev[group][i], seed), (group, i, PROMPTS.index(tokens))
+                else:
+                    seed = prefix_seed(tokens, hit.tokens_total, group)
+                    assert check_page(pool, dev[group][0], seed), (group, hit.tokens_total)
+
+    async def _cancelled(self, op: Awaitable[None], after_s: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(after_s):
+                await op
+
+    # ---- rules ---------------------------------------------------------------------------
+
+    @rule(which=st.integers(0, len(PROMPTS) - 1), freed=st.booleans())
+    def store(self, which: int, freed: bool) -> None:
+        self.driver.call(lambda: self._store(which, 0, freed))
+
+    @rule(which=st.integers(0, len(PROMPTS) - 1))
+    def load(self, which: int) -> None:
+        self.driver.call(lambda: self._load(which, 0))
+
+    @rule(which=st.integers(0, len(PROMPTS) - 1))
+    def lookup(self, which: int) -> None:
+        hit = self.cache.lookup(PROMPTS[which])
+        assert hit.tokens_l2 <= hit.tokens_total <= len(PROMPTS[which])
+
+    @rule(
+        a=st.integers(0, len(PROMPTS) - 1),
+        b=st.integers(0, len(PROMPTS) - 1),
+        kinds=st.tuples(st.booleans(), st.booleans(), st.booleans()),
+    )
+    def concurrent(self, a: int, b: int, kinds: tuple[bool, bool, bool]) -> None:
+        """Three ops at once on their own lanes, the same prefix allowed."""
+
+        async def together() -> None:
+            ops = []
+            for lane, (which, is_store) in enumerate(zip((a, b, a), kinds, strict=True)):
+                ops.append(self._store(which, lane, False) if is_store else self._load(which, lane))
+            await asyncio.gather(*ops)
+
+        self.driver.call(together)
+
+    @rule(which=st.integers(0, len(PROMPTS) - 1), after_ms=st.integers(0, 6), store=st.booleans())
+    def cancel(self, which: int, after_ms: int, store: bool) -> None:
+        """The caller gives up at a random await (an `asyncio.timeout` around the call)."""
+        op = self._store(which, 1, False) if store else self._load(which, 1)
+        self.driver.call(lambda: self._cancelled(op, after_ms / 1000))
+
+    @rule(down=st.booleans())
+    def l3_down(self, down: bool) -> None:
+        self.driver.faulty.down = down
+        if not down:
+            self.driver.store.breaker.success()
+
+    @rule(slow=st.booleans())
+    def l3_slow(self, slow: bool) -> None:
+        """Reads slower than their timeout (0.05 s), or not."""
+        self.driver.faulty.latency_s = 0.08 if slow else 0.0
+
+    @rule()
+    def clear_l2(self) -> None:
+        self.cache.clear_l2()
+
+    @rule()
+    def settle(self) -> None:
+        self.driver.call(self.cache.drain)
+
+    # ---- invariants ----------------------------------------------------------------------
+
+    @invariant()
+    def consistent(self) -> None:
+        self.driver.call(self.cache.drain)
+        self.cache.planner.check()
+        for group, pool in self.driver.embedded.host_tier.pools.items():
+            stats = pool.allocator.stats()
+            assert stats.pinned_pages == 0, group
+            assert self.cache.index.pinned_pages(group) == 0, group
+            assert not self.cache.planner.pending[group], group
+            assert stats.num_pages - stats.free_pages == self.cache.index.l2_pages(group), group
+        assert self.cache.background_errors == 0
+
+    def teardown(self) -> None:
+        self.driver.close()
+        self._tmp.cleanup()
+
+
+def run(steps: int, examples: int, deadline_ms: int | None = None) -> None:
+    """Drive the machine: `examples` runs of up to `steps` rules each."""
+    machine = CacheMachine.TestCase
+    machine.settings = settings(
+        max_examples=examples, stateful_step_count=steps, deadline=deadline_ms, derandomize=True
+    )
+    machine().runTest()
