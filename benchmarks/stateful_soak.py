@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.cache import stateful  # noqa: E402
+from tests.cache import stateful
 
 
 def main() -> None:

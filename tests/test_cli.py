@@ -108,3 +108,20 @@ def test_demo_prints_layout_config_and_summary() -> None:
     assert "host.capacity_bytes" in result.stdout
     assert "hit rate L1 / L2 / L3" in result.stdout
     assert result.stdout.rstrip().endswith("mismatches: 0")
+
+
+def test_layout_says_what_l2_holds_per_group() -> None:
+    """Sizing needs bytes per page and what a GiB holds: tokens for KV groups, snapshots for
+    state groups; for a deployment, how its host.capacity_bytes splits between them."""
+    bare = hicache("layout", str(shared_model("qwen3_next_80b.json")), "--json")
+    assert bare.returncode == 0, bare.stderr
+    rows = json.loads(bare.stdout)["sizing"]
+    assert rows["full"]["unit"] == "tokens"
+    assert rows["linear"]["unit"] == "snapshots"
+    assert rows["full"]["per_gib"] == 2**30 // rows["full"]["bytes_per_page"] * 16
+    assert rows["linear"]["per_gib"] == 2**30 // rows["linear"]["bytes_per_page"]
+    deploy = hicache("layout", str(CONFIGS / "qwen3-next-80b.yaml"))
+    assert deploy.returncode == 0, deploy.stderr
+    assert "sizing: (host.capacity_bytes 96GiB)" in deploy.stdout
+    assert "snapshots per GiB of L2; L2 holds 652 snapshots" in deploy.stdout
+    assert "tokens per GiB of L2; L2 holds 3,145,728 tokens" in deploy.stdout

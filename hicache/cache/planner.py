@@ -8,7 +8,8 @@ Lifecycle of each op (the executor, `cache/tiered.py`, awaits only between the s
                                                                      page L3 should have)
             plan_store -> [backup L1 -> L2] -> commit_store | abort_store
     fetch:  plan_fetch -> [L3 read into the reserved pages] -> commit_fetch | abort_fetch
-            (abort only once no backend thread can still write the pages)
+            (pages not indexed are freed, and an abort happens, only once the read has
+            settled: a read that timed out may still be writing them)
     load:   plan_load (lookup, touch and pin in one step) -> [copies] -> release_load
 
 A plan owns exactly what it reserved: host pages it allocated, index pins, and *pending*
@@ -297,31 +298,44 @@ class Planner:
         return plan
 
     def commit_fetch(
-        self, plan: FetchPlan, ok: Mapping[str, Sequence[bool]], answered: bool
-    ) -> int:
-        """The read ended and no thread writes the pages any more: index the pages that
-        verified, free the rest; an object L3 answered for but could not give is stale in
-        the index. Returns the pages L2 gained."""
+        self,
+        plan: FetchPlan,
+        ok: Mapping[str, Sequence[bool]],
+        answered: Mapping[str, Sequence[bool]],
+    ) -> tuple[int, dict[str, list[int]]]:
+        """The read returned: index the pages that verified (their reads have finished); an
+        object L3 answered for but could not give is stale in the index. Returns the pages L2
+        gained, and the host pages not indexed — still allocated, because a read that timed
+        out may still write them: the caller frees them (`free_pages`) once the fetch has
+        settled."""
         plan._close(PlanState.COMMITTED)
-        gained = 0
+        gained, leftover = 0, dict[str, list[int]]()
         for group, g in plan.groups.items():
-            allocator, keys = self.allocators[group], [r.key for r in g.records]
+            keys = [r.key for r in g.records]
             self.pending[group].difference_update(keys)
             goods = ok.get(group, [False] * len(g.records))
-            for record, page, good in zip(g.records, g.host_pages, goods, strict=True):
+            answers = answered.get(group, [False] * len(g.records))
+            rows = zip(g.records, g.host_pages, goods, answers, strict=True)
+            for record, page, good, answer in rows:
                 current = self.index.record(group, record.key)
                 if good and current is not None and current.l2_page is None:
                     self.index.insert_l2(group, record.key, page)
                     gained += 1
                     continue
-                allocator.free([page])
-                if not good and answered and current is not None and current.in_l3:
+                leftover.setdefault(group, []).append(page)
+                if not good and answer and current is not None and current.in_l3:
                     self.index.drop_l3(group, record.key)
             self.index.unpin(group, keys)
-        return gained
+        return gained, leftover
+
+    def free_pages(self, pages: Mapping[str, Sequence[int]]) -> None:
+        """Give back host pages a settled fetch left unindexed."""
+        for group, group_pages in pages.items():
+            self.allocators[group].free(group_pages)
 
     def abort_fetch(self, plan: FetchPlan) -> None:
-        """The read failed or was cancelled and its threads have settled: free it all."""
+        """The read failed or was cancelled, and no thread writes its pages any more (the
+        fetch settled, or never started): free it all."""
         plan._close(PlanState.ABORTED)
         for group, g in plan.groups.items():
             keys = [r.key for r in g.records]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,6 +93,7 @@ class TieredCache:
         self.attach_l3(store)
         self._tg: asyncio.TaskGroup | None = None
         self._fetches: set[asyncio.Task[Any]] = set()
+        self._settling: set[asyncio.Future[None]] = set()  # fetches whose threads still run
 
     def attach_l3(self, store: GuardedStore | None) -> None:
         """Use `store` as L3 (None: none); its backend registers the host pools, into which
@@ -190,8 +191,8 @@ class TieredCache:
 
     async def drain(self) -> None:
         """Until no fetch is in flight and no persist is queued (shutdown; tests)."""
-        while self._fetches:
-            await asyncio.gather(*self._fetches, return_exceptions=True)
+        while self._fetches or self._settling:
+            await asyncio.gather(*self._fetches, *self._settling, return_exceptions=True)
         if self._tg is not None:
             await self.persist.idle()
             await self.embedded.scheduler.idle()  # ops whose callers left end too
@@ -431,13 +432,31 @@ class TieredCache:
             keys.extend(r.key for r in g.records)
             targets.extend([c.numpy().data for c in pool.page_chunks(p)] for p in g.host_pages)
             spans[group] = (start, len(keys))
+        fetch = l3.fetch_into(keys, targets)
         try:
-            ok, answered = await l3.fetch_into(keys, targets)
-        except BaseException:
-            self.planner.abort_fetch(plan)
+            result = await fetch
+        except BaseException:  # cancelled: a read may still be writing the pages
+            self._after_settled(fetch.settled, lambda: self.planner.abort_fetch(plan))
             raise
-        by_group = {group: ok[a:b] for group, (a, b) in spans.items()}
-        return self.planner.commit_fetch(plan, by_group, answered)
+        ok = {group: result.ok[a:b] for group, (a, b) in spans.items()}
+        answered = {group: result.answered_keys[a:b] for group, (a, b) in spans.items()}
+        gained, leftover = self.planner.commit_fetch(plan, ok, answered)
+        if leftover:  # never freed while a read that timed out may still write them
+            self._after_settled(result.settled, lambda: self.planner.free_pages(leftover))
+        return gained
+
+    def _after_settled(self, settled: asyncio.Future[None], release: Callable[[], None]) -> None:
+        """Run `release` once no backend thread touches a fetch's pages (now, if so)."""
+        if settled.done():
+            release()
+            return
+        self._settling.add(settled)
+
+        def done(_future: asyncio.Future[None]) -> None:
+            self._settling.discard(settled)
+            release()
+
+        settled.add_done_callback(done)
 
     # ---- admin ------------------------------------------------------------------------------
 

@@ -107,16 +107,34 @@ def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ign
                 model.start_layer if start is None else start,
                 model.end_layer if end is None else end,
             )
-            return layer_map, loaded.model_name()
+            return layer_map, loaded.model_name(), loaded.deployment
     layout = load_layout(path)
-    return LayerMap(layout, start or 0, end), model_identity(path, layout)
+    return LayerMap(layout, start or 0, end), model_identity(path, layout), None
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
+    from hicache.config.sizes import format_bytes
+    from hicache.memory import CacheDtypes, GroupGeometry
+    from hicache.memory.sizing import sizing, sizing_lines
     from hicache.model.render import layout_json, layout_table
 
-    layer_map, name = _layer_map_for(args.path, args.start_layer, args.end_layer)
-    print(json.dumps(layout_json(layer_map, name)) if args.json else layout_table(layer_map, name))
+    layer_map, name, deployment = _layer_map_for(args.path, args.start_layer, args.end_layer)
+    if deployment is not None:
+        dtypes, page = CacheDtypes.of_model(deployment.model), deployment.model.page_size_tokens
+        capacity, fraction = deployment.host.capacity_bytes, deployment.host.state_fraction
+    else:  # a bare config: the defaults a deployment would start from
+        dtypes, page, capacity, fraction = CacheDtypes.from_names("bfloat16"), 16, None, 0.25
+    geometries = [GroupGeometry.of(g, dtypes, page) for g in layer_map.groups]
+    rows = sizing(geometries, capacity, fraction)
+    if args.json:
+        print(json.dumps({**layout_json(layer_map, name), "sizing": rows}))
+        return 0
+    print(layout_table(layer_map, name))
+    label = format_bytes(capacity) if capacity else None
+    extra = "" if deployment is not None else " (bfloat16, 16-token pages)"
+    lines = sizing_lines(rows, label)
+    lines[0] += extra
+    print("\n".join(lines))
     return 0
 
 

@@ -7,12 +7,14 @@ from hicache.storage.backend import StorageBackend
 from hicache.storage.breaker import BreakerState, CircuitBreaker
 from hicache.storage.faulty import FaultyBackend
 from hicache.storage.file_backend import FileBackend
-from hicache.storage.guarded import GuardedStore, StoreStats
+from hicache.storage.guarded import FetchedInto, FetchInto, GuardedStore, StoreStats
 
 __all__ = [
     "BreakerState",
     "CircuitBreaker",
     "FaultyBackend",
+    "FetchInto",
+    "FetchedInto",
     "FileBackend",
     "GuardedStore",
     "StorageBackend",

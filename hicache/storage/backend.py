@@ -12,6 +12,10 @@ from collections.abc import Iterable, Sequence
 
 Buffer = bytes | bytearray | memoryview
 
+# what `get_parts_many` returns for a key instead of a byte count
+MISSING = -1  # the backend answered: no such object (a miss the index may act on)
+FAILED = -2  # the backend could not say for this key (a failure: the index keeps its entry)
+
 
 class StorageBackend(abc.ABC):
     name: str
@@ -41,8 +45,16 @@ class StorageBackend(abc.ABC):
         self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
     ) -> list[int]:
         """Read each key's object into its target buffers in order (scatter: the header into
-        the first, the payload straight into the caller's memory); returns the bytes read, or
-        -1 where absent. An object longer than its targets reads truncated."""
+        the first, the payload straight into the caller's memory); returns per key the bytes
+        read, `MISSING` where the object is absent, or `FAILED` where the backend could not
+        answer for that key. An object longer than its targets reads truncated; a backend that
+        knows the object is another size may return 0 (the store then deletes it as corrupt).
+
+        Contract (`GuardedStore` relies on it to know when the caller may reuse its pages):
+        this coroutine completes — returns or raises — only once no thread it started can
+        touch `targets` any more. The store never cancels it: on a timeout it stops waiting
+        and awaits the call's completion in the background (`FetchedInto.settled`), so a
+        backend must not wrap its threads in a timeout or cancellation of its own."""
         raise NotImplementedError(f"{self.name} has no vectored reads")
 
     async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:

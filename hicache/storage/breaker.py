@@ -2,16 +2,23 @@
 
 Closed: calls go through; `failure_threshold` failures in a row open it. Open: calls are
 refused at once (the store reports misses). After `reset_after_s` it is half-open: one trial
-call goes through; its success closes the breaker, its failure re-opens it. The sidecar's
-probe task makes that trial in the background, so a recovered backend is back before the next
-engine request needs it.
+call goes through; its success closes the breaker, its failure re-opens it, and a trial that
+ends neither way (its caller was cancelled) is `abandon`ed so the next call may try. The
+sidecar's probe task makes that trial in the background, so a recovered backend is back
+before the next engine request needs it.
+
+Both thresholds are constructor parameters (defaults: 3 failures, 5 s), checked there.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from enum import StrEnum
+
+DEFAULT_FAILURE_THRESHOLD = 3
+DEFAULT_RESET_AFTER_S = 5.0
 
 
 class BreakerState(StrEnum):
@@ -23,12 +30,28 @@ class BreakerState(StrEnum):
 class CircuitBreaker:
     def __init__(
         self,
-        failure_threshold: int = 3,
-        reset_after_s: float = 5.0,
+        failure_threshold: int = DEFAULT_FAILURE_THRESHOLD,
+        reset_after_s: float = DEFAULT_RESET_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
     ):
+        if isinstance(failure_threshold, bool) or not isinstance(failure_threshold, int):
+            raise TypeError(
+                f"CircuitBreaker failure_threshold={failure_threshold!r}: must be an int >= 1"
+            )
+        if failure_threshold < 1:
+            raise ValueError(
+                f"CircuitBreaker failure_threshold={failure_threshold}: must be >= 1 "
+                "(failures in a row before the breaker opens)"
+            )
+        if not (isinstance(reset_after_s, int | float) and math.isfinite(reset_after_s)) or (
+            reset_after_s < 0
+        ):
+            raise ValueError(
+                f"CircuitBreaker reset_after_s={reset_after_s!r}: must be a finite number of "
+                "seconds >= 0 (how long it stays open before a trial call)"
+            )
         self.failure_threshold = failure_threshold
-        self.reset_after_s = reset_after_s
+        self.reset_after_s = float(reset_after_s)
         self._clock = clock
         self._failures = 0
         self._opened_at: float | None = None
@@ -61,3 +84,8 @@ class CircuitBreaker:
         self._failures += 1
         if self._opened_at is not None or self._failures >= self.failure_threshold:
             self._opened_at = self._clock()
+
+    def abandon(self) -> None:
+        """A call `allow` let through ended with no verdict (its caller was cancelled): a
+        half-open trial is free again. Counts neither way."""
+        self._trial_in_flight = False

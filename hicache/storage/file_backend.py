@@ -2,38 +2,129 @@
 
 One file per object, `<root>/<k[0:2]>/<key hex>.kv`. Writes are atomic (a unique temporary
 file in the same directory, then `os.replace`), so a crash or SIGTERM mid-write never leaves a
-half object under a real name; leftover temporaries are removed at start. A size budget is
-kept with least-recently-used eviction. At start the directory is scanned, so persisted
-objects survive a restart. Blocking file I/O runs in worker threads, never on the loop.
+half object under a real name. A size budget is kept with least-recently-used eviction. At
+start the directory is scanned, so persisted objects survive a restart. Blocking file I/O
+runs in worker threads, never on the loop.
+
+Several processes may share the directory (two `hicache serve` on one volume, a restart that
+overlaps its predecessor). The rules:
+- **The catalogue is a cache of the directory, not its truth.** `exists_many` answers keys
+  the catalogue lacks with one `os.stat` each (on a thread; none when it knows them all), and
+  gets open the object's path whatever the catalogue says; an object found either way is
+  adopted (size counted in the budget, most recent in the LRU; `adopted` counts them). A key
+  the catalogue lists but another process deleted reads as a miss and is forgotten.
+- **Eviction is per process:** each evicts from what it knows when its own puts exceed its
+  budget, possibly objects another wrote (POSIX keeps an open file readable after unlink).
+- **Temporaries** are named `.tmp-<writer>-<pid>-<random>`, `<writer>` a digest of the host
+  name and the pid namespace. Start-up removes one only when it is provably abandoned: its
+  writer is this host and namespace and its pid is dead, or it has not been written for
+  `stale_tmp_after_s` (default 10 min; a write keeps the mtime fresh). Any other temporary —
+  another host's, another container's, an older version's unparseable name — is judged by
+  age alone. `removed_temporaries` counts what start-up removed.
+- **Only regular files are objects.** A directory, FIFO, socket or device where an object
+  should be is a miss: dropped from the catalogue and counted (`non_regular`), never an
+  exception for the breaker, never a hang (objects are opened `O_NONBLOCK` and checked with
+  `fstat` before any read; the scan and `exists_many` check `S_ISREG`). A put onto such a
+  path is refused for that key. The thing itself is left where it is: it is not ours.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
+import hashlib
+import math
 import os
+import socket
+import stat
 import threading
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.backend import MISSING, Buffer, StorageBackend
 
 _SUFFIX = ".kv"
 _TMP = ".tmp-"
+STALE_TMP_AFTER_S = 600.0
+# open() errors that mean "no object of ours here" (a miss), not a failing disk
+_NOT_AN_OBJECT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENXIO, errno.ELOOP, errno.EISDIR})
+
+
+def _writer_id() -> str:
+    """This host and pid namespace: where a temporary's pid can be checked for liveness."""
+    try:
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        namespace = ""
+    seed = f"{socket.gethostname()}\0{namespace}".encode()
+    return hashlib.blake2b(seed, digest_size=6).hexdigest()
+
+
+WRITER_ID = _writer_id()
+
+
+def temporary_name() -> str:
+    """A fresh temporary's name: `.tmp-<writer>-<pid>-<random>`."""
+    return f"{_TMP}{WRITER_ID}-{os.getpid()}-{uuid.uuid4().hex}"
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user
+        return True
+    return True
+
+
+def _abandoned(name: str, mtime: float, stale_after_s: float, now: float) -> bool:
+    """Whether start-up may remove the temporary `name` (see the module docstring)."""
+    if now - mtime >= stale_after_s:
+        return True
+    writer, _, rest = name[len(_TMP) :].partition("-")
+    pid, _, _ = rest.partition("-")
+    return writer == WRITER_ID and pid.isdigit() and not _pid_alive(int(pid))
 
 
 class FileBackend(StorageBackend):
     name = "file"
 
-    def __init__(self, root: Path, capacity_bytes: int, *, fsync: bool = False):
+    def __init__(
+        self,
+        root: Path,
+        capacity_bytes: int,
+        *,
+        fsync: bool = False,
+        stale_tmp_after_s: float = STALE_TMP_AFTER_S,
+    ):
+        if not (isinstance(stale_tmp_after_s, int | float) and math.isfinite(stale_tmp_after_s)):
+            raise ValueError(
+                f"FileBackend stale_tmp_after_s={stale_tmp_after_s!r}: must be a finite number "
+                "of seconds >= 0"
+            )
+        if stale_tmp_after_s < 0:
+            raise ValueError(
+                f"FileBackend stale_tmp_after_s={stale_tmp_after_s}: must be >= 0 seconds "
+                "(how long a temporary goes unwritten before start-up calls it abandoned)"
+            )
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
         self.fsync = fsync
+        self.stale_tmp_after_s = float(stale_tmp_after_s)
         self._sizes: OrderedDict[bytes, int] = OrderedDict()  # LRU order
         self._used = 0
         self._lock = threading.Lock()
         self._dirs: set[Path] = set()
+        self.adopted = 0  # objects found on disk that the catalogue did not list
+        self.non_regular = 0  # non-regular files met where an object should be
+        self.removed_temporaries = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild()
 
@@ -45,15 +136,30 @@ class FileBackend(StorageBackend):
 
     def _rebuild(self) -> None:
         found = []
+        now = time.time()
         for path in self.root.glob("*/*"):
+            try:
+                st = path.stat()
+            except OSError:  # gone meanwhile (another process), or a dangling link
+                continue
             if path.name.startswith(_TMP):
-                path.unlink(missing_ok=True)  # a write that never finished
-            elif path.suffix == _SUFFIX:
-                try:
-                    stat = path.stat()
-                    found.append((stat.st_mtime, bytes.fromhex(path.stem), stat.st_size))
-                except (OSError, ValueError):
-                    continue
+                if _abandoned(path.name, st.st_mtime, self.stale_tmp_after_s, now):
+                    try:
+                        path.unlink()
+                        self.removed_temporaries += 1
+                    except FileNotFoundError:
+                        pass  # its writer renamed it, or another start-up removed it
+                continue
+            if path.suffix != _SUFFIX:
+                continue
+            try:
+                key = bytes.fromhex(path.stem)
+            except ValueError:
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                self.non_regular += 1
+                continue
+            found.append((st.st_mtime, key, st.st_size))
         for _, key, size in sorted(found):
             self._sizes[key] = size
             self._used += size
@@ -65,6 +171,27 @@ class FileBackend(StorageBackend):
     def __len__(self) -> int:
         return len(self._sizes)
 
+    # ---- catalogue (call with the lock held) ------------------------------------------------
+
+    def _note(self, key: bytes, size: int, *, ours: bool = False) -> None:
+        """`key` is on disk with `size` bytes: most recent; adopted if it was not listed
+        and we did not just write it."""
+        old = self._sizes.pop(key, None)
+        if old is None and not ours:
+            self.adopted += 1
+        self._sizes[key] = size
+        self._used += size - (old or 0)
+
+    def _forget(self, key: bytes) -> None:
+        size = self._sizes.pop(key, None)
+        if size is not None:
+            self._used -= size
+
+    def _not_regular(self, key: bytes) -> None:
+        with self._lock:
+            self.non_regular += 1
+            self._forget(key)
+
     # ---- blocking operations (run in threads) -----------------------------------------------
 
     def _put(self, key: bytes, parts: Sequence[Buffer]) -> bool:
@@ -72,7 +199,7 @@ class FileBackend(StorageBackend):
         if path.parent not in self._dirs:
             path.parent.mkdir(exist_ok=True)
             self._dirs.add(path.parent)
-        tmp = path.parent / f"{_TMP}{uuid.uuid4().hex}"
+        tmp = path.parent / temporary_name()
         try:
             with open(tmp, "wb", buffering=0) as f:
                 for part in parts:  # unbuffered: each part goes to the kernel from where it is
@@ -84,17 +211,21 @@ class FileBackend(StorageBackend):
                     f.flush()
                     os.fsync(f.fileno())
             os.replace(tmp, path)
+        except IsADirectoryError:  # a directory where the object goes: not ours to replace
+            tmp.unlink(missing_ok=True)
+            self._not_regular(key)
+            return False
+        except FileNotFoundError:  # our temporary was removed under us: not stored
+            tmp.unlink(missing_ok=True)
+            return False
         except OSError:
             tmp.unlink(missing_ok=True)
             raise
         with self._lock:
-            size = sum(memoryview(part).nbytes for part in parts)
-            old = self._sizes.pop(key, 0)
-            self._sizes[key] = size
-            self._used += size - old
+            self._note(key, sum(memoryview(part).nbytes for part in parts), ours=True)
             victims = self._over_budget()
         for victim in victims:
-            self._path(victim).unlink(missing_ok=True)
+            self._unlink(self._path(victim))
         return True
 
     def _over_budget(self) -> list[bytes]:
@@ -105,25 +236,52 @@ class FileBackend(StorageBackend):
             victims.append(key)
         return victims
 
-    def _get(self, key: bytes) -> bytes | None:
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        with contextlib.suppress(IsADirectoryError):  # not an object of ours: left alone
+            path.unlink(missing_ok=True)
+
+    def _open(self, key: bytes) -> tuple[int, int] | None:
+        """The object's fd and size, or None where there is no regular file (a miss; the
+        catalogue forgets it). `O_NONBLOCK`: opening a FIFO never waits for a writer."""
         try:
-            data = self._path(key).read_bytes()
-        except FileNotFoundError:
-            with self._lock:
-                self._forget(key)
+            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as exc:
+            if exc.errno not in _NOT_AN_OBJECT:
+                raise
+            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+                with self._lock:
+                    self._forget(key)
+            else:
+                self._not_regular(key)
             return None
+        try:
+            st = os.fstat(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            self._not_regular(key)
+            return None
+        return fd, st.st_size
+
+    def _get(self, key: bytes) -> bytes | None:
+        opened = self._open(key)
+        if opened is None:
+            return None
+        fd, size = opened
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            data = f.read()
         with self._lock:
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
+            self._note(key, size)
         return data
 
     def _get_parts(self, key: bytes, targets: Sequence[memoryview]) -> int:
-        try:
-            fd = os.open(self._path(key), os.O_RDONLY)
-        except FileNotFoundError:
-            with self._lock:
-                self._forget(key)
-            return -1
+        opened = self._open(key)
+        if opened is None:
+            return MISSING
+        fd, size = opened
         try:
             got, todo = 0, [t for t in targets if t.nbytes]
             while todo:
@@ -139,19 +297,28 @@ class FileBackend(StorageBackend):
         finally:
             os.close(fd)
         with self._lock:
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
+            self._note(key, size)
         return got
 
+    def _stat(self, key: bytes) -> bool:
+        """Whether a regular object file exists for `key` (adopted when found)."""
+        try:
+            st = os.stat(self._path(key))
+        except OSError as exc:
+            if exc.errno not in _NOT_AN_OBJECT:
+                raise
+            return False
+        if not stat.S_ISREG(st.st_mode):
+            self._not_regular(key)
+            return False
+        with self._lock:
+            self._note(key, st.st_size)
+        return True
+
     def _delete(self, key: bytes) -> None:
-        self._path(key).unlink(missing_ok=True)
+        self._unlink(self._path(key))
         with self._lock:
             self._forget(key)
-
-    def _forget(self, key: bytes) -> None:
-        size = self._sizes.pop(key, None)
-        if size is not None:
-            self._used -= size
 
     # ---- async interface ------------------------------------------------------------------
 
@@ -176,8 +343,15 @@ class FileBackend(StorageBackend):
         return await asyncio.to_thread(lambda: [self._put(k, list(p)) for k, p in items])
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
+        """The catalogue's answer, and for keys it lacks the filesystem's (one `os.stat`
+        each, on a thread): objects another process persisted are found and adopted."""
         with self._lock:
-            return [k in self._sizes for k in keys]
+            known = [k in self._sizes for k in keys]
+        unknown = [k for k, listed in zip(keys, known, strict=True) if not listed]
+        if not unknown:
+            return known
+        found = iter(await asyncio.to_thread(lambda: [self._stat(k) for k in unknown]))
+        return [listed or next(found) for listed in known]
 
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         def delete_all() -> None:

@@ -6,22 +6,55 @@ deleted, counted and reported as a miss. Each call has a timeout derived from it
 after `failure_threshold` in a row it opens and calls return misses at once without touching
 the backend; after `reset_after_s` the next call is a trial (half-open) that closes the
 breaker on success or re-opens it on failure (`breaker.py`). Backend-native errors are mapped to
-`TierUnavailableError` and counted by reason; none propagate.
+`TierUnavailableError` and counted by reason; none propagate. Timeouts, chunk size and the
+breaker's thresholds are constructor parameters, checked there (defaults: 1 s + 50 MB/s,
+16 MiB chunks, 3 failures, 5 s).
+
+Fetches into caller memory (`fetch_into`) and their lifecycle. The payloads land in the
+caller's host pages on a backend thread (file `readv`, Mooncake's scatter read), and a thread
+cannot be stopped. So a timed-out or cancelled fetch stops *waiting* at once but never stops
+*tracking*: the rule (trio's) is that a thread once started is awaited, and a page is not
+reusable while a thread may still write it.
+
+    fetch = store.fetch_into(keys, targets)   # starts now; the handle has `settled`
+    result = await fetch                      # FetchedInto; prompt even when L3 hangs
+    ...index the pages with result.ok[i]...
+    fetch.settled.add_done_callback(free_the_pages_not_indexed)   # or: await fetch.settled
+
+- `await fetch` returns within the byte-scaled timeout per chunk (or raises CancelledError
+  when the awaiting task is cancelled, which also stops further chunks). `ok[i]` is True only
+  for an object read to the end and verified in its targets; a timed-out read is never
+  verified and never True. `answered_keys[i]` says the backend answered for key i (ok False
+  there is a definite miss: absent, or corrupt and deleted); `answered` is all of them.
+- `settled` (on the handle and on the result; the same future) is done once no thread of this
+  fetch can read or write `targets` any more — already done on return when nothing is
+  outstanding. Free or reuse a target page only after it. The scatter call itself is never
+  cancelled (the backend's contract: its coroutine ends only when its threads do), so a
+  backend that never returns leaks those pages rather than corrupting them.
+- Unpacking `ok, answered = await ...` still works (the shape before `settled`), for callers
+  that keep their target pages alive regardless.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from hicache.errors import ObjectCorruptError
 from hicache.storage import object_format
-from hicache.storage.backend import Buffer, StorageBackend
-from hicache.storage.breaker import BreakerState, CircuitBreaker
+from hicache.storage.backend import FAILED, Buffer, StorageBackend
+from hicache.storage.breaker import (
+    DEFAULT_FAILURE_THRESHOLD,
+    DEFAULT_RESET_AFTER_S,
+    BreakerState,
+    CircuitBreaker,
+)
 from hicache.storage.object_format import Parts, payload_bytes
 
 T = TypeVar("T")
@@ -34,6 +67,86 @@ PROBE_KEY = b"hicache-breaker-probe"
 class Fetched:
     values: list[memoryview | None]
     answered: bool  # False: the backend failed or the breaker is open; the Nones are unknown
+    timed_out: bool = False  # the backend did not answer within the call's timeout
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedInto:
+    """The outcome of `fetch_into` (see the module docstring for the lifecycle)."""
+
+    ok: list[bool]  # per key: read whole and verified in its targets
+    answered: bool  # every key answered (False: a failure, a timeout or an open breaker)
+    answered_keys: list[bool]  # per key: the backend answered (ok False: a definite miss)
+    timed_out: bool  # a read was still running when the store stopped waiting
+    settled: asyncio.Future[None]  # done once no thread of this fetch touches the targets
+
+    def __iter__(self) -> Iterator[Any]:
+        """`ok, answered = result`: the shape callers unpacked before `settled`."""
+        yield self.ok
+        yield self.answered
+
+
+class _Outstanding:
+    """The futures of one fetch that may still touch its targets; `settled` is done once the
+    fetch is `close`d (starts nothing more) and every tracked future is done."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.settled: asyncio.Future[None] = loop.create_future()
+        self._futures: list[asyncio.Future[Any]] = []
+        self._closed = False
+
+    def track(self, future: asyncio.Future[Any]) -> None:
+        self._futures.append(future)
+        future.add_done_callback(self._check)
+
+    @property
+    def idle(self) -> bool:
+        return all(f.done() for f in self._futures)
+
+    def close(self) -> None:
+        self._closed = True
+        self._check()
+
+    def _check(self, _: object = None) -> None:
+        if self._closed and not self.settled.done() and self.idle:
+            self.settled.set_result(None)
+
+
+class FetchInto:
+    """A running `fetch_into`: await it for the `FetchedInto`; `settled` is available at once,
+    so a caller cancelled while awaiting can still tell when its pages are free."""
+
+    def __init__(self, run: Callable[[_Outstanding], Coroutine[Any, Any, FetchedInto]]) -> None:
+        loop = asyncio.get_running_loop()
+        self._outstanding = _Outstanding(loop)
+        self._task = loop.create_task(run(self._outstanding))
+        self._task.add_done_callback(lambda _: self._outstanding.close())
+
+    @property
+    def settled(self) -> asyncio.Future[None]:
+        return self._outstanding.settled
+
+    def cancel(self) -> None:
+        """Stop waiting and start no further chunk; `settled` still waits for the threads."""
+        self._task.cancel()
+
+    def done(self) -> bool:
+        return self._task.done()
+
+    def __await__(self) -> Generator[Any, None, FetchedInto]:
+        return self._task.__await__()
+
+
+def _retrieve(future: asyncio.Future[Any]) -> None:
+    """A late call's error is nobody's to raise: mark it retrieved (no asyncio warning)."""
+    if not future.cancelled():
+        future.exception()
+
+
+def _positive(name: str, value: float) -> float:
+    if not (isinstance(value, int | float) and math.isfinite(value)) or value <= 0:
+        raise ValueError(f"GuardedStore {name}={value!r}: must be a finite number > 0")
+    return float(value)
 
 
 @dataclass
@@ -89,11 +202,31 @@ def _headers(
     return [(key, _with_header(key, payload)) for (key, payload), _ in chunk]
 
 
+class _Gate:
+    """Closed once the store stops waiting for a put: a header is computed (its checksum over
+    the caller's payload) only while it is open, under the same lock, so a thread still
+    sending after a timeout can never frame bytes the caller has since reused as a valid
+    object — at worst its payload no longer matches a checksum taken before, and the read
+    that meets it deletes it as corrupt."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open = True
+
+    def close(self) -> None:
+        with self.lock:
+            self.open = False
+
+
 def _lazy_headers(
-    items: Sequence[tuple[bytes, Parts]],
+    items: Sequence[tuple[bytes, Parts]], gate: _Gate
 ) -> Iterator[tuple[bytes, Sequence[Buffer]]]:
     for key, payload in items:
-        yield key, _with_header(key, payload)
+        with gate.lock:
+            if not gate.open:
+                return
+            parts = _with_header(key, payload)
+        yield key, parts
 
 
 def _with_header(key: bytes, payload: Parts) -> list[Buffer]:
@@ -137,11 +270,25 @@ class GuardedStore:
         base_timeout_s: float = 1.0,
         min_bandwidth_bytes_per_s: float = 50e6,
         chunk_bytes: int = 16 << 20,
+        failure_threshold: int | None = None,
+        reset_after_s: float | None = None,
     ):
+        """`failure_threshold` / `reset_after_s` build the breaker (defaults 3 and 5 s); give
+        them or a ready `breaker`, not both."""
+        if breaker is not None and (failure_threshold is not None or reset_after_s is not None):
+            raise ValueError(
+                "GuardedStore: breaker= was given together with failure_threshold= / "
+                "reset_after_s=; give the thresholds or a CircuitBreaker, not both"
+            )
         self.backend = backend
-        self.breaker = breaker or CircuitBreaker()
-        self.base_timeout_s = base_timeout_s
-        self.min_bandwidth = min_bandwidth_bytes_per_s
+        self.breaker = breaker or CircuitBreaker(
+            DEFAULT_FAILURE_THRESHOLD if failure_threshold is None else failure_threshold,
+            DEFAULT_RESET_AFTER_S if reset_after_s is None else reset_after_s,
+        )
+        self.base_timeout_s = _positive("base_timeout_s", base_timeout_s)
+        self.min_bandwidth = _positive("min_bandwidth_bytes_per_s", min_bandwidth_bytes_per_s)
+        if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
+            raise ValueError(f"GuardedStore chunk_bytes={chunk_bytes!r}: must be an int >= 1")
         self.stats = StoreStats()
         self.chunk_bytes = chunk_bytes
         self._arena: memoryview | None = None
@@ -156,21 +303,65 @@ class GuardedStore:
         self, what: str, nbytes: int, coro_factory: Callable[[], Awaitable[T]]
     ) -> T | None:
         """Run one backend call under the breaker and a timeout; None means 'treat as miss'."""
+        return (await self._call_why(what, nbytes, coro_factory))[0]
+
+    async def _call_why(
+        self, what: str, nbytes: int, coro_factory: Callable[[], Awaitable[T]]
+    ) -> tuple[T | None, str | None]:
+        """`_call`, and why it gave None: "open", "timeout" or the exception's name. On a
+        timeout the call is cancelled: only for calls whose threads touch no caller memory
+        that outlives them (scatter reads go through `_detached`)."""
         if not self.breaker.allow():
             self.stats.skipped_open += 1
-            return None
+            return None, "open"
         try:
             result = await asyncio.wait_for(coro_factory(), self._timeout(nbytes))
         except TimeoutError:
             self.stats.failures[f"{what}:timeout"] += 1
             self.breaker.failure()
-            return None
+            return None, "timeout"
+        except asyncio.CancelledError:
+            self.breaker.abandon()
+            raise
         except Exception as exc:  # every backend error becomes a miss; counted by reason
             self.stats.failures[f"{what}:{type(exc).__name__}"] += 1
             self.breaker.failure()
-            return None
+            return None, type(exc).__name__
         self.breaker.success()
-        return result
+        return result, None
+
+    async def _detached(
+        self,
+        what: str,
+        nbytes: int,
+        start: Callable[[], Awaitable[T]],
+        outstanding: _Outstanding,
+    ) -> tuple[T | None, str | None]:
+        """Like `_call_why` for a call whose threads write caller memory: on a timeout (or a
+        cancelled caller) the call is left running — never cancelled — and tracked in
+        `outstanding` until it ends. The breaker's failure is recorded here; its success is
+        the caller's to record (a result may still hold failed keys)."""
+        if not self.breaker.allow():
+            self.stats.skipped_open += 1
+            return None, "open"
+        call = asyncio.ensure_future(start())
+        call.add_done_callback(_retrieve)
+        outstanding.track(call)
+        try:
+            done, _ = await asyncio.wait({call}, timeout=self._timeout(nbytes))
+        except asyncio.CancelledError:
+            self.breaker.abandon()
+            raise
+        if not done:
+            self.stats.failures[f"{what}:timeout"] += 1
+            self.breaker.failure()
+            return None, "timeout"
+        exc = call.exception() if not call.cancelled() else asyncio.CancelledError()
+        if exc is not None:
+            self.stats.failures[f"{what}:{type(exc).__name__}"] += 1
+            self.breaker.failure()
+            return None, type(exc).__name__
+        return call.result(), None
 
     async def put(self, items: Sequence[tuple[bytes, Parts]]) -> list[bool]:
         """Persist payloads (each one buffer, or a page's chunks in order); True where the object
@@ -225,14 +416,26 @@ class GuardedStore:
         costs no extra round trip (`backend.chunked_put`: files), the headers of chunk k+1 —
         their checksums — are computed on a worker thread while chunk k is written (xxhash and
         write both release the GIL). For Redis one call measured faster: a round trip per
-        chunk, and a third busy thread beside redis-server on two cores."""
+        chunk, and a third busy thread beside redis-server on two cores.
+
+        After a timeout the backend's thread may still read the payload (a thread cannot be
+        stopped): every header sent was computed before the store gave up (chunked: before
+        the call; lazy: under `_Gate`), so a payload the caller changes afterwards fails its
+        checksum on read and is deleted — never served as another page's bytes."""
         started = time.perf_counter()
         self.stats.puts += len(items)
         sizes = [payload_bytes(p) for _, p in items]
         if not self.backend.chunked_put:
-            # one call, the headers computed lazily on the backend's thread as it sends
-            lazy = _lazy_headers(items)
-            result = await self._call("put", sum(sizes), lambda: self.backend.put_parts_many(lazy))
+            # one call, the headers computed lazily on the backend's thread as it sends; the
+            # gate stops that once this call is given up (timed out, failed or cancelled)
+            gate = _Gate()
+            lazy = _lazy_headers(items, gate)
+            try:
+                result = await self._call(
+                    "put", sum(sizes), lambda: self.backend.put_parts_many(lazy)
+                )
+            finally:
+                gate.close()
             done = result if result is not None else [False] * len(items)
             self.stats.stored += sum(done)
             self.stats.put_bytes += sum(s for s, ok in zip(sizes, done, strict=True) if ok)
@@ -273,7 +476,9 @@ class GuardedStore:
         definitively absent or corrupt, not that the backend could not be asked."""
         self.stats.gets += len(keys)
         started = time.perf_counter()
-        result = await self._call("get", expected_bytes, lambda: self.backend.get_many(keys))
+        result, why = await self._call_why(
+            "get", expected_bytes, lambda: self.backend.get_many(keys)
+        )
         answered = result is not None
         raw: list[bytes | None] = result if result is not None else [None] * len(keys)
         out: list[memoryview | None] = []
@@ -295,23 +500,34 @@ class GuardedStore:
         self.stats.get_seconds += time.perf_counter() - started
         self.stats.hits += hits
         self.stats.misses += len(keys) - hits
-        return Fetched(out, answered)
+        return Fetched(out, answered, timed_out=why == "timeout")
 
-    async def fetch_into(
-        self, keys: Sequence[bytes], targets: Sequence[list[memoryview]]
-    ) -> tuple[list[bool], bool]:
+    def fetch_into(self, keys: Sequence[bytes], targets: Sequence[list[memoryview]]) -> FetchInto:
         """Fetch each object's payload straight into its target buffers (a host page's
-        chunks) and verify it there. Returns which landed valid, and whether the backend
-        answered. A target that fails holds garbage: the caller must not use it."""
-        self.stats.gets += len(keys)
-        started = time.perf_counter()
+        chunks) and verify it there. Starts at once (a task on the running loop) and returns
+        the handle: `await` it for the `FetchedInto`; free or reuse a target only once
+        `settled` is done (the module docstring has the whole lifecycle). A target that is
+        not `ok` holds garbage: the caller must not use it."""
+        if len(keys) != len(targets):
+            raise ValueError(
+                f"GuardedStore.fetch_into: {len(keys)} keys but {len(targets)} targets; "
+                "give one target (a list of buffers) per key"
+            )
+        keys, targets = list(keys), list(targets)
+        return FetchInto(lambda outstanding: self._fetch_into(keys, targets, outstanding))
+
+    async def _fetch_into(
+        self,
+        keys: list[bytes],
+        targets: list[list[memoryview]],
+        outstanding: _Outstanding,
+    ) -> FetchedInto:
+        sizes = [sum(t.nbytes for t in target) for target in targets]
         if not self.backend.vectored_get:  # the backend's bytes, then one copy into place
-            self.stats.gets -= len(keys)  # fetch counts them
-            nbytes = sum(sum(t.nbytes for t in target) for target in targets)
-            fetched = await self.fetch(keys, nbytes)
+            fetched = await self.fetch(keys, sum(sizes))  # copies on the loop: no thread
             landed: list[bool] = []
-            for value, target in zip(fetched.values, targets, strict=True):
-                if value is None or value.nbytes != sum(t.nbytes for t in target):
+            for value, target, size in zip(fetched.values, targets, sizes, strict=True):
+                if value is None or value.nbytes != size:
                     landed.append(False)
                     continue
                 offset = 0
@@ -319,46 +535,27 @@ class GuardedStore:
                     part[:] = value[offset : offset + part.nbytes]
                     offset += part.nbytes
                 landed.append(True)
-            return landed, fetched.answered
+            outstanding.close()
+            return FetchedInto(
+                landed,
+                fetched.answered,
+                [fetched.answered] * len(keys),
+                fetched.timed_out,
+                outstanding.settled,
+            )
+        self.stats.gets += len(keys)
+        started = time.perf_counter()
+        ok: list[bool] = [False] * len(keys)
+        answered_keys: list[bool] = [False] * len(keys)
+        corrupt: list[bytes] = []
         async with self._get_lock:  # the headers land in the store's (registered) arena
-            head_sizes = [object_format.HEADER_BYTES + len(k) for k in keys]
-            if self._head_arena is None or self._head_arena.nbytes < sum(head_sizes):
-                self._head_arena = self.backend.alloc_buffer(max(sum(head_sizes), 4096))
-            heads, offset = [], 0
-            for size in head_sizes:
-                heads.append(self._head_arena[offset : offset + size])
-                offset += size
-            # read chunk k+1 while chunk k is verified on a worker thread (readv and xxhash
-            # both release the GIL): the checksum no longer adds to the read time
-            sizes = [sum(t.nbytes for t in target) for target in targets]
-            chunks = _runs(sizes, self.chunk_bytes)
-            ok: list[bool] = [False] * len(keys)
-            corrupt: list[bytes] = []
-            answered = True
-            verifying: asyncio.Future[list[bool | None]] | None = None
-            verifying_chunk: list[int] = []
-            for chunk in chunks:
-                scatter = [[heads[i], *targets[i]] for i in chunk]
-                chunk_keys = [keys[i] for i in chunk]
-                read = await self._call(
-                    "get",
-                    sum(sizes[i] for i in chunk),
-                    self._scatter_reader(chunk_keys, scatter),
+            try:
+                timed_out = await self._scatter(
+                    keys, targets, sizes, ok, answered_keys, corrupt, outstanding
                 )
-                if verifying is not None:
-                    self._settle(await verifying, verifying_chunk, keys, ok, corrupt)
-                    verifying = None
-                if read is None:
-                    answered = False
-                    self._head_arena = None  # a timed-out call may still write into it
-                    break
-                jobs = [
-                    (keys[i], heads[i], targets[i], n) for i, n in zip(chunk, read, strict=True)
-                ]
-                verifying = asyncio.ensure_future(asyncio.to_thread(_verify_all, jobs))
-                verifying_chunk = chunk
-            if verifying is not None:
-                self._settle(await verifying, verifying_chunk, keys, ok, corrupt)
+            finally:
+                if not outstanding.idle:  # a read still running may write the head arena
+                    self._head_arena = None
         if corrupt:
             self.stats.corrupt_dropped += len(corrupt)
             await self._call("delete", 0, lambda: self.backend.delete_many(corrupt))
@@ -367,7 +564,67 @@ class GuardedStore:
         self.stats.misses += len(keys) - hits
         self.stats.get_bytes += sum(size for size, good in zip(sizes, ok, strict=True) if good)
         self.stats.get_seconds += time.perf_counter() - started
-        return ok, answered
+        outstanding.close()
+        return FetchedInto(ok, all(answered_keys), answered_keys, timed_out, outstanding.settled)
+
+    async def _scatter(
+        self,
+        keys: list[bytes],
+        targets: list[list[memoryview]],
+        sizes: list[int],
+        ok: list[bool],
+        answered_keys: list[bool],
+        corrupt: list[bytes],
+        outstanding: _Outstanding,
+    ) -> bool:
+        """Read chunk by chunk, verifying chunk k on a worker thread while chunk k+1 is read
+        (readv and xxhash both release the GIL). Fills `ok`, `answered_keys` and `corrupt`;
+        returns whether a read timed out. Stops at the first chunk that fails: its reads
+        (and every later chunk) are never verified."""
+        head_sizes = [object_format.HEADER_BYTES + len(k) for k in keys]
+        if self._head_arena is None or self._head_arena.nbytes < sum(head_sizes):
+            self._head_arena = self.backend.alloc_buffer(max(sum(head_sizes), 4096))
+        heads, offset = [], 0
+        for size in head_sizes:
+            heads.append(self._head_arena[offset : offset + size])
+            offset += size
+        verifying: asyncio.Future[list[bool | None]] | None = None
+        verifying_chunk: list[int] = []
+        timed_out = False
+        for chunk in _runs(sizes, self.chunk_bytes):
+            scatter = [[heads[i], *targets[i]] for i in chunk]
+            read, why = await self._detached(
+                "get",
+                sum(sizes[i] for i in chunk),
+                self._scatter_reader([keys[i] for i in chunk], scatter),
+                outstanding,
+            )
+            if verifying is not None:
+                # shielded: a cancelled caller leaves the thread tracked, not orphaned
+                outcomes = await asyncio.shield(verifying)
+                self._settle(outcomes, verifying_chunk, keys, ok, answered_keys, corrupt)
+                verifying = None
+            if read is None:
+                timed_out = why == "timeout"
+                break
+            failed = [i for i, n in zip(chunk, read, strict=True) if n == FAILED]
+            if failed:  # the backend could not say for these keys: a failure, not a miss
+                self.stats.failures["get:key_failed"] += len(failed)
+                self.breaker.failure()
+            else:
+                self.breaker.success()
+            jobs = [
+                (keys[i], heads[i], targets[i], n)
+                for i, n in zip(chunk, read, strict=True)
+                if n != FAILED
+            ]
+            verifying = asyncio.ensure_future(asyncio.to_thread(_verify_all, jobs))
+            outstanding.track(verifying)
+            verifying_chunk = [i for i, n in zip(chunk, read, strict=True) if n != FAILED]
+        if verifying is not None:
+            outcomes = await asyncio.shield(verifying)
+            self._settle(outcomes, verifying_chunk, keys, ok, answered_keys, corrupt)
+        return timed_out
 
     def _scatter_reader(
         self, keys: list[bytes], scatter: list[list[memoryview]]
@@ -380,11 +637,13 @@ class GuardedStore:
         chunk: list[int],
         keys: Sequence[bytes],
         ok: list[bool],
+        answered_keys: list[bool],
         corrupt: list[bytes],
     ) -> None:
         """Record a verified chunk: True valid, False corrupt (to delete), None absent."""
         for i, outcome in zip(chunk, outcomes, strict=True):
             ok[i] = outcome is True
+            answered_keys[i] = True
             if outcome is False:
                 corrupt.append(keys[i])
 

@@ -15,6 +15,32 @@ with `batch_upsert_from` and a fetch scatters with `batch_get_into_multi_buffers
 host pages — measured here 6-8 GB/s on loopback TCP against 1-4 GB/s for `upsert_batch` /
 `get_batch`, which copy through Python bytes. Buffers from elsewhere fall back to
 `upsert_batch`; `get_batch` serves plain `get`s. Registrations are released at `close`.
+
+Status codes (Mooncake's `ErrorCode`, mooncake-store/include/types.h; what this wheel
+returns was measured against a real master, tests/storage/test_mooncake.py) are read per key:
+
+    read code                               meaning here
+    >= 0                                    bytes read
+    -704 OBJECT_NOT_FOUND, -703             absent: a miss (`MISSING`), the index may drop it
+      REPLICA_IS_NOT_READY, -712
+      REPLICA_IS_GONE
+    -600 INVALID_PARAMS, -800 TRANSFER_FAIL ambiguous: this wheel returns them for targets
+                                            smaller / larger than the object, and also for a
+                                            bad call / a failed transfer (a dead or
+                                            unreachable segment owner). `get_size` decides:
+                                            another size -> 0 bytes (a verified miss: the
+                                            store deletes it); the same size -> `FAILED`;
+                                            -704 -> `MISSING`; an error -> `FAILED`
+    anything else (-900 RPC_FAIL: master    `FAILED`: a backend failure for that key (breaker;
+      down, -1 INTERNAL_ERROR, ...)         the index keeps its entry; nothing is deleted)
+
+`get_batch` returns an empty value both for an absent key and for a dead master, so its
+empty answers are checked with `batch_is_exist` (0 absent; 1 or an error: the call failed).
+Upserts: 0 stored; -200 NO_AVAILABLE_HANDLE (the store is full right now) is "not stored",
+not a failure; any other negative code fails the call. Removes: 0 and the absent codes are
+done, -706 OBJECT_HAS_LEASE (someone is reading it) leaves it; others fail the call.
+The client object is `_store` (tests wrap it to inject codes the real client returns only on
+faults they cannot produce on demand).
 """
 
 from __future__ import annotations
@@ -27,13 +53,24 @@ from typing import Any, TypeVar
 import numpy as np
 
 from hicache.errors import TierUnavailableError
-from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.backend import FAILED, MISSING, Buffer, StorageBackend
 
 T = TypeVar("T")
-OBJECT_NOT_FOUND = -704  # Mooncake's ErrorCode for an absent key (RPC_FAIL, -900: master down)
-# what a scatter read returns when the object's size differs from its targets' (seen here:
-# -600 when they are smaller, -800 when larger): the object is there but is not ours
-SIZE_MISMATCH = (-600, -800)
+
+# Mooncake's ErrorCode values this backend tells apart (mooncake-store/include/types.h)
+INTERNAL_ERROR = -1
+NO_AVAILABLE_HANDLE = -200  # no space for a put right now
+INVALID_PARAMS = -600
+REPLICA_IS_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_HAS_LEASE = -706
+REPLICA_IS_GONE = -712
+TRANSFER_FAIL = -800
+RPC_FAIL = -900  # the master is unreachable
+ABSENT = frozenset({OBJECT_NOT_FOUND, REPLICA_IS_NOT_READY, REPLICA_IS_GONE})
+# a scatter read's "targets smaller / larger than the object" on this wheel, but also a bad
+# call and a failed transfer: resolved with get_size, never taken as a size mismatch alone
+AMBIGUOUS = frozenset({INVALID_PARAMS, TRANSFER_FAIL})
 
 
 class MooncakeBackend(StorageBackend):
@@ -129,11 +166,13 @@ class MooncakeBackend(StorageBackend):
                 "upsert_from", lambda: self._store.batch_upsert_from(names, ptrs, sizes)
             )
             for code in codes:
-                self._check("upsert_from", code)
+                if code != NO_AVAILABLE_HANDLE:
+                    self._check("upsert_from", code)
             return [code == 0 for code in codes]
         values = [d for _, d in items]
         status = await self._run("upsert", lambda: self._store.upsert_batch(names, values))
-        self._check("upsert", status)
+        if status != NO_AVAILABLE_HANDLE:
+            self._check("upsert", status)
         return [status == 0] * len(items)
 
     vectored_get = True
@@ -156,23 +195,52 @@ class MooncakeBackend(StorageBackend):
             ptrs.append([a for a in addresses if a is not None])
             sizes.append([t.nbytes for t in target])
         names = self._names(keys)
-        got = await self._run(
+        got: list[int] = await self._run(
             "get_into", lambda: self._store.batch_get_into_multi_buffers(names, ptrs, sizes)
         )
+        unsure = [i for i, n in enumerate(got) if n in AMBIGUOUS]
+        stored_sizes: dict[int, int] = {}
+        if unsure:  # a metadata query, no transfer: only on this error path
+            asked = [names[i] for i in unsure]
+            answers = await self._run(
+                "get_size", lambda: [int(self._store.get_size(name)) for name in asked]
+            )
+            stored_sizes = dict(zip(unsure, answers, strict=True))
         out = []
-        for n in got:
-            if n in SIZE_MISMATCH:
-                out.append(0)  # present, but not the size asked for: fails verification
-                continue
-            if n < 0 and n != OBJECT_NOT_FOUND:  # other errors fail the batch
-                self._check("get_into", n)
-            out.append(n if n > 0 else -1)
+        for i, n in enumerate(got):
+            if n >= 0:
+                out.append(n)
+            elif n in ABSENT:
+                out.append(MISSING)
+            elif i in stored_sizes:
+                out.append(self._resolve(stored_sizes[i], sum(sizes[i])))
+            else:
+                out.append(FAILED)
         return out
+
+    @staticmethod
+    def _resolve(stored: int, wanted: int) -> int:
+        """An ambiguous read code, given `get_size`'s answer for the object."""
+        if stored >= 0:
+            # another size is definitely not ours (0 bytes: the store deletes it); the same
+            # size means the transfer itself failed
+            return 0 if stored != wanted else FAILED
+        return MISSING if stored in ABSENT else FAILED
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         names = self._names(keys)
         values = await self._run("get", lambda: self._store.get_batch(names))
-        return [bytes(v) if v else None for v in values]
+        out = [bytes(v) if v else None for v in values]
+        empty = [name for name, v in zip(names, out, strict=True) if v is None]
+        if empty:  # absent, or the call failed: get_batch answers both with an empty value
+            flags = await self._run("get", lambda: self._store.batch_is_exist(empty))
+            for name, flag in zip(empty, flags, strict=True):
+                if flag != 0:
+                    raise TierUnavailableError(
+                        f"mooncake get at {self.master_address}: {name} came back empty but "
+                        f"batch_is_exist says {flag} (1 present, negative an error)"
+                    )
+        return out
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         names = self._names(keys)
@@ -183,7 +251,10 @@ class MooncakeBackend(StorageBackend):
 
     async def delete_many(self, keys: Sequence[bytes]) -> None:
         names = self._names(keys)
-        await self._run("remove", lambda: self._store.batch_remove(names, True))
+        codes = await self._run("remove", lambda: self._store.batch_remove(names, True))
+        for code in codes if isinstance(codes, list) else [codes]:  # a count on older wheels
+            if code not in ABSENT and code != OBJECT_HAS_LEASE:
+                self._check("remove", code)
 
     async def close(self) -> None:
         bases = [base for base, _, _ in self._registered]

@@ -81,7 +81,9 @@ class Driver:
             device_pages=16 * LANES,
             host_pages_per_group={"full": 10, "sliding": 8, "linear": 6},
         )
-        self.faulty = FaultyBackend(FileBackend(root, capacity_bytes=1 << 28), seed=seed)
+        self.faulty = FaultyBackend(
+            FileBackend(root, capacity_bytes=1 << 28), seed=seed, vectored=True
+        )
         self.store = GuardedStore(self.faulty, base_timeout_s=0.05)
         self.cache = TieredCache.build(
             self.embedded, store=self.store, prefetch_policy="timeout", write_policy="write_through"
@@ -259,10 +261,34 @@ class CacheMachine(RuleBasedStateMachine):
         if not down:
             self.driver.store.breaker.success()
 
-    @rule(slow=st.booleans())
-    def l3_slow(self, slow: bool) -> None:
-        """Reads slower than their timeout (0.05 s), or not."""
+    @rule(slow=st.booleans(), late=st.booleans())
+    def l3_slow(self, slow: bool, late: bool) -> None:
+        """Reads slower than their timeout (0.05 s), or not: `slow` on the loop before the
+        call (a timeout cancels it), `late` on the backend's thread while it writes the host
+        pages (a timeout cannot stop it: the pages must not be reused until it ends)."""
         self.driver.faulty.latency_s = 0.08 if slow else 0.0
+        self.driver.faulty.scatter_latency_s = 0.08 if late else 0.0
+
+    @rule(a=st.integers(0, len(PROMPTS) - 1), b=st.integers(0, len(PROMPTS) - 1))
+    def late_write_race(self, a: int, b: int) -> None:
+        """The schedule that corrupted L2: a load's L3 read times out while its thread still
+        writes the reserved pages; a store takes free pages at once; the late write lands;
+        the store's prompt is loaded and checked."""
+
+        async def race() -> None:
+            faulty = self.driver.faulty
+            self.cache.clear_l2()
+            faulty.scatter_latency_s = 0.15  # past the 0.05 s timeout, on the thread
+            try:
+                await self._load(a, 0)
+                await asyncio.sleep(0.07)  # the read has timed out; its thread still sleeps
+                await self._store(b, 1, False)
+            finally:
+                faulty.scatter_latency_s = 0.0
+            await asyncio.sleep(0.15)  # the late writes land
+            await self._load(b, 2)
+
+        self.driver.call(race)
 
     @rule()
     def clear_l2(self) -> None:

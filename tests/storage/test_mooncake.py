@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -115,12 +117,12 @@ async def test_zero_copy_put_and_scatter_fetch(
     bad = bytearray(object_format_encode(items[0][0], items[0][1]))
     bad[-1] ^= 1
     await backend.put_many([(items[0][0], bytes(bad))])
-    assert await store.fetch_into([items[0][0]], [targets[0]]) == ([False], True)
+    assert tuple(await store.fetch_into([items[0][0]], [targets[0]])) == ([False], True)
     assert store.stats.corrupt_dropped == 1
     assert await backend.exists_many([items[0][0]]) == [False]
     # the master down: the fetch did not get an answer, so nothing is dropped from an index
     master.stop()
-    assert await store.fetch_into([items[1][0]], [targets[1]]) == ([False], False)
+    assert tuple(await store.fetch_into([items[1][0]], [targets[1]])) == ([False], False)
 
 
 def object_format_encode(key: bytes, payload: bytes) -> bytes:
@@ -153,3 +155,174 @@ async def test_scatter_fetch_into_registered_host_memory(backend: MooncakeBacken
     stray = memoryview(bytearray(8192))
     ok, answered = await store.fetch_into([items[0][0]], [[stray]])
     assert (ok, answered) == ([False], False)
+
+
+# ---- status codes: absent (a miss), backend failure (breaker; nothing deleted), another
+# size (a verified miss: deleted) -------------------------------------------------------------
+
+WRITER = """
+import sys, time, asyncio
+from hicache.storage import GuardedStore
+from hicache.storage.mooncake_backend import MooncakeBackend
+
+async def main():
+    backend = MooncakeBackend(sys.argv[1], global_segment_bytes=16 << 20, local_buffer_bytes=16 << 20)
+    store = GuardedStore(backend)
+    assert await store.put([(bytes([i]) * 16, bytes([i]) * 8192) for i in range(4)]) == [True] * 4
+    print("ready", flush=True)
+    time.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def _registered_pages(backend: MooncakeBackend, count: int, size: int) -> list[list[memoryview]]:
+    host = memoryview(bytearray(count * size))
+    backend.register_memory(host)
+    return [[host[i * size : (i + 1) * size]] for i in range(count)]
+
+
+@pytest.mark.asyncio
+async def test_a_dead_segment_owner_is_a_failure_not_a_corrupt_object(
+    master: MooncakeMasterType,
+) -> None:
+    """Real TRANSFER_FAIL (-800) with targets of the right size: the objects live in another
+    client's segment, and that client is killed. The master still lists them (get_size,
+    is_exist) until the client's lease lapses (~10 s); they must not be deleted or counted
+    corrupt, and the index must keep them (answered False)."""
+    writer = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        WRITER,
+        master.address,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    try:
+        assert writer.stdout is not None
+        assert await asyncio.wait_for(writer.stdout.readline(), 60) == b"ready\n"
+        # the reader joins after the puts, so the objects are all in the writer's segment
+        reader = await asyncio.to_thread(
+            MooncakeBackend,
+            master.address,
+            global_segment_bytes=16 << 20,
+            local_buffer_bytes=16 << 20,
+        )
+        try:
+            # patient: the failed transfer retries its connection for ~1 s before -800
+            store = GuardedStore(reader, base_timeout_s=10.0)
+            targets = _registered_pages(reader, 2, 8192)
+            fetched = await store.fetch_into([b"\x00" * 16, b"\x01" * 16], targets)
+            assert fetched.ok == [True, True]  # alive: both read
+            writer.kill()
+            await writer.wait()
+            fetched = await store.fetch_into([b"\x02" * 16, b"\x03" * 16], targets)
+            assert not fetched.timed_out
+            assert fetched.ok == [False, False]
+            assert store.stats.corrupt_dropped == 0
+            assert fetched.answered_keys == [False, False]
+            assert not fetched.answered  # the index keeps its entries
+            assert store.stats.failures["get:key_failed"] == 2
+            assert await reader.exists_many([b"\x02" * 16, b"\x03" * 16]) == [True, True]
+        finally:
+            await reader.close()
+    finally:
+        if writer.returncode is None:
+            writer.kill()
+            await writer.wait()
+
+
+@pytest.mark.asyncio
+async def test_master_down_plain_get_is_a_failure_not_absence(
+    master: MooncakeMasterType, backend: MooncakeBackend
+) -> None:
+    """get_batch returns empty values both for an absent key and for a dead master."""
+    store = GuardedStore(backend)
+    key = b"g" * 16
+    assert await store.put([(key, b"v" * 1000)]) == [True]
+    assert (await store.fetch([b"\xaa" * 16])).answered  # absent while the master is up
+    master.stop()
+    fetched = await store.fetch([key])
+    assert fetched.values == [None]
+    assert not fetched.answered
+    assert store.stats.corrupt_dropped == 0
+
+
+class _Injected:
+    """The mooncake client with injected per-key status codes for scatter reads and upserts
+    (a seam over `MooncakeBackend._store`): codes the real client returns only on faults
+    this test cannot produce on demand (INTERNAL_ERROR, INVALID_PARAMS on a right-sized
+    target, a replica going away)."""
+
+    def __init__(self, real: object, get_codes: dict[str, int], put_code: int | None = None):
+        self._real = real
+        self.get_codes = get_codes
+        self.put_code = put_code
+
+    def batch_get_into_multi_buffers(
+        self, names: list[str], ptrs: list[list[int]], sizes: list[list[int]]
+    ) -> list[int]:
+        got: list[int] = self._real.batch_get_into_multi_buffers(names, ptrs, sizes)  # type: ignore[attr-defined]
+        return [self.get_codes.get(name, n) for name, n in zip(names, got, strict=True)]
+
+    def batch_upsert_from(self, names: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        if self.put_code is not None:
+            return [self.put_code] * len(names)
+        return self._real.batch_upsert_from(names, ptrs, sizes)  # type: ignore[attr-defined, no-any-return]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._real, name)
+
+
+def _name(key: bytes) -> str:
+    return f"hicache:{key.hex()}"
+
+
+@pytest.mark.asyncio
+async def test_injected_codes_are_mapped_per_key(backend: MooncakeBackend) -> None:
+    store = GuardedStore(backend)
+    keys = [bytes([i]) * 16 for i in range(5)]
+    assert await store.put([(k, bytes([i]) * 8192) for i, k in enumerate(keys)]) == [True] * 5
+    backend._store = _Injected(
+        backend._store,
+        {
+            _name(keys[1]): -1,  # INTERNAL_ERROR: a failure for this key alone
+            _name(keys[2]): -600,  # INVALID_PARAMS, yet the object has the targets' size
+            _name(keys[3]): -712,  # REPLICA_IS_GONE: evicted mid-read, a miss
+            _name(keys[4]): -800,  # TRANSFER_FAIL, the object has the targets' size
+        },
+    )
+    targets = _registered_pages(backend, 5, 8192)
+    fetched = await store.fetch_into(keys, targets)
+    assert fetched.ok == [True, False, False, False, False]  # the good key is not lost
+    assert fetched.answered_keys == [True, False, False, True, False]
+    assert not fetched.answered
+    assert store.stats.corrupt_dropped == 0  # nothing deleted on a transient code
+    assert await backend.exists_many(keys) == [True] * 5
+    assert store.stats.failures["get:key_failed"] == 3
+
+
+@pytest.mark.asyncio
+async def test_only_a_definite_other_size_deletes(backend: MooncakeBackend) -> None:
+    store = GuardedStore(backend)
+    longer, shorter = b"L" * 16, b"S" * 16
+    assert await store.put([(longer, b"x" * 16384), (shorter, b"y" * 100)]) == [True, True]
+    targets = _registered_pages(backend, 2, 8192)
+    # the wheel says -600 (targets smaller) and -800 (larger); get_size confirms the size
+    fetched = await store.fetch_into([longer, shorter], targets)
+    assert fetched.ok == [False, False]
+    assert fetched.answered_keys == [True, True]  # verified misses
+    assert store.stats.corrupt_dropped == 2
+    assert await backend.exists_many([longer, shorter]) == [False, False]
+
+
+@pytest.mark.asyncio
+async def test_a_full_store_refuses_a_put_without_tripping_the_breaker(
+    backend: MooncakeBackend,
+) -> None:
+    store = GuardedStore(backend, failure_threshold=1)
+    backend._store = _Injected(backend._store, {}, put_code=-200)  # NO_AVAILABLE_HANDLE
+    assert await store.put([(b"f" * 16, b"v" * 100)]) == [False]
+    assert store.breaker.state is BreakerState.CLOSED
+    assert not store.stats.failures

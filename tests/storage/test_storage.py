@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -47,8 +48,13 @@ async def test_file_backend_atomic_restart_and_budget(tmp_path: Path) -> None:
     assert await backend.exists_many(keys[:4]) == [True, False, True, True]
     assert backend.used_bytes == 3000
     assert not list(tmp_path.glob("*/.tmp-*"))  # nothing half-written left behind
-    # a crash mid-write leaves a temporary: removed at start; finished objects survive
-    (tmp_path / keys[0].hex()[:2] / ".tmp-deadbeef").write_bytes(b"partial")
+    # a crash mid-write leaves a temporary: removed at start once provably abandoned (here:
+    # unwritten past the grace period; test_file_multiprocess has the dead-pid rule);
+    # finished objects survive
+    leftover = tmp_path / keys[0].hex()[:2] / ".tmp-deadbeef"
+    leftover.write_bytes(b"partial")
+    past = time.time() - 3600
+    os.utime(leftover, (past, past))
     again = FileBackend(tmp_path, capacity_bytes=3 * 1000)
     assert len(again) == 3
     assert await again.get_many([keys[0], keys[1], keys[3]]) == [b"x" * 1000, None, b"y" * 1000]

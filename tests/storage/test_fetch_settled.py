@@ -1,0 +1,189 @@
+"""A fetch into host pages that times out returns promptly, but the pages may be reused only
+once `settled` is done: no backend thread writes them after that, and `settled` waits for the
+thread. A timed-out read is never verified or marked good."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+
+KEY = b"k" * 16
+PAGE = 8192
+
+
+def _slow_store(tmp_path: Path, scatter_latency_s: float) -> tuple[GuardedStore, FaultyBackend]:
+    faulty = FaultyBackend(
+        FileBackend(tmp_path, capacity_bytes=1 << 20),
+        vectored=True,
+        scatter_latency_s=scatter_latency_s,
+    )
+    return GuardedStore(faulty, base_timeout_s=0.05, min_bandwidth_bytes_per_s=1e12), faulty
+
+
+@pytest.mark.asyncio
+async def test_timed_out_fetch_returns_at_once_and_settled_waits_for_the_thread(
+    tmp_path: Path,
+) -> None:
+    store, faulty = _slow_store(tmp_path, scatter_latency_s=0.4)
+    assert await store.put([(KEY, b"A" * PAGE)]) == [True]
+    page = memoryview(bytearray(PAGE))
+    started = time.monotonic()
+    fetched = await store.fetch_into([KEY], [[page]])
+    assert time.monotonic() - started < 0.3  # the load gives up waiting quickly
+    assert fetched.ok == [False]
+    assert not fetched.answered
+    assert fetched.answered_keys == [False]
+    assert fetched.timed_out
+    assert not fetched.settled.done()  # the read's thread is still running
+    await fetched.settled
+    assert time.monotonic() - started >= 0.4  # settled waited for the thread
+    assert faulty.scatter_landed == 1  # ...which had written the page by then
+    page[:] = b"B" * PAGE  # now the page is another prefix's
+    await asyncio.sleep(0.5)
+    assert bytes(page) == b"B" * PAGE  # nothing writes it after settled
+    # the late bytes were never verified or counted as a hit
+    assert store.stats.hits == 0
+    assert store.stats.get_bytes == 0
+    assert store.stats.failures["get:timeout"] == 1
+
+
+@pytest.mark.asyncio
+async def test_legacy_unpacking_still_works_and_a_fast_fetch_is_settled_on_return(
+    tmp_path: Path,
+) -> None:
+    store, _ = _slow_store(tmp_path, scatter_latency_s=0.0)
+    assert await store.put([(KEY, b"A" * PAGE)]) == [True]
+    page = memoryview(bytearray(PAGE))
+    fetched = await store.fetch_into([KEY, b"\x01" * 16], [[page], [memoryview(bytearray(PAGE))]])
+    assert fetched.settled.done()  # nothing outstanding: already done
+    assert fetched.ok == [True, False]
+    assert fetched.answered_keys == [True, True]  # the absent key is a definite miss
+    ok, answered = fetched  # today's callers unpack (ok, answered)
+    assert (ok, answered) == ([True, False], True)
+    assert bytes(page) == b"A" * PAGE
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_fetch_settles_after_the_thread_and_the_handle_knows(
+    tmp_path: Path,
+) -> None:
+    store, faulty = _slow_store(tmp_path, scatter_latency_s=0.3)
+    store.base_timeout_s = 5.0  # no timeout: the caller gives up by cancelling
+    assert await store.put([(KEY, b"A" * PAGE)]) == [True]
+    page = memoryview(bytearray(PAGE))
+    fetch = store.fetch_into([KEY], [[page]])  # started at once; the handle has `settled`
+    waiter = asyncio.ensure_future(fetch)
+    await asyncio.sleep(0.05)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not fetch.settled.done()
+    freed: list[float] = []
+    fetch.settled.add_done_callback(lambda _: freed.append(time.monotonic()))
+    await fetch.settled
+    assert faulty.scatter_landed == 1
+    assert freed
+    page[:] = b"B" * PAGE
+    await asyncio.sleep(0.4)
+    assert bytes(page) == b"B" * PAGE
+    # the next fetch does not share the abandoned header arena with the stray thread
+    store.backend.scatter_latency_s = 0.0  # type: ignore[attr-defined]
+    assert (await store.fetch_into([KEY], [[page]])).ok == [True]
+
+
+@pytest.mark.asyncio
+async def test_settled_covers_every_chunk_of_a_chunked_fetch(tmp_path: Path) -> None:
+    store, _ = _slow_store(tmp_path, scatter_latency_s=0.0)
+    store.chunk_bytes = PAGE  # one object per chunk
+    keys = [bytes([i]) * 16 for i in range(4)]
+    assert await store.put([(k, bytes([i]) * PAGE) for i, k in enumerate(keys)]) == [True] * 4
+    pages = [memoryview(bytearray(PAGE)) for _ in keys]
+    store.backend.scatter_latency_s = 0.3  # type: ignore[attr-defined]
+    fetched = await store.fetch_into(keys, [[p] for p in pages])
+    assert fetched.timed_out
+    assert fetched.ok == [False] * 4
+    await fetched.settled
+    for p in pages:
+        p[:] = b"\xee" * PAGE
+    await asyncio.sleep(0.4)
+    assert all(bytes(p) == b"\xee" * PAGE for p in pages)
+
+
+class _LateWriter(FileBackend):
+    """A real file backend whose readv thread starts late (a slow disk)."""
+
+    delay_s = 0.3
+
+    async def get_parts_many(
+        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        def run() -> list[int]:
+            time.sleep(self.delay_s)
+            return [self._get_parts(k, t) for k, t in zip(keys, targets, strict=True)]
+
+        return await asyncio.to_thread(run)
+
+
+@pytest.mark.asyncio
+async def test_file_backend_readv_after_timeout_never_hits_a_reused_page(tmp_path: Path) -> None:
+    store = GuardedStore(
+        _LateWriter(tmp_path, 1 << 20), base_timeout_s=0.05, min_bandwidth_bytes_per_s=1e12
+    )
+    assert await store.put([(KEY, b"A" * PAGE)]) == [True]
+    page = memoryview(bytearray(PAGE))
+    fetched = await store.fetch_into([KEY], [[page]])
+    assert fetched.ok == [False]
+    assert fetched.timed_out
+    await fetched.settled  # the rule: free the page only now
+    page[:] = b"B" * PAGE
+    await asyncio.sleep(0.4)
+    assert bytes(page) == b"B" * PAGE
+
+
+class _LazySender(FileBackend):
+    """Like the Redis backend: consumes the lazily produced (header, payload) items on its
+    own thread, one by one, and here stalls after the first, past the caller's timeout."""
+
+    vectored_put = True
+    chunked_put = False
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root, capacity_bytes=1 << 20)
+        self.sent: list[tuple[bytes, bytes]] = []
+
+    async def put_parts_many(self, items):  # type: ignore[no-untyped-def]
+        def send() -> list[bool]:
+            for n, (key, parts) in enumerate(items):
+                self.sent.append((key, b"".join(bytes(p) for p in parts)))
+                if n == 0:
+                    time.sleep(0.3)
+            return [True] * len(self.sent)
+
+        return await asyncio.to_thread(send)
+
+
+@pytest.mark.asyncio
+async def test_a_timed_out_lazy_put_never_frames_bytes_the_caller_reused(tmp_path: Path) -> None:
+    from hicache.errors import ObjectCorruptError
+    from hicache.storage.object_format import decode
+
+    backend = _LazySender(tmp_path)
+    store = GuardedStore(backend, base_timeout_s=0.05, min_bandwidth_bytes_per_s=1e12)
+    pages = [bytearray(bytes([i]) * PAGE) for i in range(3)]
+    items = [(bytes([i]) * 16, memoryview(p)) for i, p in enumerate(pages)]
+    assert await store.put(items) == [False] * 3  # timed out
+    for p in pages:  # the caller reuses its pages at once
+        p[:] = b"\xee" * PAGE
+    await asyncio.sleep(0.5)
+    for key, data in backend.sent:  # whatever went out after is never a valid wrong object
+        try:
+            payload = bytes(decode(key, data))
+        except ObjectCorruptError:
+            continue
+        assert payload != b"\xee" * PAGE, f"{key.hex()} framed the reused page as valid"
