@@ -76,21 +76,16 @@ def reserve(
                 "register pools before loading or storing"
             )
         dev = [pages.device_pages[i] for i in selection.positions]
-        if op.kind is OpKind.LOAD:
+        if op.kind is OpKind.LOAD or pages.host_pages:
+            # a load's pages hold its bytes; a backup's were reserved by its caller, who
+            # keeps them whatever happens
+            what = "holds nothing" if op.kind is OpKind.LOAD else "is not reserved"
             hosts = [pages.host_pages[i] for i in selection.positions]
             for page in hosts:
                 if not 0 <= page < host.num_pages or not host.allocator.is_allocated(page):
                     raise OpRequestError(
-                        f"group {name!r}: host page {page} holds nothing (not allocated "
-                        f"in the host pool of {host.num_pages} pages)"
-                    )
-        elif pages.host_pages:  # reserved by the caller, who keeps them whatever happens
-            hosts = [pages.host_pages[i] for i in selection.positions]
-            for page in hosts:
-                if not 0 <= page < host.num_pages or not host.allocator.is_allocated(page):
-                    raise OpRequestError(
-                        f"group {name!r}: host page {page} is not reserved (not allocated in "
-                        f"the host pool of {host.num_pages} pages)"
+                        f"group {name!r}: host page {page} {what} (not allocated in the host "
+                        f"pool of {host.num_pages} pages)"
                     )
         else:
             run = host.allocator.alloc(len(dev))
