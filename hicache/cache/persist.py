@@ -42,7 +42,9 @@ class PersistQueue:
         self.max_pages = max_pages
         self.batch_pages = batch_pages
         self._items: deque[tuple[str, PageRecord]] = deque()
-        self._waiting: set[tuple[str, bytes]] = set()  # (group, key) of `_items`
+        # (group, key) -> the record queued for it: a key stored again after its record left
+        # L2 is a new record, and the one to write
+        self._waiting: dict[tuple[str, bytes], PageRecord] = {}
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -59,10 +61,12 @@ class PersistQueue:
                 if len(self._items) >= self.max_pages:
                     self._dropped += 1
                     continue
-                if (group, record.key) in self._waiting:
+                slot = (group, record.key)
+                queued = self._waiting.get(slot)
+                if queued is record:
                     continue  # queued already
+                self._waiting[slot] = record  # a stale record in `_items` is skipped
                 self._items.append((group, record))
-                self._waiting.add((group, record.key))
                 accepted += 1
         if accepted:
             self._idle.clear()
@@ -81,9 +85,9 @@ class PersistQueue:
             batch: dict[str, list[PageRecord]] = {}
             while self._items and sum(len(v) for v in batch.values()) < self.batch_pages:
                 group, record = self._items.popleft()
-                if (group, record.key) not in self._waiting:
-                    continue  # withdrawn: someone else writes it
-                self._waiting.discard((group, record.key))
+                if self._waiting.get((group, record.key)) is not record:
+                    continue  # withdrawn (someone else writes it), or replaced by a newer one
+                del self._waiting[(group, record.key)]
                 batch.setdefault(group, []).append(record)
             size = sum(len(v) for v in batch.values())
             if not size:
@@ -109,11 +113,12 @@ class PersistQueue:
         their room)."""
         for group, group_records in records.items():
             for record in group_records:
-                self._waiting.discard((group, record.key))
+                if self._waiting.get((group, record.key)) is record:
+                    del self._waiting[(group, record.key)]
 
     def waiting(self, group: str, record: PageRecord) -> bool:
         """Is the page queued (not yet taken by the worker)?"""
-        return (group, record.key) in self._waiting
+        return self._waiting.get((group, record.key)) is record
 
     @property
     def writing(self) -> bool:

@@ -143,14 +143,31 @@ class Planner:
         allocator.free(freed)
         return len(freed)
 
-    def write_back_victims(self, needs: Mapping[str, int]) -> dict[str, list[PageRecord]]:
+    def store_needs(
+        self, keys: Mapping[str, Sequence[PageKey]], wanted: Mapping[str, Sequence[tuple[int, int]]]
+    ) -> dict[str, int]:
+        """How many new pages a store wants per group: not in the index, not pending."""
+        return {
+            group: sum(
+                1
+                for i, _ in pairs
+                if keys[group][i] not in self.pending[group]
+                and self.index.record(group, keys[group][i]) is None
+            )
+            for group, pairs in wanted.items()
+        }
+
+    def write_back_victims(
+        self, needs: Mapping[str, int], protect: Mapping[str, frozenset[PageKey]] | None = None
+    ) -> dict[str, list[PageRecord]]:
         """The victims making room for `needs[group]` new pages would cost that L3 should
         have first (write-back's, or owed by a write behind an acked store), pinned until
         `evict_victims`."""
         out: dict[str, list[PageRecord]] = {}
         for group, need in needs.items():
             short = need - self.allocators[group].stats().free_pages
-            dirty = [v for v in self._victims(group, short, False) if self._dirty(group, v)]
+            own = (protect or {}).get(group, frozenset())
+            dirty = [v for v in self._victims(group, short, False, own) if self._dirty(group, v)]
             if dirty:
                 self.index.pin(group, [v.key for v in dirty])
                 out[group] = dirty
@@ -179,6 +196,9 @@ class Planner:
         that fits is stored."""
         self.sweep()
         fresh: dict[str, list[tuple[int, int]]] = {}
+        # the prompt's own pages are never room for its others: a longer prompt whose
+        # prefix is cached keeps the prefix, and stores the longest extension that fits
+        own = {group: frozenset(group_keys) for group, group_keys in keys.items()}
         limit: int | None = None
         for group, pairs in wanted.items():
             pending, group_keys = self.pending[group], keys[group]
@@ -188,7 +208,7 @@ class Planner:
                 if group_keys[i] not in pending and self.index.record(group, group_keys[i]) is None
             ]
             free = self.allocators[group].stats().free_pages
-            room = free + len(self._victims(group, len(todo) - free, True))
+            room = free + len(self._victims(group, len(todo) - free, True, own[group]))
             if len(todo) > room:
                 cut = todo[room][0]
                 limit = cut if limit is None else min(limit, cut)
@@ -201,7 +221,7 @@ class Planner:
                 continue
             allocator = self.allocators[group]
             short = len(todo) - allocator.stats().free_pages
-            plan.evicted += self._evict(group, self._victims(group, short, True))
+            plan.evicted += self._evict(group, self._victims(group, short, True, own[group]))
             run = allocator.alloc(len(todo))
             # the run handed out in device-page order: the backup is then one gather
             order = sorted(range(len(todo)), key=lambda j: todo[j][1])

@@ -48,10 +48,12 @@ from hicache.index import (
     WritePolicy,
 )
 from hicache.scheduler import GroupPages, OpHandle, OpResult
+from hicache.scheduler.moves import moves_group
 from hicache.storage import GuardedStore
 from hicache.transfer import LayerListener
 
 log = logging.getLogger("hicache.cache")
+SETTLE_WAIT_S = 60.0  # at shutdown, for L3 reads that timed out to finish on their threads
 
 
 class CacheNotRunningError(HicacheError, RuntimeError):
@@ -84,7 +86,9 @@ class TieredCache:
         self.discovery = Discovery(index, absent if absent is not None else AbsentKeys(2.0))
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
-        allocators = {g: p.allocator for g, p in embedded.host_tier.pools.items()}
+        allocators = {
+            g: p.allocator for g, p in embedded.host_tier.pools.items() if g in index.rules
+        }
         self.planner = Planner(index, allocators, write_policy)
         self.persist = PersistQueue(persist_queue_pages)
         self.planner.owed = self.persist.waiting
@@ -94,6 +98,8 @@ class TieredCache:
         self._tg: asyncio.TaskGroup | None = None
         self._fetches: set[asyncio.Task[Any]] = set()
         self._settling: set[asyncio.Future[None]] = set()  # fetches whose threads still run
+        # groups the move policy leaves to the engine (full_attention_only): not cached
+        self._recomputed = {g.name for g in embedded.layer_map.groups} - set(index.rules)
 
     def attach_l3(self, store: GuardedStore | None) -> None:
         """Use `store` as L3 (None: none); its backend registers the host pools, into which
@@ -124,6 +130,8 @@ class TieredCache:
         page = next(iter(geometries.values())).page_size_tokens
         keyers, rules, capacity = {}, {}, {}
         for name, geom in geometries.items():
+            if not moves_group(embedded.scheduler.move_policy, geom.group):
+                continue  # the engine recomputes it: never stored, never needed for a hit
             namespace = Namespace(
                 model=model or embedded.layer_map.model_type,
                 model_type=embedded.layer_map.model_type,
@@ -191,12 +199,25 @@ class TieredCache:
 
     async def drain(self) -> None:
         """Until no fetch is in flight and no persist is queued (shutdown; tests)."""
-        while self._fetches or self._settling:
-            await asyncio.gather(*self._fetches, *self._settling, return_exceptions=True)
+        while self._fetches:
+            await asyncio.gather(*self._fetches, return_exceptions=True)
+        if self._settling:  # L3 reads that timed out, their threads still writing host pages
+            _, stuck = await asyncio.wait(self._settling, timeout=SETTLE_WAIT_S)
+            if stuck:  # a backend that never returns: leak its pages, never reuse them
+                log.error(
+                    "%d L3 reads did not settle in %s s; their pages stay reserved",
+                    len(stuck),
+                    SETTLE_WAIT_S,
+                )
         if self._tg is not None:
             await self.persist.idle()
             await self.embedded.scheduler.idle()  # ops whose callers left end too
         self.planner.sweep()
+
+    def _moved(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """A request's groups the cache keeps; the ones the move policy leaves to the engine
+        are dropped (an unknown group stays, to be refused by name)."""
+        return {g: value for g, value in given.items() if g not in self._recomputed}
 
     # ---- lookup -----------------------------------------------------------------------------
 
@@ -234,14 +255,25 @@ class TieredCache:
         self._group()
         size = self.index.page_size_tokens
         full_pages = len(token_ids) // size
-        wanted = store_positions(self.index.rules, size, device_pages, snapshots or {}, full_pages)
+        wanted = store_positions(
+            self.index.rules,
+            size,
+            self._moved(device_pages),
+            self._moved(snapshots or {}),
+            full_pages,
+        )
         keys = self.index.keys(token_ids)
         evicted = 0
-        dirty = self.planner.write_back_victims({g: len(w) for g, w in wanted.items()})
+        own = {group: frozenset(group_keys) for group, group_keys in keys.items()}
+        dirty = self.planner.write_back_victims(self.planner.store_needs(keys, wanted), own)
         if dirty:
             self.persist.withdraw(dirty)  # written here and now, not by the worker
+            write = asyncio.ensure_future(self._write(dirty))
             try:
-                await self._write(dirty)
+                await asyncio.shield(write)
+            except BaseException:
+                await asyncio.wait({write})  # its thread reads the pages: they wait for it
+                raise
             finally:
                 evicted += self.planner.evict_victims(dirty)
         plan = self.planner.plan_store(keys, wanted)
@@ -344,7 +376,7 @@ class TieredCache:
         pages; only later ones move."""
         self._group()
         size = self.index.page_size_tokens
-        check_load_pages(self.index.rules, device_pages, len(token_ids) // size)
+        check_load_pages(self.index.rules, self._moved(device_pages), len(token_ids) // size)
         await self.discover(token_ids)
         hit = self.index.lookup(token_ids, skip_pages=skip_pages)
         failed: dict[str, tuple[int, ...]] = {}

@@ -66,6 +66,11 @@ def reserve(
     host_tier: HostTier,
 ) -> None:
     for name, (pages, selection) in op.selections.items():
+        if op.kind is OpKind.BACKUP and pages.host_pages and selection.skipped:
+            raise OpRequestError(
+                f"group {name!r}: host pages were reserved for {len(selection.skipped)} "
+                f"device pages this backup does not copy (move policy); reserve only what moves"
+            )
         if not selection.positions:
             continue
         host = host_tier.pool(name)

@@ -7,7 +7,8 @@ For a load of a prefix of T tokens (pages of P tokens):
 - linear / mamba / conv groups: the one state-snapshot page (a backup may carry several:
   one per prefix length the engine kept a snapshot for).
 `full_attention_only` moves full-attention groups alone (the plain `is_full_attention_layer`
-filter), for engines that recompute everything else. Backups store what they are given.
+filter), for engines that recompute everything else (the cache then keeps no other group:
+`moves_group`). Backups store what they are given.
 """
 
 from __future__ import annotations
@@ -29,6 +30,12 @@ class OpRequestError(HicacheError, ValueError):
 class Selection:
     positions: tuple[int, ...]  # indices into the group's page list that move
     skipped: tuple[int, ...]
+
+
+def moves_group(policy: MovePolicy, group: CacheGroup) -> bool:
+    """Does an op under `policy` move this group at all? (`full_attention_only`: only full
+    attention; the engine recomputes the rest, so a cache never stores or needs it.)"""
+    return policy == "hybrid" or group.kind is CacheKind.FULL
 
 
 def first_needed_token(group: CacheGroup, num_tokens: int) -> int:
@@ -55,7 +62,7 @@ def select(
     everything = tuple(range(num_pages))
     if first_page < 0:
         raise OpRequestError(f"group {group.name!r}: first_page {first_page} is negative")
-    if policy == "full_attention_only" and group.kind is not CacheKind.FULL:
+    if not moves_group(policy, group):
         return Selection((), everything)
     if not group.kind.is_token_cache:
         if for_load and num_pages != 1:

@@ -212,7 +212,8 @@ class Scheduler:
         deadline_s: float | None = None,
         fence: Fence | None = None,
     ) -> OpHandle:
-        """Copy device pages to newly allocated host pages, ordered after the producer's work:
+        """Copy device pages to host pages — the ones the caller reserved in `host_pages`, or
+        newly allocated ones — ordered after the producer's work:
         after `fence` (made with `backend.producer_fence()` on the thread and stream that wrote
         the KV), or, without one, after the work queued on this thread's current stream. The
         result's outcomes name the host pages (owned by the caller once DONE). A caller

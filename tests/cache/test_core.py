@@ -16,17 +16,20 @@ import pytest
 import torch
 
 from hicache.cache import CacheNotRunningError, TieredCache
+from hicache.embedded import EmbeddedCache
 from hicache.index.policies import WriteThroughSelective
+from hicache.model import LayerMap, load_layout
 from hicache.storage import FaultyBackend, FileBackend, GuardedStore
 from hicache.storage.backend import Buffer
+from tests.conftest import shared_model
 from tests.test_tiered import PAGE, build, snapshot
 
 
 def assert_consistent(cache: TieredCache) -> None:
     """Every pin released, the index and every allocator agree, nothing reserved."""
     cache.planner.check()
-    for group, pool in cache.embedded.host_tier.pools.items():
-        stats = pool.allocator.stats()
+    for group in cache.index.rules:
+        stats = cache.embedded.host_tier.pool(group).allocator.stats()
         assert stats.pinned_pages == 0, group
         assert cache.index.pinned_pages(group) == 0, group
         assert not cache.planner.pending[group], group
@@ -266,6 +269,104 @@ async def test_many_engines_on_a_small_l2_never_see_a_capacity_error(tmp_path: P
             await asyncio.gather(*(engine(e) for e in range(8)))
             await cache.drain()
             assert cache.background_errors == 0
+            assert_consistent(cache)
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_full_attention_only_caches_the_full_group_alone(tmp_path: Path) -> None:
+    """Under `full_attention_only` the engine recomputes every other group: the cache keeps
+    no page of them. Before, their host pages were reserved, never written, and indexed
+    (and persisted) as valid."""
+    layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
+    embedded = EmbeddedCache.build(
+        layer_map,
+        dtype=torch.float16,
+        page_size_tokens=PAGE,
+        host_capacity_bytes=8 << 20,
+        device_pages=16,
+        move_policy="full_attention_only",
+    )
+    cache = TieredCache.build(embedded)
+    try:
+        async with cache.running():
+            tokens = list(range(4 * PAGE))
+            pages = {"full": [0, 1, 2, 3], "sliding": [0, 1, 2, 3]}
+            want = snapshot(cache, {"full": [0, 1, 2, 3]})
+            result = await cache.store(tokens, pages)
+            assert result.pages_stored == 4
+            assert set(cache.index.rules) == {"full"}
+            handle, hit = await cache.load(
+                tokens, {"full": [8, 9, 10, 11], "sliding": [8, 9, 10, 11]}
+            )
+            assert hit.tokens_total == 4 * PAGE
+            assert handle is not None
+            assert (await handle.done()).ok
+            got = snapshot(cache, {"full": [8, 9, 10, 11]})
+            assert all(torch.equal(got[k], want[k]) for k in want)
+            assert_consistent(cache)
+    finally:
+        embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_a_key_stored_again_while_its_old_record_is_queued_reaches_l3(
+    tmp_path: Path,
+) -> None:
+    """The queue deduplicated by key, the worker wrote a record: a prompt cleared from L2
+    while queued and stored again was never written to L3."""
+    cache, gated = gated_cache(tmp_path, host_pages=16)
+    try:
+        async with cache.running():
+            first = list(range(4 * PAGE))
+            await cache.store(first, {"full": [0, 1, 2, 3]})
+            await asyncio.sleep(0)  # the worker takes that batch and waits at the gate
+            again = list(range(100, 100 + 4 * PAGE))
+            await cache.store(again, {"full": [4, 5, 6, 7]})  # queued behind it
+            assert cache.clear_l2() == 4  # the queued prompt leaves L2 (the batch is pinned)
+            result = await cache.store(again, {"full": [4, 5, 6, 7]})
+            assert (result.pages_stored, result.pages_queued) == (4, 4)
+            gated.gate.set()
+            await cache.drain()
+            assert all(r.in_l3 for _, r in cache.lookup(again).needed["full"])
+            assert_consistent(cache)
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_extending_a_cached_prompt_never_evicts_its_prefix(tmp_path: Path) -> None:
+    """A store counted its own prompt's cached prefix as room: extending a prompt on a full
+    L2 evicted the prefix and kept a suffix nothing can hit."""
+    cache, _ = build(tmp_path, "qwen2_7b.json", host_pages=4)
+    cache.attach_l3(None)
+    try:
+        async with cache.running():
+            prefix = list(range(4 * PAGE))
+            await cache.store(prefix, {"full": [0, 1, 2, 3]})
+            longer = [*prefix, *range(500, 500 + 2 * PAGE)]
+            result = await cache.store(longer, {"full": [0, 1, 2, 3, 4, 5]})
+            assert result.pages_stored == 0
+            assert result.truncated_to_tokens == 4 * PAGE
+            assert cache.lookup(longer).tokens_l2 == 4 * PAGE
+            assert_consistent(cache)
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_write_back_storing_a_cached_prompt_again_evicts_nothing(tmp_path: Path) -> None:
+    """Write-back victims were sized by every page a store named, known ones included."""
+    cache, _ = build(tmp_path, "qwen2_7b.json", host_pages=8, write_policy="write_back")
+    try:
+        async with cache.running():
+            a, b = list(range(4 * PAGE)), list(range(300, 300 + 4 * PAGE))
+            await cache.store(a, {"full": [0, 1, 2, 3]})
+            await cache.store(b, {"full": [4, 5, 6, 7]})
+            again = await cache.store(b, {"full": [4, 5, 6, 7]})
+            assert (again.pages_stored, again.pages_evicted) == (0, 0)
+            assert cache.lookup(a).tokens_l2 == 4 * PAGE
             assert_consistent(cache)
     finally:
         cache.embedded.close()
