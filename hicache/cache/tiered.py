@@ -180,19 +180,23 @@ class TieredCache:
             )
         return self._tg
 
-    def _spawn(self, coro: Coroutine[Any, Any, object], name: str) -> asyncio.Task[Any]:
+    def _spawn(
+        self, make: Callable[[], Coroutine[Any, Any, object]], name: str
+    ) -> asyncio.Task[Any]:
         """A background task owned by the running cache; its errors are logged and counted,
         never raised into the TaskGroup (they would cancel every op)."""
 
+        group = self._group()  # before the coroutine exists: none is left un-awaited
+
         async def guarded() -> object:
             try:
-                return await coro
+                return await make()
             except Exception:
                 self.background_errors += 1
                 log.exception("background %s failed", name)
                 return None
 
-        task = self._group().create_task(guarded(), name=f"hicache-{name}")
+        task = group.create_task(guarded(), name=f"hicache-{name}")
         self._fetches.add(task)
         task.add_done_callback(self._fetches.discard)
         return task
@@ -422,7 +426,7 @@ class TieredCache:
         hit = self.index.lookup(token_ids)
         if hit.pages_total == hit.pages_l2 or self.l3 is None:
             return 0
-        gained = await self._spawn(self._fetch(hit), "prefetch")
+        gained = await self._spawn(lambda: self._fetch(hit), "prefetch")
         return int(gained or 0)
 
     async def _prefetch(self, hit: Hit, tokens: int) -> None:
@@ -430,7 +434,7 @@ class TieredCache:
         fetch goes on in the background past it (owned by the running cache), so the next
         request for the prefix finds it in L2."""
         wait = self.prefetch_policy.wait_s(tokens)
-        task = self._spawn(self._fetch(hit), "fetch")
+        task = self._spawn(lambda: self._fetch(hit), "fetch")
         if wait != 0.0:
             await asyncio.wait({task}, timeout=wait)
 
