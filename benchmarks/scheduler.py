@@ -63,6 +63,7 @@ def build(layout: ModelLayout, page: int, pages: int, state_pages: int = 2) -> E
         dtype=torch.float16,
         page_size_tokens=page,
         host_capacity_bytes=(pages + 1) * per_page,
+        host_pages_per_group={g.name: pages + 1 for g in geoms},
         device_pages={g.name: pages if g.group.kind.is_token_cache else state_pages for g in geoms},
         inflight_bytes=8 * 2**30,
     )
@@ -73,8 +74,11 @@ def request(
 ) -> dict[str, GroupPages]:
     out = {}
     for name, geom in cache.geometries.items():
-        dev = tuple(device_pages) if geom.group.kind.is_token_cache else (0,)
-        out[name] = GroupPages(dev, host[name] if host else ())
+        token_group = geom.group.kind.is_token_cache
+        dev = tuple(device_pages) if token_group else (0,)
+        # a load says the prefix it serves (which pages a window needs depends on it)
+        tokens = len(dev) * geom.page_size_tokens if host and token_group else None
+        out[name] = GroupPages(dev, host[name] if host else (), num_tokens=tokens)
     return out
 
 
