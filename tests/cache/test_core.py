@@ -51,6 +51,15 @@ class GatedBackend(FaultyBackend):
         return await super().put_many(items)
 
 
+async def worker_busy(cache: TieredCache) -> None:
+    """Until the persist worker is writing a batch (it waits at a closed gate then)."""
+    for _ in range(1000):
+        if cache.persist.writing:
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("the persist worker never took a batch")
+
+
 def gated_cache(tmp_path: Path, host_pages: int) -> tuple[TieredCache, GatedBackend]:
     cache, _ = build(tmp_path, "qwen2_7b.json", host_pages=host_pages)
     gated = GatedBackend(FileBackend(tmp_path / "gated", capacity_bytes=1 << 30))
@@ -209,7 +218,7 @@ async def test_a_full_persist_queue_drops_and_counts(tmp_path: Path) -> None:
     try:
         async with cache.running():
             await cache.store(list(range(4 * PAGE)), {"full": [0, 1, 2, 3]})
-            await asyncio.sleep(0)  # the worker takes its first batch and waits at the gate
+            await worker_busy(cache)  # it took the first batch and waits at the gate
             await cache.store(list(range(100, 100 + 4 * PAGE)), {"full": [4, 5, 6, 7]})
             # each store offered 4 pages to a queue with room for 2: 2 taken, 2 dropped
             assert cache.persist.stats().dropped_pages == 4
@@ -321,7 +330,7 @@ async def test_a_key_stored_again_while_its_old_record_is_queued_reaches_l3(
         async with cache.running():
             first = list(range(4 * PAGE))
             await cache.store(first, {"full": [0, 1, 2, 3]})
-            await asyncio.sleep(0)  # the worker takes that batch and waits at the gate
+            await worker_busy(cache)  # it took that batch and waits at the gate
             again = list(range(100, 100 + 4 * PAGE))
             await cache.store(again, {"full": [4, 5, 6, 7]})  # queued behind it
             assert cache.clear_l2() == 4  # the queued prompt leaves L2 (the batch is pinned)
