@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.cache.discovery import Discovery
+from hicache.cache.l3_io import L3Io
 from hicache.cache.persist import PersistQueue
-from hicache.cache.planner import FetchPlan, Planner, StorePlan
+from hicache.cache.planner import Planner, StorePlan
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.embedded import EmbeddedCache
 from hicache.errors import HicacheError
@@ -53,7 +54,6 @@ from hicache.storage import GuardedStore
 from hicache.transfer import LayerListener
 
 log = logging.getLogger("hicache.cache")
-SETTLE_WAIT_S = 60.0  # at shutdown, for L3 reads that timed out to finish on their threads
 
 
 class CacheNotRunningError(HicacheError, RuntimeError):
@@ -97,7 +97,7 @@ class TieredCache:
         self.attach_l3(store)
         self._tg: asyncio.TaskGroup | None = None
         self._fetches: set[asyncio.Task[Any]] = set()
-        self._settling: set[asyncio.Future[None]] = set()  # fetches whose threads still run
+        self.io = L3Io(index, embedded.host_tier, self.planner)
         # groups the move policy leaves to the engine (full_attention_only): not cached
         self._recomputed = {g.name for g in embedded.layer_map.groups} - set(index.rules)
 
@@ -205,14 +205,7 @@ class TieredCache:
         """Until no fetch is in flight and no persist is queued (shutdown; tests)."""
         while self._fetches:
             await asyncio.gather(*self._fetches, return_exceptions=True)
-        if self._settling:  # L3 reads that timed out, their threads still writing host pages
-            _, stuck = await asyncio.wait(self._settling, timeout=SETTLE_WAIT_S)
-            if stuck:  # a backend that never returns: leak its pages, never reuse them
-                log.error(
-                    "%d L3 reads did not settle in %s s; their pages stay reserved",
-                    len(stuck),
-                    SETTLE_WAIT_S,
-                )
+        await self.io.settle()  # L3 reads that timed out, their threads still writing
         if self._tg is not None:
             await self.persist.idle()
             await self.embedded.scheduler.idle()  # ops whose callers left end too
@@ -319,37 +312,8 @@ class TieredCache:
     # ---- L2 -> L3 ---------------------------------------------------------------------------
 
     async def _write(self, records: Mapping[str, Sequence[PageRecord]]) -> tuple[int, int]:
-        """Persist the records' L2 pages (the persist worker's writer, write-back victims,
-        the flush). Returns (written, skipped: no longer in L2, or in L3 already)."""
-        l3 = self.l3
-        items: list[tuple[bytes, list[memoryview]]] = []
-        owners: list[tuple[str, PageRecord]] = []
-        skipped = 0
-        for group, group_records in records.items():
-            pool = self.embedded.host_tier.pool(group)
-            for record in group_records:
-                current = self.index.record(group, record.key)
-                if l3 is None or current is not record or record.l2_page is None or record.in_l3:
-                    skipped += 1
-                    continue
-                # the page's chunks, uncopied: pinned so no eviction reuses it while L3 reads
-                items.append(
-                    (record.key, [c.numpy().data for c in pool.page_chunks(record.l2_page)])
-                )
-                owners.append((group, record))
-        if not items or l3 is None:
-            return 0, skipped
-        for group, record in owners:
-            self.index.pin(group, [record.key])
-        try:
-            stored = await l3.put(items)
-        finally:
-            for group, record in owners:
-                self.index.unpin(group, [record.key])
-        for (group, record), ok in zip(owners, stored, strict=True):
-            if ok and self.index.record(group, record.key) is record:
-                self.index.mark_l3(group, record.key)
-        return sum(stored), skipped
+        """The persist worker's writer (and write-back victims', and the flush's)."""
+        return await self.io.write(self.l3, records)
 
     async def flush(self) -> int:
         """Persist every L2 page L3 lacks (what write-back owes at shutdown); returns how many
@@ -456,43 +420,7 @@ class TieredCache:
         if not plan.groups:
             self.planner.abort_fetch(plan)
             return 0
-        return await self._read_into(l3, plan)
-
-    async def _read_into(self, l3: GuardedStore, plan: FetchPlan) -> int:
-        keys: list[bytes] = []
-        targets: list[list[memoryview]] = []
-        spans: dict[str, tuple[int, int]] = {}
-        for group, g in plan.groups.items():
-            pool = self.embedded.host_tier.pool(group)
-            start = len(keys)
-            keys.extend(r.key for r in g.records)
-            targets.extend([c.numpy().data for c in pool.page_chunks(p)] for p in g.host_pages)
-            spans[group] = (start, len(keys))
-        fetch = l3.fetch_into(keys, targets)
-        try:
-            result = await fetch
-        except BaseException:  # cancelled: a read may still be writing the pages
-            self._after_settled(fetch.settled, lambda: self.planner.abort_fetch(plan))
-            raise
-        ok = {group: result.ok[a:b] for group, (a, b) in spans.items()}
-        answered = {group: result.answered_keys[a:b] for group, (a, b) in spans.items()}
-        gained, leftover = self.planner.commit_fetch(plan, ok, answered)
-        if leftover:  # never freed while a read that timed out may still write them
-            self._after_settled(result.settled, lambda: self.planner.free_pages(leftover))
-        return gained
-
-    def _after_settled(self, settled: asyncio.Future[None], release: Callable[[], None]) -> None:
-        """Run `release` once no backend thread touches a fetch's pages (now, if so)."""
-        if settled.done():
-            release()
-            return
-        self._settling.add(settled)
-
-        def done(_future: asyncio.Future[None]) -> None:
-            self._settling.discard(settled)
-            release()
-
-        settled.add_done_callback(done)
+        return await self.io.read_into(l3, plan)
 
     # ---- admin ------------------------------------------------------------------------------
 

@@ -77,6 +77,10 @@ class HostPool:
             return [self.buffer[page * size : (page + 1) * size]]
         return [rows[name][page] for rows in self._rows for name, _ in self.geometry.tensors]
 
+    def page_views(self, page: int) -> list[memoryview]:
+        """`page_chunks` as memoryviews, uncopied (what L3 puts read and fetches fill)."""
+        return [chunk.numpy().data for chunk in self.page_chunks(page)]
+
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()

@@ -95,7 +95,7 @@ class WalkProgress(WalkSignals):
         return self.done_upto >= num_layers  # layers land in order
 
 
-class CpuCopyBackend(CopyBackend):
+class CpuCopyBackend(workers.WorkerOwner, CopyBackend):
     pins_host_memory = False
 
     def __init__(self, staging_bytes: int = 64 * 2**20, prefault: bool = True):
@@ -187,14 +187,6 @@ class CpuCopyBackend(CopyBackend):
         for source, local_id in parts:
             for src, src_rows, dst, dst_rows in source.row_pairs(direction, local_id):
                 copy_rows_cpu(src, src_rows, dst, dst_rows, staging)
-
-    def close(self) -> None:
-        """Accept no more walks, let the queued ones finish, join the worker; idempotent."""
-        self._stop(None)
-
-    def close_for_exit(self, timeout_s: float) -> None:
-        """`close` at interpreter exit (workers.py): the join waits at most `timeout_s`."""
-        self._stop(timeout_s)
 
     def _stop(self, timeout_s: float | None) -> None:
         if not self._closed:

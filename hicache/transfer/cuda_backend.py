@@ -117,7 +117,7 @@ class CudaFence(Fence):
         self.event = event
 
 
-class CudaCopyBackend(CopyBackend):
+class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
     pins_host_memory = True
 
     def __init__(
@@ -340,16 +340,9 @@ class CudaCopyBackend(CopyBackend):
             except Exception:  # a dead completion thread would leave every later walk unheard
                 log.exception("completion thread: a walk's callback raised; later walks go on")
 
-    def close(self) -> None:
-        """Accept no more walks, let pending ones complete, join the completion thread, then
-        synchronize and unregister the host buffers; idempotent."""
-        self._stop(None)
-
-    def close_for_exit(self, timeout_s: float) -> None:
-        """`close` at interpreter exit (workers.py): the join waits at most `timeout_s`."""
-        self._stop(timeout_s)
-
     def _stop(self, timeout_s: float | None) -> None:
+        """Accept no more walks, let pending ones complete, join the completion thread, then
+        synchronize and unregister the host buffers (`close`, `close_for_exit`)."""
         if not self._closed:
             self._closed = True
             workers.forget(self)

@@ -19,6 +19,7 @@ Why daemon threads plus `atexit`, not the alternatives:
 
 from __future__ import annotations
 
+import abc
 import atexit
 import threading
 import weakref
@@ -30,6 +31,22 @@ EXIT_JOIN_S = 10.0  # per owner; queued copies are bounded by the scheduler's wa
 class ExitClosable(Protocol):
     def close_for_exit(self, timeout_s: float) -> None:
         """Do what `close()` does, waiting at most `timeout_s` for the worker thread."""
+
+
+class WorkerOwner(abc.ABC):
+    """An owner of one worker thread: `close()` stops it and joins it; `close_for_exit` does
+    the same at interpreter exit, waiting at most `timeout_s`. Both go through `_stop`."""
+
+    def close(self) -> None:
+        """Accept no more work, let queued work finish, join the worker; idempotent."""
+        self._stop(None)
+
+    def close_for_exit(self, timeout_s: float) -> None:
+        """`close` at interpreter exit: the join waits at most `timeout_s`."""
+        self._stop(timeout_s)
+
+    @abc.abstractmethod
+    def _stop(self, timeout_s: float | None) -> None: ...
 
 
 _open: weakref.WeakSet[ExitClosable] = weakref.WeakSet()

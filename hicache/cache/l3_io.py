@@ -1,0 +1,119 @@
+"""`L3Io`: the executor's half that moves bytes between L2 host pages and L3 — writes of
+indexed pages (the persist worker, write-back victims, the flush) and reads into pages a
+`FetchPlan` reserved — with the rule that a host page is never reused while a backend thread
+may still touch it.
+
+Writes pin their records while L3 reads the pages and mark them in L3 once acknowledged.
+Reads index what verified as soon as the fetch returns; the other pages, and a cancelled
+fetch's, are given back only once the fetch has *settled* (a read that timed out is never
+cancelled on its thread). `settle()` waits for those, bounded, at shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Mapping, Sequence
+
+from hicache.cache.planner import FetchPlan, Planner
+from hicache.index import PageRecord, PrefixIndex
+from hicache.memory import HostTier
+from hicache.storage import GuardedStore
+
+log = logging.getLogger("hicache.cache")
+SETTLE_WAIT_S = 60.0  # at shutdown, for L3 reads that timed out to finish on their threads
+
+
+class L3Io:
+    def __init__(self, index: PrefixIndex, host_tier: HostTier, planner: Planner):
+        self.index = index
+        self.host_tier = host_tier
+        self.planner = planner
+        self._settling: set[asyncio.Future[None]] = set()  # fetches whose threads still run
+
+    async def write(
+        self, l3: GuardedStore | None, records: Mapping[str, Sequence[PageRecord]]
+    ) -> tuple[int, int]:
+        """Persist the records' L2 pages. Returns (written, skipped: no longer in L2, or in
+        L3 already)."""
+        items: list[tuple[bytes, list[memoryview]]] = []
+        owners: dict[str, list[PageRecord]] = {}
+        skipped = 0
+        for group, group_records in records.items():
+            pool = self.host_tier.pool(group)
+            for record in group_records:
+                page = record.l2_page
+                current = self.index.record(group, record.key) is record
+                if l3 is None or not current or page is None or record.in_l3:
+                    skipped += 1
+                else:  # the page's memory, uncopied: pinned so no eviction reuses it meanwhile
+                    items.append((record.key, pool.page_views(page)))
+                    owners.setdefault(group, []).append(record)
+        if not items or l3 is None:
+            return 0, skipped
+        for group, owned in owners.items():
+            self.index.pin(group, [r.key for r in owned])
+        try:
+            stored = iter(await l3.put(items))
+        finally:
+            for group, owned in owners.items():
+                self.index.unpin(group, [r.key for r in owned])
+        written = 0
+        for group, owned in owners.items():  # the same order as `items`
+            for record in owned:
+                ok = next(stored)
+                written += ok
+                if ok and self.index.record(group, record.key) is record:
+                    self.index.mark_l3(group, record.key)
+        return written, skipped
+
+    async def read_into(self, l3: GuardedStore, plan: FetchPlan) -> int:
+        """Read the plan's pages from L3 into its reserved host pages and commit it; returns
+        the pages L2 gained."""
+        keys: list[bytes] = []
+        targets: list[list[memoryview]] = []
+        spans: dict[str, tuple[int, int]] = {}
+        for group, g in plan.groups.items():
+            pool = self.host_tier.pool(group)
+            start = len(keys)
+            keys.extend(r.key for r in g.records)
+            targets.extend(pool.page_views(p) for p in g.host_pages)
+            spans[group] = (start, len(keys))
+        fetch = l3.fetch_into(keys, targets)
+        try:
+            result = await fetch
+        except BaseException:  # cancelled: a read may still be writing the pages
+            self._after_settled(fetch.settled, lambda: self.planner.abort_fetch(plan))
+            raise
+        ok = {group: result.ok[a:b] for group, (a, b) in spans.items()}
+        answered = {group: result.answered_keys[a:b] for group, (a, b) in spans.items()}
+        gained, leftover = self.planner.commit_fetch(plan, ok, answered)
+        if leftover:  # never freed while a read that timed out may still write them
+            self._after_settled(result.settled, lambda: self.planner.free_pages(leftover))
+        return gained
+
+    def _after_settled(self, settled: asyncio.Future[None], release: Callable[[], None]) -> None:
+        """Run `release` once no backend thread touches a fetch's pages (now, if so)."""
+        if settled.done():
+            release()
+            return
+        self._settling.add(settled)
+
+        def done(_future: asyncio.Future[None]) -> None:
+            self._settling.discard(settled)
+            release()
+
+        settled.add_done_callback(done)
+
+    async def settle(self) -> None:
+        """Until every L3 read that timed out has ended on its thread (at most
+        `SETTLE_WAIT_S`: a backend that never returns leaks its pages, never reuses them)."""
+        if not self._settling:
+            return
+        _, stuck = await asyncio.wait(self._settling, timeout=SETTLE_WAIT_S)
+        if stuck:
+            log.error(
+                "%d L3 reads did not settle in %s s; their pages stay reserved",
+                len(stuck),
+                SETTLE_WAIT_S,
+            )
