@@ -36,6 +36,7 @@ class AsyncClient(ClientBase):
             kwargs.pop("engine", ""),
             state_dtype=kwargs.pop("state_dtype", None),
             ssm_state_dtype=kwargs.pop("ssm_state_dtype", None),
+            role=kwargs.pop("role", "engine"),
         )
         if kwargs:
             raise TypeError(f"unknown arguments {sorted(kwargs)}")

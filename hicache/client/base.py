@@ -40,6 +40,7 @@ class ClientBase:
         engine: str,
         state_dtype: str | None = None,
         ssm_state_dtype: str | None = None,
+        role: str = "engine",
     ):
         self.layer_map = layer_map
         self.dtype = dtype
@@ -56,6 +57,7 @@ class ClientBase:
             "tp_rank": tp_rank,
             "tenant": tenant,
             "token": token,
+            "role": role,
         }
         self._ids = itertools.count(1)
         self.session: dict[str, Any] = {}

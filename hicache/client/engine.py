@@ -59,6 +59,7 @@ class Client(ClientBase):
         reconnect: bool = True,
         state_dtype: str | None = None,
         ssm_state_dtype: str | None = None,
+        role: str = "engine",
     ):
         super().__init__(
             layer_map,
@@ -70,6 +71,7 @@ class Client(ClientBase):
             engine,
             state_dtype=state_dtype,
             ssm_state_dtype=ssm_state_dtype,
+            role=role,
         )
         self.address = address
         self.timeout_s = timeout_s

@@ -82,13 +82,14 @@ class EngineOps:
             )
         key = NamespaceKey(args.tp_rank, args.tenant)
         for other in self.sessions.values():
-            if other.key == key:
+            if args.role == "engine" and other.key == key and not other.lookup_only:
                 raise p.RequestError(
                     p.ErrorCode.REFUSED,
                     f"hello: namespace {key} is attached by {other.describe()}; one engine per "
                     "namespace (give each tensor-parallel rank its tp_rank)",
                 )
         session.key, session.engine, session.pid = key, args.engine, args.pid
+        session.lookup_only = args.role == "lookup"
         return {
             "session": session.id,
             "protocol": p.PROTOCOL_VERSION,
@@ -135,6 +136,12 @@ class EngineOps:
         return await self._attach(session, pools)
 
     def _check_unregistered(self, session: Session, op: str) -> None:
+        if session.lookup_only:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"{op}: this session said hello with role 'lookup'; only an 'engine' session "
+                "registers pools, stores and loads",
+            )
         if session.pools is not None:
             raise p.RequestError(p.ErrorCode.REFUSED, f"{op}: pools already registered")
 
@@ -164,9 +171,24 @@ class EngineOps:
         return {"counters": str(counters.path), "slots": counters.slots}
 
     def _ready(self, session: Session, op: str) -> Namespace:
+        if session.lookup_only:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"{op}: this session said hello with role 'lookup'; it may only lookup, "
+                "prefetch and ask stats",
+            )
         if session.namespace is None:
             raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send register_pools first")
         return session.namespace
+
+    def _readable(self, session: Session, op: str) -> Namespace | None:
+        """The namespace a lookup reads: an engine session's own, or for a 'lookup' session
+        the one its engine registered (None until then: nothing is cached yet)."""
+        if session.lookup_only:
+            if session.key is None:
+                raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
+            return self.namespaces.get(session.key)
+        return self._ready(session, op)
 
     def _check_pages(
         self,
@@ -214,14 +236,20 @@ class EngineOps:
             )
 
     def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
-        cache = self._ready(session, "lookup").cache
+        namespace = self._readable(session, "lookup")
+        if namespace is None:
+            return self._lookup_reply(Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens))
+        cache = namespace.cache
         hit = cache.lookup(args.tokens)
         if cache.needs_discovery(args.tokens, hit):
             raise DeferToAwait  # ask L3 first: the async path (`_lookup_discovering`)
         return self._lookup_reply(hit, len(args.tokens))
 
     async def _lookup_discovering(self, session: Session, args: p.Tokens) -> dict[str, Any]:
-        cache = self._ready(session, "lookup").cache
+        namespace = self._readable(session, "lookup")
+        if namespace is None:
+            return self._lookup_reply(Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens))
+        cache = namespace.cache
         await cache.discover(args.tokens)
         return self._lookup_reply(cache.lookup(args.tokens), len(args.tokens))
 
@@ -253,8 +281,10 @@ class EngineOps:
         return asdict(result)
 
     async def _prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
-        pages = await self._ready(session, "prefetch").cache.prefetch(args.tokens)
-        return {"pages_fetched": pages}
+        namespace = self._readable(session, "prefetch")
+        if namespace is None:
+            return {"pages_fetched": 0}
+        return {"pages_fetched": await namespace.cache.prefetch(args.tokens)}
 
     async def _load(self, session: Session, args: p.LoadRequest) -> dict[str, Any]:
         namespace = self._ready(session, "load")
@@ -334,7 +364,12 @@ class EngineOps:
         return {"state": "released"}
 
     def _stats(self, session: Session, args: p.Empty) -> dict[str, Any]:
-        namespace = self._ready(session, "stats")
+        namespace = self._readable(session, "stats")
+        if namespace is None:
+            raise p.RequestError(
+                p.ErrorCode.NOT_READY,
+                f"stats: no engine has registered pools for namespace {session.key} yet",
+            )
         return {**namespace_stats(namespace), "l3": store_stats(self.store)}
 
     def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -60,6 +60,9 @@ class Hello(Msg):
     tp_rank: int = Field(default=0, ge=0, le=65535)
     tenant: str = Field(default="", max_length=256)
     token: str | None = Field(default=None, max_length=4096)
+    # "engine": owns the namespace's device pools (one per namespace); "lookup": a scheduler
+    # process beside it (vLLM's EngineCore) that only asks lookup / prefetch / stats
+    role: Literal["engine", "lookup"] = "engine"
 
 
 class GroupManifest(Msg):

@@ -38,6 +38,7 @@ class Session:
     loads: dict[int, LoadEntry] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
     in_request: int = 0  # awaited requests in progress: a busy engine is not a silent one
+    lookup_only: bool = False  # hello role "lookup": no pools, no stores or loads
 
     def describe(self) -> str:
         who = f"session {self.id}"

@@ -1,0 +1,434 @@
+"""`HicacheConnector`: hicache as a vLLM v1 KV connector (vLLM 0.32; `pip install hicache[vllm]`).
+
+    LLM(model=..., kv_transfer_config=KVTransferConfig(
+        kv_connector="HicacheConnector",
+        kv_connector_module_path="hicache.integrations.vllm",
+        kv_role="kv_both",
+        kv_connector_extra_config={"config": "deploy.yaml"}))
+
+vLLM makes one connector per process and role. The scheduler role (EngineCore) asks a running
+`hicache serve` how much of each new prompt it holds, through a lookup-only session, and plans
+each step's loads and stores (`vllm_plan.py`); the worker role (Worker) binds vLLM's KV tensors
+(`vllm_binding.py`) and moves pages through a staging pool the sidecar maps
+(`vllm_worker.py`). The two halves share nothing but vLLM's per-step metadata, so they work
+the same in vLLM's multi-process mode and with VLLM_ENABLE_V1_MULTIPROCESSING=0.
+
+Extra config keys (`kv_connector_extra_config`):
+    config          the sidecar's deploy.yaml: its socket (or TCP port) and token
+    address         instead of `config`: a Unix socket path or tcp://host:port
+    token           the sidecar's service.token (default: from `config`)
+    tenant          hicache namespace; default "vllm-<platform>-<attention isa>" since pages
+                    hold vLLM's packed block bytes, which differ per backend and ISA
+    load_timeout_s  how long one layer may take to land before the load is recomputed (10)
+    staging_pages   staging pages per token group (default: one max_model_len prompt + 2)
+    retry_after_s   wait between reconnect attempts while the sidecar is down (1)
+
+Failures never reach vLLM as exceptions: a sidecar that is down gives no hits and skips
+stores; a load that fails is reported with `get_block_ids_with_load_errors`, so vLLM
+recomputes those blocks instead of serving them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.model_executor.models.utils import extract_layer_index
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from hicache.client import Client
+from hicache.errors import ConfigError, HicacheError
+from hicache.integrations.vllm_binding import StateSpec, bind_layers
+from hicache.integrations.vllm_plan import NULL_BLOCK, Scheduled, StepBook, StepMeta
+from hicache.integrations.vllm_settings import ConnectorSettings
+from hicache.integrations.vllm_worker import WorkerSide
+from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.memory.geometry import dtype_name
+from hicache.model import LayerMap, layout_from_hf_config, load_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("hicache.vllm")
+
+
+class HicacheConnectorMetadata(KVConnectorMetadata):
+    def __init__(self, step: StepMeta):
+        self.step = step
+
+
+def _layer_map(vllm_config: VllmConfig) -> LayerMap:
+    """hicache's layout of the model vLLM serves, read from its own config.json; the sidecar
+    compares it with its model at hello, so a connector never shares pages across models."""
+    model = vllm_config.model_config
+    path = Path(str(model.model)) / "config.json"
+    if path.is_file():
+        layout = load_layout(path)
+    else:
+        layout = layout_from_hf_config(model.hf_config.to_dict(), str(model.model))
+    return LayerMap(layout)
+
+
+def _token_block_size(kv_cache_config: KVCacheConfig) -> int:
+    sizes = {
+        g.kv_cache_spec.block_size
+        for g in kv_cache_config.kv_cache_groups
+        if not isinstance(g.kv_cache_spec, MambaSpec)
+    }
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"vLLM's attention KV-cache groups use block sizes {sorted(sizes)}; hicache needs "
+            "one page size for every token group"
+        )
+    return sizes.pop()
+
+
+def _default_tenant(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    from vllm.platforms import current_platform
+
+    platform = str(current_platform.device_type or "unknown")
+    if not current_platform.is_cpu():
+        return f"vllm-{platform}"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isas = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            continue
+        isas.add(
+            _get_attn_isa(
+                getattr(spec, "dtype", torch.bfloat16),
+                spec.block_size,
+                getattr(spec, "head_size", None),
+            )
+        )
+    return "vllm-cpu-" + "-".join(sorted(isas))
+
+
+class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        if kv_cache_config is None:
+            raise ConfigError("HicacheConnector needs vLLM >= 0.32 (it passes kv_cache_config)")
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        parallel = vllm_config.parallel_config
+        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+            raise ConfigError(
+                f"HicacheConnector: tensor_parallel_size={parallel.tensor_parallel_size}, "
+                f"pipeline_parallel_size={parallel.pipeline_parallel_size}; this connector "
+                "supports 1 and 1 so far"
+            )
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.settings = ConnectorSettings.parse(extra)
+        policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
+        if policy != "recompute":
+            raise ConfigError(
+                f"KVTransferConfig.kv_load_failure_policy is {policy!r}: a hicache load that "
+                "fails (sidecar restarted, an L3 object corrupt) would fail the request; set "
+                "kv_load_failure_policy='recompute' so vLLM recomputes those tokens instead"
+            )
+        self.async_loads = self._async_loads(self.settings.load_mode, kv_cache_config)
+        self.layer_map = _layer_map(vllm_config)
+        self.page = _token_block_size(kv_cache_config)
+        self.tenant = self.settings.tenant or _default_tenant(vllm_config, kv_cache_config)
+        self._client_args = self._client_kwargs(vllm_config, kv_cache_config)
+        self._max_model_len = int(vllm_config.model_config.max_model_len)
+        self._max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        if role == KVConnectorRole.SCHEDULER:
+            self._requests: dict[str, Request] = {}
+            self._local: dict[str, int] = {}
+            self._lookup_client: Client | None = None
+            self._next_try = 0.0
+            self.book = StepBook(self.page, self._lookup, async_loads=self.async_loads)
+        else:
+            self.worker: WorkerSide | None = None
+            self._layer_ids: dict[str, int] = {}
+
+    @staticmethod
+    def _async_loads(mode: str, kv_cache_config: KVCacheConfig) -> bool:
+        """Layer-wise loads (the forward waits per layer: the overlap) report failures as
+        block ids, which vLLM maps back to requests only with one KV-cache group; with more
+        (sliding + full, hybrids) a load must be asynchronous and fail by request."""
+        groups = len(kv_cache_config.kv_cache_groups)
+        if mode == "layerwise" and groups > 1:
+            raise ConfigError(
+                f"kv_connector_extra_config.load_mode: 'layerwise' needs one KV-cache group; "
+                f"this model has {groups} (vLLM reports a failed load of a multi-group model "
+                "only per request, so its loads are 'async')"
+            )
+        return mode == "async" or (mode == "auto" and groups > 1)
+
+    def _client_kwargs(
+        self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
+    ) -> dict[str, Any]:
+        dtype = vllm_config.model_config.dtype
+        if not isinstance(dtype, torch.dtype):
+            raise ConfigError(f"vLLM's model dtype is {dtype!r}, not resolved to a torch dtype")
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        kv_dtype = dtype_name(dtype) if cache_dtype in (None, "auto") else str(cache_dtype)
+        state_dtypes: list[torch.dtype] = []
+        for group in kv_cache_config.kv_cache_groups:
+            if isinstance(group.kv_cache_spec, MambaSpec):
+                state_dtypes = list(group.kv_cache_spec.dtypes)
+                break
+        return {
+            "dtype": kv_dtype,
+            "page_size_tokens": self.page,
+            "tenant": self.tenant,
+            "token": self.settings.token,
+            "state_dtype": dtype_name(state_dtypes[0]) if state_dtypes else None,
+            "ssm_state_dtype": dtype_name(state_dtypes[-1]) if len(state_dtypes) > 1 else None,
+        }
+
+    def _connect(self, role: str) -> Client:
+        return Client(
+            self.settings.address,
+            self.layer_map,
+            role=role,
+            engine=f"vllm-{role}",
+            timeout_s=max(5.0, self.settings.load_timeout_s),
+            **self._client_args,
+        )
+
+    # ---- scheduler side ---------------------------------------------------------------------
+
+    def _lookup(self, tokens: Sequence[int]) -> tuple[int, int]:
+        client = self._lookup_client
+        if client is None:
+            now = time.monotonic()
+            if now < self._next_try:
+                return 0, 0
+            self._next_try = now + self.settings.retry_after_s
+            try:
+                client = self._lookup_client = self._connect("lookup")
+            except (HicacheError, OSError) as exc:
+                log.warning("hicache sidecar not reachable, no hits meanwhile: %s", exc)
+                return 0, 0
+        try:
+            hit = client.lookup(tokens)
+        except (HicacheError, OSError) as exc:
+            log.warning("hicache lookup failed, no hit: %s", exc)
+            return 0, 0
+        return int(hit.tokens_l2), int(hit.tokens_total)
+
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        """Pages are keyed by token ids alone: requests whose KV depends on more (LoRA,
+        multimodal inputs, a cache salt) are neither looked up nor stored."""
+        return not (
+            getattr(request, "lora_request", None)
+            or getattr(request, "mm_features", None)
+            or getattr(request, "cache_salt", None)
+        )
+
+    def on_new_request(self, request: Request) -> None:
+        if self._cacheable(request):
+            self._requests[request.request_id] = request
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        if not self._cacheable(request):
+            return 0, False
+        self._requests[request.request_id] = request
+        self._local[request.request_id] = num_computed_tokens
+        hit = self.book.matched(
+            request.request_id, list(request.all_token_ids), num_computed_tokens
+        )
+        return hit, self.async_loads and hit > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        if num_external_tokens <= 0:
+            return
+        local = self._local.get(request.request_id, 0)
+        self.book.allocated(
+            request.request_id,
+            list(request.all_token_ids),
+            local,
+            num_external_tokens,
+            blocks.get_block_ids(),
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled: list[Scheduled] = []
+        counts = scheduler_output.num_scheduled_tokens
+        entries = [(r.req_id, r.num_computed_tokens) for r in scheduler_output.scheduled_new_reqs]
+        cached = scheduler_output.scheduled_cached_reqs
+        entries += list(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for req_id, computed in entries:
+            request = self._requests.get(req_id)
+            if request is None or self._kv_cache_manager is None:
+                continue
+            scheduled.append(
+                Scheduled(
+                    req_id,
+                    list(request.all_token_ids),
+                    int(computed),
+                    int(counts.get(req_id, 0)),
+                    self._kv_cache_manager.get_blocks(req_id).get_block_ids(),
+                )
+            )
+        return HicacheConnectorMetadata(self.book.step(scheduled))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        self._forget(request.request_id)
+        return False, None
+
+    def _forget(self, req_id: str) -> None:
+        self._requests.pop(req_id, None)
+        self._local.pop(req_id, None)
+        self.book.finished(req_id)
+
+    # ---- worker side ------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        groups = self._kv_cache_config.kv_cache_groups
+        vllm_group, state_specs = {}, {}
+        for index, group in enumerate(groups):
+            for name in group.layer_names:
+                vllm_group[name] = index
+                spec = group.kv_cache_spec
+                if isinstance(spec, MambaSpec):
+                    state_specs[name] = StateSpec(
+                        tuple(map(tuple, spec.shapes)), tuple(spec.dtypes)
+                    )
+        self._layer_ids = {name: extract_layer_index(name) for name in kv_caches}
+        # the geometry the client says hello with: the sidecar checks it against its model
+        cache_dtypes = CacheDtypes.from_names(
+            self._client_args["dtype"],
+            self._client_args["state_dtype"],
+            self._client_args["ssm_state_dtype"],
+        )
+        geometries = {
+            g.name: GroupGeometry.of(g, cache_dtypes, self.page) for g in self.layer_map.groups
+        }
+        bindings = bind_layers(
+            self.layer_map, geometries, kv_caches, self._layer_ids, vllm_group, state_specs
+        )
+        token_pages = self.settings.staging_pages or (-(-self._max_model_len // self.page) + 2)
+        staging = {
+            g.name: (token_pages if g.kind.is_token_cache else 2 * self._max_num_seqs + 2)
+            for g in self.layer_map.groups
+        }
+        self.worker = WorkerSide(
+            self.layer_map,
+            bindings,
+            lambda: self._connect("engine"),
+            staging,
+            page_size_tokens=self.page,
+            load_timeout_s=self.settings.load_timeout_s,
+            retry_after_s=self.settings.retry_after_s,
+            state_load_block=_state_load_block,
+            state_store_block=_state_store_block,
+        )
+        self.worker.client()
+
+    def _step(self) -> StepMeta:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, HicacheConnectorMetadata)
+        return meta.step
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.worker is None:
+            return
+        if self.async_loads:
+            self.worker.start_async_loads(self._step().loads)
+        else:
+            self.worker.start_loads(self._step().loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        if self.worker is not None:
+            layer_id = self._layer_ids.get(layer_name)
+            if layer_id is not None:
+                self.worker.wait_layer(layer_id)
+
+    def save_kv_layer(
+        self,
+        layer_name: str,
+        kv_layer: torch.Tensor,
+        attn_metadata: AttentionMetadata,
+        **kwargs: Any,
+    ) -> None:
+        """Nothing per layer: `wait_for_save` copies the step's filled blocks whole, after the
+        forward wrote every layer (the blocks stay the request's until a later step)."""
+
+    def wait_for_save(self) -> None:
+        if self.worker is None:
+            return
+        self.worker.finish_loads()
+        self.worker.store(self._step().stores)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self.worker is None:
+            return None, None
+        done, _failed = self.worker.take_finished()
+        return None, done or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self.worker.take_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if self.worker is None:
+            return set()
+        return self.worker.take_load_errors()
+
+    def shutdown(self) -> None:
+        worker = getattr(self, "worker", None)
+        if worker is not None:
+            worker.close()
+        client = getattr(self, "_lookup_client", None)
+        if client is not None:
+            client.close()
+
+
+def _state_load_block(block_ids: Sequence[int], pages: int) -> int:
+    """The block a state group's snapshot after `pages` pages is loaded into."""
+    return _state_block(block_ids, pages)
+
+
+def _state_store_block(block_ids: Sequence[int], pages: int) -> int | None:
+    """The block holding a state group's state after exactly `pages` pages (the step ended
+    on that boundary)."""
+    block = _state_block(block_ids, pages)
+    return None if block == NULL_BLOCK else block
+
+
+def _state_block(block_ids: Sequence[int], pages: int) -> int:
+    if not block_ids:
+        return NULL_BLOCK
+    return block_ids[min(pages, len(block_ids)) - 1]

@@ -1,0 +1,208 @@
+"""hicache as a KV connector of a real vLLM (the CPU build, 0.32): hits change nothing but the
+work done.
+
+Per model (dense Llama; Gemma 3 sliding + full; gpt-oss sliding + sinks, HMA; Qwen3-Next GDN +
+full; LFM2 short conv + full), against a run of the same prompts with no connector:
+- L2: one engine stores A, then (vLLM's own cache reset) hits A's pages for B and for A;
+- L3: the sidecar restarts (L2 gone), a second engine instance hits B from the file L3;
+- corruption: every L3 object is damaged on disk, a sidecar restart later the hit fails
+  verification and vLLM recomputes;
+and greedy tokens and their logprobs equal the reference every time, with the hit counts vLLM
+reports asserted (`num_cached_tokens`; vLLM's own cache is reset, so they are hicache's).
+
+Then faults and modes: the sidecar killed while an engine serves (no hits, same outputs, hits
+again once a sidecar is back), vLLM's default multi-process mode, and a detector: a second
+model with other weights served the first model's pages under one shared model name gives
+other outputs, so the comparisons above can fail.
+
+vLLM is required here (dev.py installs it; .ci/run sets HICACHE_REQUIRE_VLLM); without it,
+outside CI, the module skips.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from hicache.service.process import SidecarProcess
+from tests.integrations.vllm_harness import (
+    Prompts,
+    cached,
+    corrupt_l3,
+    outputs,
+    run_engine,
+    write_deployment,
+)
+from tests.integrations.vllm_models import KINDS, build_model
+
+if not os.environ.get("HICACHE_REQUIRE_VLLM"):
+    pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (python3 dev.py setup)")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm_models")
+
+
+def _model(models: Path, kind: str) -> Path:
+    return build_model(kind, models)
+
+
+def _connector(deploy: Path) -> dict[str, str]:
+    return {"config": str(deploy)}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hits_from_l2_and_l3_equal_recompute(kind: str, models: Path, tmp_path: Path) -> None:
+    model = _model(models, kind)
+    p = Prompts.of(kind)
+    rounds = [[p.a], [p.b], [p.a]]
+    reference = outputs(run_engine(tmp_path, model, rounds, name="reference"))
+    deploy = write_deployment(tmp_path / "sidecar", model, kind)
+
+    # L2: one engine, its own prefix cache reset before every round
+    with SidecarProcess(deploy):
+        first = run_engine(tmp_path, model, rounds, connector=_connector(deploy), name="l2")
+    assert outputs(first) == reference
+    assert cached(first) == [[0], [2 * p.page], [p.hit(p.a)]]
+
+    # L3: a restarted sidecar (L2 empty) and a second engine instance
+    with SidecarProcess(deploy):
+        second = run_engine(tmp_path, model, [[p.b]], connector=_connector(deploy), name="l3")
+    assert outputs(second) == [reference[1]]
+    assert cached(second) == [[p.hit(p.b)]]
+
+    # every L3 object corrupted on disk: verification refuses them, vLLM recomputes
+    assert corrupt_l3(tmp_path / "sidecar" / "l3") > 0
+    with SidecarProcess(deploy) as sidecar:
+        third = run_engine(tmp_path, model, [[p.a]], connector=_connector(deploy), name="bad")
+        stats = sidecar.get_json("/v1/stats")
+    assert outputs(third) == [reference[0]]
+    assert cached(third) == [[0]]
+    assert stats["l3"]["corrupt_dropped"] > 0, stats["l3"]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_sidecar_killed_mid_run_engine_keeps_serving(
+    kind: str, models: Path, tmp_path: Path
+) -> None:
+    """SIGKILL the sidecar while the engine runs a round: every output still equals the
+    reference; with no sidecar there are no hits; once one is back, the engine reconnects
+    and hits again."""
+    model = _model(models, kind)
+    p = Prompts.of(kind)
+    rounds = [[p.a], [p.b, p.c], [p.b], [p.c], [p.c]]
+    reference = outputs(run_engine(tmp_path, model, rounds, name="reference", max_tokens=24))
+    deploy = write_deployment(tmp_path / "sidecar", model, kind)
+    announce = {str(i): tmp_path / f"round{i}.started" for i in range(1, 5)}
+    go = {str(i): tmp_path / f"round{i}.go" for i in range(1, 5)}
+    hooks = {i: {"announce": str(announce[i]), "wait_for": str(go[i])} for i in announce}
+    sidecar = SidecarProcess(deploy).start()
+    result: dict[str, object] = {}
+
+    def engine() -> None:
+        try:
+            result["out"] = run_engine(
+                tmp_path,
+                model,
+                rounds,
+                connector=_connector(deploy) | {"retry_after_s": 0.2, "load_timeout_s": 3},
+                between_rounds=hooks,
+                max_tokens=24,
+                name="engine",
+            )
+        except BaseException as exc:
+            result["error"] = exc
+
+    thread = threading.Thread(target=engine)
+    thread.start()
+    try:
+        _wait(announce["1"], thread)
+        go["1"].write_text("go")  # round 1 runs (B hits A's pages) while the sidecar dies
+        time.sleep(0.05)
+        sidecar.stop(signal.SIGKILL)
+        _wait(announce["2"], thread)
+        go["2"].write_text("go")  # round 2: no sidecar at all
+        _wait(announce["3"], thread)
+        sidecar = SidecarProcess(deploy).start()
+        go["3"].write_text("go")  # round 3: C again, stored into the new sidecar
+        _wait(announce["4"], thread)
+        go["4"].write_text("go")  # round 4: C hits
+        thread.join(timeout=400)
+    finally:
+        sidecar.stop()
+        for path in go.values():
+            path.write_text("go")
+        thread.join(timeout=60)
+    if "error" in result:
+        raise result["error"]  # type: ignore[misc]
+    out = result["out"]
+    assert outputs(out) == reference  # type: ignore[arg-type]
+    hits = cached(out)  # type: ignore[arg-type]
+    assert hits[0] == [0]
+    assert hits[2] == [0]  # round 2: the sidecar is gone
+    assert hits[4] == [p.hit(p.c)]  # reconnected, C stored in round 3, hit in round 4
+
+
+def _wait(path: Path, thread: threading.Thread, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise AssertionError(f"the engine never reached {path.name}")
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_default_multiprocess_mode(kind: str, models: Path, tmp_path: Path) -> None:
+    """vLLM's default: the scheduler half in EngineCore, the worker half in a Worker
+    process, both talking to one sidecar."""
+    model = _model(models, kind)
+    p = Prompts.of(kind)
+    rounds = [[p.a], [p.b]]
+    reference = outputs(run_engine(tmp_path, model, rounds, name="reference"))
+    deploy = write_deployment(tmp_path / "sidecar", model, kind)
+    with SidecarProcess(deploy):
+        out = run_engine(
+            tmp_path, model, rounds, connector=_connector(deploy), multiprocess=True, name="mp"
+        )
+    assert outputs(out) == reference
+    assert cached(out) == [[0], [2 * p.page]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
+def test_detector_other_weights_under_one_name_change_outputs(
+    kind: str, models: Path, tmp_path: Path
+) -> None:
+    """Two checkpoints with different weights, one `model.name`: the second engine is served
+    the first's pages and its outputs differ from its own reference. Equal outputs above
+    are therefore evidence the loaded bytes are right, not a comparison that cannot fail."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    model = _model(models, kind)
+    other = tmp_path / "other"
+    other.mkdir()
+    for item in model.iterdir():
+        if item.suffix != ".safetensors":
+            (other / item.name).write_bytes(item.read_bytes())
+    generator = torch.Generator().manual_seed(7)
+    for item in model.glob("*.safetensors"):
+        tensors = load_file(item)
+        for name, value in tensors.items():
+            if value.is_floating_point() and value.dim() >= 2:
+                noise = torch.randn(value.shape, generator=generator) * 0.1
+                tensors[name] = (value.float() + noise).to(value.dtype)
+        save_file(tensors, other / item.name, metadata={"format": "pt"})
+    p = Prompts.of(kind)
+    own = outputs(run_engine(tmp_path, other, [[p.b]], name="other-reference"))
+    deploy = write_deployment(tmp_path / "sidecar", model, kind, name="one-name-for-both")
+    with SidecarProcess(deploy):
+        run_engine(tmp_path, model, [[p.a]], connector=_connector(deploy), name="first")
+        served = run_engine(tmp_path, other, [[p.b]], connector=_connector(deploy), name="second")
+    assert cached(served) == [[2 * p.page]]
+    assert outputs(served) != own
