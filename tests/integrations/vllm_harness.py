@@ -28,7 +28,10 @@ SSM_DTYPE = {"qwen3_next": "float32"}
 
 @dataclass(frozen=True)
 class Prompts:
-    """A: three pages and a tail; B: A's first two pages, then its own tokens; A again."""
+    """A: three pages and a tail; B: A's three pages and part of its tail, then tokens of
+    its own; C: unrelated. B shares all of A's full pages because a state model resumes only
+    where a snapshot was kept: vLLM's "align" prefill of A stops at its last page boundary
+    (3 pages) and nowhere before, so that is the only snapshot of A there is."""
 
     page: int
     a: list[int]
@@ -40,7 +43,7 @@ class Prompts:
         page = PAGE[kind]
         rng = random.Random(seed)
         a = [rng.randrange(3, 500) for _ in range(3 * page + 50)]
-        b = a[: 2 * page + 30] + [rng.randrange(3, 500) for _ in range(80)]
+        b = a[: 3 * page + 10] + [rng.randrange(3, 500) for _ in range(80)]
         c = [rng.randrange(3, 500) for _ in range(3 * page + 20)]
         return cls(page, a, b, c)
 
@@ -146,3 +149,8 @@ def corrupt_l3(l3: Path) -> int:
         path.write_bytes(bytes(data))
         count += 1
     return count
+
+
+def served_loads(stats: dict[str, Any]) -> int:
+    """Loads a sidecar's namespaces completed (its `/v1/stats`)."""
+    return sum(int(ns["load"]["ops"]) for ns in stats["namespaces"])
