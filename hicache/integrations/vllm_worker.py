@@ -124,6 +124,7 @@ class WorkerSide:
         self._client: Client | None = None
         self._pools: dict[str, DevicePool] = {}
         self._next_try = 0.0
+        self._down = False
         self._state_load_block = state_load_block
         self._state_store_block = state_store_block
         self._order = [i for i in layer_map.stage_layer_ids if i in self.bindings]
@@ -156,8 +157,13 @@ class WorkerSide:
             pools = client.create_pools(self._staging_pages)
             client.register_pools(pools)
         except (HicacheError, OSError) as exc:
-            self.counters.error(f"hicache sidecar not reachable, serving without it: {exc}")
+            if not self._down:  # once per outage, not once per retry
+                self.counters.error(f"hicache sidecar not reachable, serving without it: {exc}")
+            self._down = True
             return None
+        if self._down:
+            log.info("hicache sidecar reachable again")
+        self._down = False
         self._client = client
         self._pools = pools.device_pools()
         return client

@@ -258,3 +258,29 @@ def test_serve_that_cannot_listen_says_where_and_why(tmp_path: Path) -> None:
     assert "hicache: error: service.socket_path: cannot listen on '/proc/hicache-nope/e.sock'" in (
         result.stderr
     )
+
+
+def test_lookup_sessions_share_an_engines_namespace(sidecar: SidecarProcess, deploy: Path) -> None:
+    """vLLM's scheduler process asks lookups beside the worker that owns the pools: a 'lookup'
+    session joins the engine's namespace, sees its pages, and may not store, load or register."""
+    loaded = load_deployment(deploy)
+    tokens = list(range(64))
+    kwargs = {"page_size_tokens": 16, "heartbeat": False}
+    scheduler = connect(sidecar.socket, loaded.layer_map(), role="lookup", **kwargs)
+    try:
+        # before any engine registered pools nothing is cached: a zero hit, not an error
+        assert scheduler.lookup(tokens).tokens_total == 0
+        with connect(sidecar.socket, loaded.layer_map(), **kwargs) as worker:
+            worker.register_pools(worker.create_pools(8))
+            worker.store(tokens, *store_args(0, 4))
+            assert scheduler.lookup(tokens).tokens_total == 64
+            assert scheduler.prefetch(tokens) == 0  # all in L2 already
+            with pytest.raises(ClientError, match=r"refused: store: this session said hello with role 'lookup'; it may only lookup, prefetch and ask stats"):
+                scheduler.store(tokens, *store_args(0, 4))
+            with pytest.raises(ClientError, match=r"refused: register_pools: this session said hello with role 'lookup'; only an 'engine' session registers pools"):
+                scheduler.register_pools(scheduler.create_pools(8))
+            # a second engine for the namespace is still refused
+            with pytest.raises(ClientError, match=r"namespace tp_rank=0 tenant='' is attached by"):
+                connect(sidecar.socket, loaded.layer_map(), **kwargs)
+    finally:
+        scheduler.close()

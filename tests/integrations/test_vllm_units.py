@@ -1,0 +1,220 @@
+"""The vLLM connector's parts that need no vLLM: the scheduler-side step book, the layer
+binding and its errors, the staging pages, and the extra-config checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hicache.errors import ConfigError, PoolShapeError
+from hicache.integrations.vllm_binding import StateSpec, bind_layers
+from hicache.integrations.vllm_plan import Scheduled, StepBook
+from hicache.integrations.vllm_settings import ConnectorSettings
+from hicache.integrations.vllm_worker import Staging
+from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.model import LayerMap, load_layout
+from tests.conftest import shared_model
+
+P = 4  # page size in these tests
+
+
+def book(hit: int = 0, in_l2: int | None = None, **kwargs: bool) -> tuple[StepBook, list[int]]:
+    asked: list[int] = []
+
+    def lookup(tokens: list[int]) -> tuple[int, int]:
+        asked.append(len(tokens))
+        return (hit if in_l2 is None else in_l2), hit
+
+    return StepBook(P, lookup, **kwargs), asked  # type: ignore[arg-type]
+
+
+def test_matched_never_claims_the_last_token_and_subtracts_vllms_own_hit() -> None:
+    b, asked = book(hit=12)
+    assert b.matched("r", list(range(13)), 0) == 12
+    assert asked == [12]  # the last token is vLLM's to compute
+    assert b.matched("r", list(range(13)), 8) == 4  # vLLM holds the first two pages
+    assert b.matched("r", list(range(13)), 12) == 0
+    assert b.matched("r", list(range(4)), 0) == 0  # one page or less: nothing to ask
+
+
+def test_a_layerwise_load_goes_out_in_the_step_that_schedules_it() -> None:
+    b, _ = book(hit=8)
+    b.matched("r", list(range(10)), 0)
+    b.allocated("r", list(range(10)), 0, 8, [[5, 6, 7]])
+    meta = b.step([Scheduled("r", list(range(10)), 8, 2, [[5, 6, 7]])])
+    [load] = meta.loads
+    assert (load.tokens, load.skip_pages, load.block_ids, load.from_l3) == (
+        tuple(range(8)),
+        0,
+        ((5, 6),),
+        False,
+    )
+    assert meta.stores == []  # 10 tokens: the third page is not full
+    assert b.step([Scheduled("r", list(range(11)), 10, 1, [[5, 6, 7]])]).loads == []
+
+
+def test_an_async_load_goes_out_in_the_next_step_scheduled_or_not() -> None:
+    b, _ = book(hit=8, in_l2=4, async_loads=True)
+    b.matched("r", list(range(10)), 0)
+    b.allocated("r", list(range(10)), 0, 8, [[5, 6, 7]])
+    [load] = b.step([]).loads
+    assert load.from_l3  # half the hit was only in L3 at lookup
+    assert b.step([]).loads == []
+
+
+def test_each_step_stores_the_pages_it_filled() -> None:
+    b, _ = book()
+    tokens = list(range(20))
+    first = b.step([Scheduled("r", tokens[:10], 0, 10, [[1, 2, 3]])])
+    [store] = first.stores
+    assert (store.tokens, store.first_page, store.computed_after) == (tuple(range(8)), 0, 10)
+    assert b.step([Scheduled("r", tokens[:11], 10, 1, [[1, 2, 3]])]).stores == []
+    [decode] = b.step([Scheduled("r", tokens[:12], 11, 1, [[1, 2, 3]])]).stores
+    assert (decode.first_page, len(decode.tokens), decode.computed_after) == (2, 12, 12)
+    # preempted and recomputed from scratch: stored again (the sidecar keeps what it has)
+    [again] = b.step([Scheduled("r", tokens[:12], 0, 12, [[4, 5, 6]])]).stores
+    assert again.first_page == 0
+    b.finished("r")
+
+
+def test_a_loaded_prefix_is_not_stored_again() -> None:
+    b, _ = book(hit=8)
+    b.matched("r", list(range(13)), 0)
+    b.allocated("r", list(range(13)), 0, 8, [[5, 6, 7, 8]])
+    meta = b.step([Scheduled("r", list(range(13)), 8, 5, [[5, 6, 7, 8]])])
+    [store] = meta.stores
+    assert store.first_page == 2 and len(store.tokens) == 12
+
+
+def _geometries(layer_map: LayerMap) -> dict[str, GroupGeometry]:
+    dtypes = CacheDtypes.from_names("bfloat16", None, None)
+    return {g.name: GroupGeometry.of(g, dtypes, 16) for g in layer_map.groups}
+
+
+def _llama() -> tuple[LayerMap, dict[str, GroupGeometry]]:
+    layer_map = LayerMap(load_layout(shared_model("llama-3.1-8b.json")))
+    return layer_map, _geometries(layer_map)
+
+
+def _vllm_caches(layer_map: LayerMap, blocks: int = 3) -> dict[str, torch.Tensor]:
+    """vLLM's attention tensors: `[blocks, kv_heads, block_size, 2 * head]`, one per layer."""
+    spec = layer_map.groups[0].spec
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.zeros(
+            blocks, spec.num_kv_heads, 16, 2 * spec.head_dim, dtype=torch.bfloat16
+        )
+        for i in layer_map.stage_layer_ids
+    }
+
+
+def _index(caches: dict[str, torch.Tensor]) -> dict[str, int]:
+    return {name: int(name.split(".")[2]) for name in caches}
+
+
+def test_every_layer_is_bound_to_its_own_tensor() -> None:
+    layer_map, geometries = _llama()
+    caches = _vllm_caches(layer_map)
+    bound = bind_layers(
+        layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {}
+    )
+    for layer_id, binding in bound.items():
+        tensor = caches[f"model.layers.{layer_id}.self_attn.attn"]
+        assert binding.blocks.data_ptr() == tensor.data_ptr(), layer_id
+        binding.blocks[1].fill_(layer_id + 1)  # writes land in vLLM's block of that layer
+        assert tensor[1].view(torch.uint8).unique().tolist() == [layer_id + 1]
+
+
+def test_a_block_hicache_would_size_differently_is_refused_by_name() -> None:
+    layer_map, geometries = _llama()
+    caches = _vllm_caches(layer_map)
+    caches["model.layers.3.self_attn.attn"] = torch.zeros(3, 8, 16, 64, dtype=torch.bfloat16)
+    with pytest.raises(
+        PoolShapeError,
+        match=r"^layer 3 \('model.layers.3.self_attn.attn', hicache group 'full'\): a vLLM block is 16384 bytes \(tensor \(3, 8, 16, 64\) torch.bfloat16\); hicache's page of this layer is 65536 bytes",
+    ):
+        bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
+
+
+def test_a_layer_vllm_does_not_give_is_named() -> None:
+    layer_map, geometries = _llama()
+    caches = _vllm_caches(layer_map)
+    del caches["model.layers.7.self_attn.attn"]
+    with pytest.raises(PoolShapeError, match=r"^layer 7 \(.*\) has no KV tensor in vLLM's register_kv_caches"):
+        bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
+
+
+def test_state_geometry_is_checked_against_vllms_mamba_spec() -> None:
+    """LFM2's conv state: hicache's element count must be vLLM's (L_cache - 1) x hidden."""
+    layer_map = LayerMap(load_layout(shared_model("lfm2_350m.json")))
+    geometries = _geometries(layer_map)
+    conv = layer_map.group("conv")
+    full = layer_map.group("full")
+    (_, conv_shape), = geometries["conv"].tensors
+    hidden = max(conv_shape)
+    caches: dict[str, torch.Tensor] = {}
+    specs: dict[str, StateSpec] = {}
+    groups: dict[str, int] = {}
+    for i in conv.layer_ids:
+        name = f"model.layers.{i}.conv"
+        caches[name] = torch.zeros(3, 1, 1, 4 * hidden, dtype=torch.int8)
+        specs[name] = StateSpec(((3, hidden),), (torch.bfloat16,))  # L_cache, not L_cache - 1
+        groups[name] = 0
+    for i in full.layer_ids:
+        name = f"model.layers.{i}.self_attn.attn"
+        caches[name] = torch.zeros(
+            3, full.spec.num_kv_heads, 16, 2 * full.spec.head_dim, dtype=torch.bfloat16
+        )
+        groups[name] = 1
+    with pytest.raises(
+        PoolShapeError,
+        match=rf"^layer {conv.layer_ids[0]} \(.*\): vLLM's state tensors are \(3, {hidden}\) bfloat16; hicache's geometry for this family is conv {2 * hidden} x bfloat16",
+    ):
+        bind_layers(layer_map, geometries, caches, _index(caches), groups, specs)
+    for name in specs:
+        specs[name] = StateSpec(((2, hidden),), (torch.bfloat16,))
+    bound = bind_layers(layer_map, geometries, caches, _index(caches), groups, specs)
+    # the padded page is cut to the state's bytes: padding is never copied
+    assert bound[conv.layer_ids[0]].blocks.shape == (3, 2 * hidden * 2)
+
+
+def test_staging_takes_all_or_nothing_and_never_hands_out_the_scratch_page() -> None:
+    staging = Staging({"full": 4, "conv": 2})
+    got = staging.take({"full": 3, "conv": 1})
+    assert got == {"full": [1, 2, 3], "conv": [1]}
+    assert staging.take({"full": 1}) is None  # page 0 is the scratch page
+    staging.give(got)
+    assert staging.take({"full": 3, "conv": 2}) is None
+    assert staging.take({"full": 3, "conv": 1}) is not None
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"config": "x", "colour": 1}, r"kv_connector_extra_config: unknown keys \['colour'\]; allowed: config, address"),
+        ({}, r"kv_connector_extra_config: give 'config' \(the sidecar's deploy.yaml\) or 'address'"),
+        ({"address": "s", "load_timeout_s": "soon"}, r"kv_connector_extra_config.load_timeout_s: 'soon' is not a positive number"),
+        ({"address": "s", "staging_pages": 0}, r"kv_connector_extra_config.staging_pages: 0 is not a positive number"),
+        ({"address": "s", "load_mode": "eager"}, r"kv_connector_extra_config.load_mode: 'eager' is not one of auto, layerwise, async"),
+    ],
+)
+def test_extra_config_errors_name_the_key_and_what_is_allowed(
+    extra: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ConnectorSettings.parse(extra)
+
+
+def test_settings_read_the_socket_and_token_from_the_deployment(tmp_path: Path) -> None:
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(
+        f"model:\n  config_path: {shared_model('llama-3.1-8b.json')}\n"
+        f"service:\n  socket_path: {tmp_path / 'e.sock'}\n  token: s3cret\n"
+    )
+    settings = ConnectorSettings.parse({"config": str(deploy)})
+    assert (settings.address, settings.token, settings.load_mode) == (
+        str(tmp_path / "e.sock"),
+        "s3cret",
+        "auto",
+    )
