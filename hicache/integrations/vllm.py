@@ -22,6 +22,11 @@ Extra config keys (`kv_connector_extra_config`):
     load_timeout_s  how long one layer may take to land before the load is recomputed (10)
     staging_pages   staging pages per token group (default: one max_model_len prompt + 2)
     retry_after_s   wait between reconnect attempts while the sidecar is down (1)
+    load_mode       auto (layerwise for one KV-cache group, else async), layerwise, async,
+                    whole (synchronous, the forward starts once every layer landed: no
+                    overlap; the baseline of the benchmark's layer-wise figure)
+    stats_path      the worker writes its counters (loads, failures, pages, seconds) here
+                    as JSON after each step that moved pages
 
 Failures never reach vLLM as exceptions: a sidecar that is down gives no hits and skips
 stores; a load that fails is reported with `get_block_ids_with_load_errors`, so vLLM
@@ -173,9 +178,9 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         block ids, which vLLM maps back to requests only with one KV-cache group; with more
         (sliding + full, hybrids) a load must be asynchronous and fail by request."""
         groups = len(kv_cache_config.kv_cache_groups)
-        if mode == "layerwise" and groups > 1:
+        if mode in ("layerwise", "whole") and groups > 1:
             raise ConfigError(
-                f"kv_connector_extra_config.load_mode: 'layerwise' needs one KV-cache group; "
+                f"kv_connector_extra_config.load_mode: {mode!r} needs one KV-cache group; "
                 f"this model has {groups} (vLLM reports a failed load of a multi-group model "
                 "only per request, so its loads are 'async')"
             )
@@ -375,7 +380,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self.async_loads:
             self.worker.start_async_loads(self._step().loads)
         else:
-            self.worker.start_loads(self._step().loads)
+            self.worker.start_loads(self._step().loads, whole=self.settings.load_mode == "whole")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:
@@ -397,18 +402,21 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return
         self.worker.finish_loads()
-        self.worker.store(self._step().stores)
+        step = self._step()
+        self.worker.store(step.stores)
+        if self.settings.stats_path is not None and (step.loads or step.stores):
+            self.worker.counters.write(self.settings.stats_path)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self.worker is None:
-            return None, None
-        done, _failed = self.worker.take_finished()
-        return None, done or None
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Asynchronous loads that ended: vLLM schedules them next step (the failed ones
+        recomputed from scratch; they are also in finished_recving, as vLLM expects)."""
         if self.worker is None:
             return KVConnectorTransferResults()
-        done, failed = self.worker.take_finished()
+        done, failed = self.worker.poll_async()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

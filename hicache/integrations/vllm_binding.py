@@ -52,15 +52,19 @@ class LayerBinding:
 
     def to_staging(self, pool: DevicePool, block_ids: torch.Tensor, pages: torch.Tensor) -> None:
         """Copy vLLM blocks `block_ids` into staging `pages` (same length, int64)."""
-        src = self.blocks.index_select(0, block_ids)
         for name, start, end in self.parts:
-            pool.rows(self.local_id, name).index_copy_(0, pages, src[:, start:end])
+            rows = pool.rows(self.local_id, name)
+            for block, page in zip(block_ids.tolist(), pages.tolist(), strict=True):
+                rows[page].copy_(self.blocks[block, start:end])
 
     def from_staging(self, pool: DevicePool, pages: torch.Tensor, block_ids: torch.Tensor) -> None:
-        """Copy staging `pages` into vLLM blocks `block_ids`."""
+        """Copy staging `pages` into vLLM blocks `block_ids`. One contiguous copy per block
+        and tensor: fancy indexing into the strided byte slices ran at ~0.8 GB/s here, a
+        row copy runs at memcpy speed."""
         for name, start, end in self.parts:
-            rows = pool.rows(self.local_id, name).index_select(0, pages)
-            self.blocks[:, start:end].index_copy_(0, block_ids, rows)
+            rows = pool.rows(self.local_id, name)
+            for page, block in zip(pages.tolist(), block_ids.tolist(), strict=True):
+                self.blocks[block, start:end].copy_(rows[page])
 
 
 def block_rows(tensor: torch.Tensor) -> torch.Tensor:

@@ -20,8 +20,9 @@ EXTRA_KEYS = (
     "staging_pages",
     "retry_after_s",
     "load_mode",
+    "stats_path",
 )
-LOAD_MODES = ("auto", "layerwise", "async")
+LOAD_MODES = ("auto", "layerwise", "async", "whole")
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +34,7 @@ class ConnectorSettings:
     staging_pages: int | None
     retry_after_s: float
     load_mode: str
+    stats_path: Path | None = None
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -64,6 +66,7 @@ class ConnectorSettings:
             staging,
             _positive(extra, "retry_after_s", 1.0),
             _choice(extra, "load_mode", LOAD_MODES),
+            None if extra.get("stats_path") is None else Path(str(extra["stats_path"])),
         )
 
 

@@ -7,28 +7,34 @@ registered with the sidecar; the sidecar moves pages between it and L2 (and L3) 
 any engine, with all of its transactional guarantees, and the worker copies whole blocks
 between staging and vLLM's tensors (one memcpy per block and layer). See docs/design.md.
 
-Lifecycle per engine step (vLLM's worker thread, except the copier):
-    worker.start_loads(meta.loads)   # start_load_kv: sidecar loads into staging; a copier
-                                     # thread moves each layer into vLLM's blocks as it lands
-    worker.wait_layer(layer_id)      # wait_for_layer_load, from the forward
-    worker.finish_loads()            # wait_for_save: copier joined, handles released
+Lifecycle per engine step (all on vLLM's worker thread):
+    worker.start_loads(meta.loads)   # start_load_kv: the sidecar loads into staging
+    worker.wait_layer(layer_id)      # wait_for_layer_load, from the forward: the layer landed
+                                     # in staging, then is copied into vLLM's blocks
+    worker.finish_loads()            # wait_for_save: every layer copied, handles released
     worker.store(meta.stores)        # wait_for_save: vLLM blocks -> staging -> sidecar (L2 ack)
     worker.take_load_errors()        # get_block_ids_with_load_errors: vLLM recomputes these
+    worker.start_async_loads(...)    # multi-group models: loads between steps, and
+    worker.poll_async()              # get_transfer_results: those that ended, copied
 
 Nothing here raises into vLLM: a sidecar that is down, restarted or slow turns loads into
 reported load errors (vLLM recomputes) and stores into counted skips; the client reconnects on
 a later call. State layers (Mamba, GDN, short conv) get no per-layer hook from vLLM, so
-`start_loads` returns only once every state layer has landed.
+`start_loads` returns only once every state layer has landed (hybrids load asynchronously
+anyway: vLLM maps a failed load back to its request only with one KV-cache group).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -49,7 +55,7 @@ class Staging:
     def __init__(self, num_pages: Mapping[str, int]):
         self.num_pages = dict(num_pages)
         self._free = {g: list(range(n - 1, 0, -1)) for g, n in num_pages.items()}
-        self._lock = threading.Lock()  # asynchronous loads give pages back from their threads
+        self._lock = threading.Lock()  # one worker thread today; cheap insurance
 
     def take(self, wanted: Mapping[str, int]) -> dict[str, list[int]] | None:
         """`wanted[g]` pages of every group at once, or None (nothing taken)."""
@@ -81,6 +87,7 @@ class _ActiveLoad:
     moves: dict[int, list[_Move]]  # layer id -> copies once it lands
     failed: bool = False
     reported: bool = False  # its blocks are in the step's load errors
+    deadline: float = 0.0  # an asynchronous load still running then is given up
 
 
 @dataclass
@@ -92,7 +99,19 @@ class WorkerCounters:
     store_failures: int = 0
     stores_skipped_staging: int = 0
     pages_stored: int = 0
+    # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
+    # into vLLM's blocks, the forward blocked in wait_layer, whole stores (copy + sidecar)
+    load_request_s: float = 0.0
+    load_copy_s: float = 0.0
+    layer_wait_s: float = 0.0
+    store_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+
+    def write(self, path: Path) -> None:
+        """The counters as JSON (the connector's `stats_path`), replaced atomically."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(asdict(self)))
+        os.replace(tmp, path)
 
     def error(self, message: str) -> None:
         self.errors = [*self.errors[-19:], message]
@@ -134,12 +153,9 @@ class WorkerSide:
             if not layer_map.group(self.bindings[i].group).kind.is_token_cache
         ]
         self._active: list[_ActiveLoad] = []
-        self._landed: dict[int, threading.Event] = {}
-        self._copier: threading.Thread | None = None
+        self._pending: list[int] = []  # layers of this step's loads not yet copied, in order
         self._errors: set[int] = set()
-        self._async: dict[str, threading.Thread] = {}
-        self._async_done: list[tuple[str, bool]] = []
-        self._async_lock = threading.Lock()
+        self._async: dict[str, _ActiveLoad] = {}
         self.counters = WorkerCounters()
 
     # ---- the sidecar ----------------------------------------------------------------------
@@ -170,15 +186,29 @@ class WorkerSide:
 
     def close(self) -> None:
         self.finish_loads()
-        for thread in list(self._async.values()):
-            thread.join(timeout=self.load_timeout_s)
+        for active in self._async.values():
+            if active.handle is not None:
+                with contextlib.suppress(Exception):
+                    active.handle.cancel()
+            self.staging.give(active.staging)
+        self._async = {}
         if self._client is not None:
             self._client.close()
             self._client = None
 
     # ---- loads -----------------------------------------------------------------------------
+    #
+    # No thread of ours copies: on vLLM's CPU worker both cores are busy (the forward's
+    # OpenMP threads, the engine loop stepping between requests), and a copy thread beside
+    # them ran at a fraction of memcpy speed. The sidecar fills staging in its own process;
+    # this side copies a layer into vLLM's blocks on vLLM's thread once it landed: in
+    # `wait_layer` (layer-wise: the sidecar moves layer i+1 while the forward computes layer
+    # i), or between steps (asynchronous loads, `poll_async`).
 
-    def start_loads(self, jobs: Sequence[LoadJob]) -> None:
+    def start_loads(self, jobs: Sequence[LoadJob], *, whole: bool = False) -> None:
+        """Synchronous loads of this step (vLLM waits for them inside the forward). `whole`:
+        every layer lands and is copied before the forward starts (no overlap; the baseline
+        of the layer-wise figure)."""
         self.finish_loads()  # a step that never reached wait_for_save (should not happen)
         if not jobs:
             return
@@ -188,58 +218,131 @@ class WorkerSide:
             self._active.append(active)
             if active.failed:
                 self._fail(active)
-        self._landed = {i: threading.Event() for i in self._order}
-        self._copier = threading.Thread(target=self._copy_layers, name="hicache-vllm-load")
-        self._copier.daemon = True
-        self._copier.start()
-        for layer_id in self._state_layers:  # no per-layer hook reaches these: wait here
+        self._pending = list(self._order)
+        waits = self._order if whole else self._state_layers  # no hook reaches state layers
+        for layer_id in waits:
             self.wait_layer(layer_id)
+
+    def wait_layer(self, layer_id: int) -> None:
+        """Every load's `layer_id` in vLLM's blocks (and every layer before it, in order)."""
+        if not self._pending or layer_id not in self._pending:
+            return
+        started = time.perf_counter()
+        while self._pending:
+            current = self._pending.pop(0)
+            for active in self._active:
+                self._land(active, current)
+            if current == layer_id:
+                break
+        self.counters.layer_wait_s += time.perf_counter() - started
+
+    def _land(self, active: _ActiveLoad, layer_id: int) -> None:
+        if active.failed or active.handle is None:
+            return
+        try:
+            active.handle.wait_layer(layer_id, timeout_s=self.load_timeout_s)
+        except Exception as exc:  # a failed or lost layer: vLLM recomputes the request
+            self.counters.error(f"request {active.job.req_id}: layer {layer_id}: {exc}")
+            active.failed = True
+            return
+        self._copy(active, layer_id)
+
+    def _copy(self, active: _ActiveLoad, layer_id: int) -> None:
+        started = time.perf_counter()
+        for move in active.moves.get(layer_id, ()):
+            move.binding.from_staging(self._pools[move.binding.group], move.pages, move.blocks)
+        self.counters.load_copy_s += time.perf_counter() - started
+
+    def finish_loads(self) -> None:
+        """After the forward: every layer of this step's loads landed (or failed), handles
+        released, staging given back, failures recorded for vLLM."""
+        if not self._active:
+            return
+        if self._pending:
+            self.wait_layer(self._pending[-1])
+        for active in self._active:
+            handle = active.handle
+            if handle is not None:
+                try:
+                    if handle.done(timeout_s=self.load_timeout_s) != "done":
+                        active.failed = True
+                except Exception as exc:
+                    self.counters.error(f"request {active.job.req_id}: load end: {exc}")
+                    active.failed = True
+            if active.failed:
+                self._fail(active)
+            self.staging.give(active.staging)
+        self._active = []
+        self._pending = []
+
+    def _fail(self, active: _ActiveLoad) -> None:
+        if active.reported:
+            return
+        active.reported = True
+        self.counters.load_failures += 1
+        pages = len(active.job.tokens) // self.page
+        for ids in active.job.block_ids:
+            self._errors.update(b for b in ids[active.job.skip_pages : pages] if b != NULL_BLOCK)
+
+    def take_load_errors(self) -> set[int]:
+        self.finish_loads()
+        errors, self._errors = self._errors, set()
+        return errors
 
     def start_async_loads(self, jobs: Sequence[LoadJob]) -> None:
         """Loads vLLM waits for between steps (the request sits in WAITING_FOR_REMOTE_KVS):
-        each runs on a thread of its own, across steps, and is reported by `take_finished`."""
+        the sidecar fills staging meanwhile; `poll_async` copies each once it ended."""
         if not jobs:
             return
         client = self.client()
         for job in jobs:
-            active = self._start_one(client, job)
-            thread = threading.Thread(
-                target=self._run_async, args=(active,), name=f"hicache-vllm-load-{job.req_id}"
-            )
-            thread.daemon = True
-            self._async[job.req_id] = thread
-            thread.start()
+            self._async[job.req_id] = self._start_one(client, job)
 
-    def _run_async(self, active: _ActiveLoad) -> None:
-        ok = False
-        try:
-            if not active.failed and active.handle is not None:
-                for layer_id in self._order:
-                    active.handle.wait_layer(layer_id, timeout_s=self.load_timeout_s)
-                    for move in active.moves.get(layer_id, ()):
-                        move.binding.from_staging(
-                            self._pools[move.binding.group], move.pages, move.blocks
-                        )
-                ok = active.handle.done(timeout_s=self.load_timeout_s) == "done"
-        except Exception as exc:  # vLLM recomputes the request
-            self.counters.error(f"request {active.job.req_id}: load failed: {exc}")
-        finally:
-            if not ok and active.handle is not None:
-                with contextlib.suppress(Exception):
-                    active.handle.cancel()
-            if not ok:
-                self.counters.load_failures += 1
+    def poll_async(self) -> tuple[set[str], set[str]]:
+        """Asynchronous loads that ended since the last call, copied into vLLM's blocks:
+        (all of them, the failed). Called once per step; never waits for a running load,
+        except past its deadline."""
+        done: set[str] = set()
+        failed: set[str] = set()
+        for req_id, active in list(self._async.items()):
+            ok = self._settle(active)
+            if ok is None:
+                continue
+            del self._async[req_id]
             self.staging.give(active.staging)
-            with self._async_lock:
-                self._async_done.append((active.job.req_id, ok))
+            done.add(req_id)
+            if not ok:
+                failed.add(req_id)
+                self.counters.load_failures += 1
+        return done, failed
 
-    def take_finished(self) -> tuple[set[str], set[str]]:
-        """Asynchronous loads that ended since the last call: (all of them, the failed)."""
-        with self._async_lock:
-            done, self._async_done = self._async_done, []
-        for req_id, _ in done:
-            self._async.pop(req_id, None)
-        return {r for r, _ in done}, {r for r, ok in done if not ok}
+    def _settle(self, active: _ActiveLoad) -> bool | None:
+        """True: landed and copied; False: failed; None: still running."""
+        handle = active.handle
+        if active.failed or handle is None:
+            return False
+        try:
+            state = handle.state()
+            if state == "running":
+                if time.monotonic() < active.deadline:
+                    return None
+                self.counters.error(
+                    f"request {active.job.req_id}: load still running after "
+                    f"{self.load_timeout_s} s; recomputed"
+                )
+                handle.cancel()
+                return False
+            if handle.done(timeout_s=self.load_timeout_s) != "done":
+                self.counters.error(f"request {active.job.req_id}: load {state}; recomputed")
+                return False
+        except Exception as exc:  # the sidecar went away mid-load: vLLM recomputes
+            self.counters.error(f"request {active.job.req_id}: load lost: {exc}")
+            with contextlib.suppress(Exception):
+                handle.cancel()
+            return False
+        for layer_id in self._order:
+            self._copy(active, layer_id)
+        return True
 
     def _start_one(self, client: Client | None, job: LoadJob) -> _ActiveLoad:
         pages = len(job.tokens) // self.page
@@ -248,6 +351,7 @@ class WorkerSide:
             for g in self.layer_map.groups
         }
         active = _ActiveLoad(job, None, {}, {})
+        active.deadline = time.monotonic() + self.load_timeout_s * max(1, len(self._order))
         if client is None:
             active.failed = True
             return active
@@ -286,6 +390,7 @@ class WorkerSide:
                         index_tensor([b for _, b in pairs]),
                     )
                 )
+        started = time.perf_counter()
         try:
             if job.from_l3:  # bring L3's pages to L2 first: the load itself waits briefly
                 client.prefetch(list(job.tokens))
@@ -294,6 +399,8 @@ class WorkerSide:
             self.counters.error(f"request {job.req_id}: load failed to start: {exc}")
             active.failed = True
             return active
+        finally:
+            self.counters.load_request_s += time.perf_counter() - started
         active.handle = handle
         if handle is None or handle.tokens < len(job.tokens):
             got = 0 if handle is None else handle.tokens
@@ -307,66 +414,6 @@ class WorkerSide:
             self.counters.pages_loaded += pages - job.skip_pages
         return active
 
-    def _copy_layers(self) -> None:
-        for layer_id in self._order:
-            for active in self._active:
-                if active.failed or active.handle is None:
-                    continue
-                try:
-                    active.handle.wait_layer(layer_id, timeout_s=self.load_timeout_s)
-                    pool = self._pools
-                    for move in active.moves.get(layer_id, ()):
-                        move.binding.from_staging(pool[move.binding.group], move.pages, move.blocks)
-                except Exception as exc:  # a failed layer: vLLM recomputes the request
-                    self.counters.error(f"request {active.job.req_id}: layer {layer_id}: {exc}")
-                    active.failed = True
-            self._landed[layer_id].set()
-
-    def wait_layer(self, layer_id: int) -> None:
-        event = self._landed.get(layer_id)
-        if event is None:
-            return
-        if not event.wait(self.load_timeout_s * max(1, len(self._active))):
-            for active in self._active:
-                if not event.is_set():
-                    active.failed = True
-            self.counters.error(f"layer {layer_id} did not land in time; loads recomputed")
-
-    def finish_loads(self) -> None:
-        if not self._active:
-            return
-        if self._copier is not None:
-            self._copier.join()
-            self._copier = None
-        for active in self._active:
-            handle = active.handle
-            if handle is not None:
-                try:
-                    if handle.done(timeout_s=self.load_timeout_s) != "done":
-                        active.failed = True
-                except Exception as exc:
-                    self.counters.error(f"request {active.job.req_id}: load end: {exc}")
-                    active.failed = True
-            if active.failed:
-                self._fail(active)
-            self.staging.give(active.staging)
-        self._active = []
-        self._landed = {}
-
-    def _fail(self, active: _ActiveLoad) -> None:
-        if active.reported:
-            return
-        active.reported = True
-        self.counters.load_failures += 1
-        pages = len(active.job.tokens) // self.page
-        for ids in active.job.block_ids:
-            self._errors.update(b for b in ids[active.job.skip_pages : pages] if b != NULL_BLOCK)
-
-    def take_load_errors(self) -> set[int]:
-        self.finish_loads()
-        errors, self._errors = self._errors, set()
-        return errors
-
     # ---- stores ----------------------------------------------------------------------------
 
     def store(self, jobs: Sequence[StoreJob]) -> None:
@@ -376,8 +423,10 @@ class WorkerSide:
         if client is None:
             self.counters.store_failures += len(jobs)
             return
+        started = time.perf_counter()
         for job in jobs:
             self._store_one(client, job)
+        self.counters.store_s += time.perf_counter() - started
 
     def _store_one(self, client: Client, job: StoreJob) -> None:
         full = len(job.tokens) // self.page
