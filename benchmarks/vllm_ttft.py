@@ -13,16 +13,18 @@ TTFT is the wall time of `generate(max_tokens=1)`; every figure is the median of
 requests, each with a suffix of its own and vLLM's prefix cache reset before it (except
 where vLLM's own cache is what is measured).
 
-Three engines, each in a process of its own, one after the other, against one `hicache serve`:
+Four engines, each in a process of its own, one after the other, against one `hicache serve`:
 - plain (no connector): recompute; vLLM's own prefix hit (prefix + suffix, and full prefix);
 - layerwise connector: hicache L2 hits (the forward waits per layer), then L3 hits (L2
   cleared through the admin API before each request);
-- async connector: hicache L2 hits loaded whole before the request computes
-  (load-then-compute), the baseline of the layer-wise overlap figure.
+- whole connector: L2 hits loaded completely before the forward starts (load-then-compute,
+  the baseline of the layer-wise figure, on the same thread);
+- async connector: L2 hits loaded between steps (what multi-group models use).
 
 Last line JSON: `ttft_l2_vs_recompute` (speed-up, target >= 5), `ttft_l2_vs_local_prefix_hit`
 (target <= 1.3), `ttft_l3_vs_recompute`, `layerwise_gain` (load-then-compute TTFT over
-layer-wise TTFT), the full-prefix figures, and every median in ms. A ratio to the local hit
+layer-wise TTFT), `async_vs_layerwise`, the full-prefix figures, and every median in ms, with
+the hit each request got and the workers' counters (`# mode:` lines). A ratio to the local hit
 below 0.9 would mean hicache beat vLLM's own cache: flagged as a measurement fault.
 """
 

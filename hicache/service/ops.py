@@ -238,7 +238,9 @@ class EngineOps:
     def _lookup(self, session: Session, args: p.Tokens) -> dict[str, Any]:
         namespace = self._readable(session, "lookup")
         if namespace is None:
-            return self._lookup_reply(Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens))
+            return self._lookup_reply(
+                Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens)
+            )
         cache = namespace.cache
         hit = cache.lookup(args.tokens)
         if cache.needs_discovery(args.tokens, hit):
@@ -248,7 +250,9 @@ class EngineOps:
     async def _lookup_discovering(self, session: Session, args: p.Tokens) -> dict[str, Any]:
         namespace = self._readable(session, "lookup")
         if namespace is None:
-            return self._lookup_reply(Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens))
+            return self._lookup_reply(
+                Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens)
+            )
         cache = namespace.cache
         await cache.discover(args.tokens)
         return self._lookup_reply(cache.lookup(args.tokens), len(args.tokens))

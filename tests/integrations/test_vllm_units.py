@@ -85,7 +85,8 @@ def test_a_loaded_prefix_is_not_stored_again() -> None:
     b.allocated("r", list(range(13)), 0, 8, [[5, 6, 7, 8]])
     meta = b.step([Scheduled("r", list(range(13)), 8, 5, [[5, 6, 7, 8]])])
     [store] = meta.stores
-    assert store.first_page == 2 and len(store.tokens) == 12
+    assert store.first_page == 2
+    assert len(store.tokens) == 12
 
 
 def _geometries(layer_map: LayerMap) -> dict[str, GroupGeometry]:
@@ -116,9 +117,7 @@ def _index(caches: dict[str, torch.Tensor]) -> dict[str, int]:
 def test_every_layer_is_bound_to_its_own_tensor() -> None:
     layer_map, geometries = _llama()
     caches = _vllm_caches(layer_map)
-    bound = bind_layers(
-        layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {}
-    )
+    bound = bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
     for layer_id, binding in bound.items():
         tensor = caches[f"model.layers.{layer_id}.self_attn.attn"]
         assert binding.blocks.data_ptr() == tensor.data_ptr(), layer_id
@@ -141,7 +140,9 @@ def test_a_layer_vllm_does_not_give_is_named() -> None:
     layer_map, geometries = _llama()
     caches = _vllm_caches(layer_map)
     del caches["model.layers.7.self_attn.attn"]
-    with pytest.raises(PoolShapeError, match=r"^layer 7 \(.*\) has no KV tensor in vLLM's register_kv_caches"):
+    with pytest.raises(
+        PoolShapeError, match=r"^layer 7 \(.*\) has no KV tensor in vLLM's register_kv_caches"
+    ):
         bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
 
 
@@ -151,7 +152,7 @@ def test_state_geometry_is_checked_against_vllms_mamba_spec() -> None:
     geometries = _geometries(layer_map)
     conv = layer_map.group("conv")
     full = layer_map.group("full")
-    (_, conv_shape), = geometries["conv"].tensors
+    ((_, conv_shape),) = geometries["conv"].tensors
     hidden = max(conv_shape)
     caches: dict[str, torch.Tensor] = {}
     specs: dict[str, StateSpec] = {}
@@ -192,11 +193,26 @@ def test_staging_takes_all_or_nothing_and_never_hands_out_the_scratch_page() -> 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        ({"config": "x", "colour": 1}, r"kv_connector_extra_config: unknown keys \['colour'\]; allowed: config, address"),
-        ({}, r"kv_connector_extra_config: give 'config' \(the sidecar's deploy.yaml\) or 'address'"),
-        ({"address": "s", "load_timeout_s": "soon"}, r"kv_connector_extra_config.load_timeout_s: 'soon' is not a positive number"),
-        ({"address": "s", "staging_pages": 0}, r"kv_connector_extra_config.staging_pages: 0 is not a positive number"),
-        ({"address": "s", "load_mode": "eager"}, r"kv_connector_extra_config.load_mode: 'eager' is not one of auto, layerwise, async"),
+        (
+            {"config": "x", "colour": 1},
+            r"kv_connector_extra_config: unknown keys \['colour'\]; allowed: config, address",
+        ),
+        (
+            {},
+            r"kv_connector_extra_config: give 'config' \(the sidecar's deploy.yaml\) or 'address'",
+        ),
+        (
+            {"address": "s", "load_timeout_s": "soon"},
+            r"kv_connector_extra_config.load_timeout_s: 'soon' is not a positive number",
+        ),
+        (
+            {"address": "s", "staging_pages": 0},
+            r"kv_connector_extra_config.staging_pages: 0 is not a positive number",
+        ),
+        (
+            {"address": "s", "load_mode": "eager"},
+            r"kv_connector_extra_config.load_mode: 'eager' is not one of auto, layerwise, async",
+        ),
     ],
 )
 def test_extra_config_errors_name_the_key_and_what_is_allowed(

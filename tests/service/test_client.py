@@ -275,9 +275,15 @@ def test_lookup_sessions_share_an_engines_namespace(sidecar: SidecarProcess, dep
             worker.store(tokens, *store_args(0, 4))
             assert scheduler.lookup(tokens).tokens_total == 64
             assert scheduler.prefetch(tokens) == 0  # all in L2 already
-            with pytest.raises(ClientError, match=r"refused: store: this session said hello with role 'lookup'; it may only lookup, prefetch and ask stats"):
+            with pytest.raises(
+                ClientError,
+                match=r"refused: store: this session said hello with role 'lookup'; it may only lookup, prefetch and ask stats",
+            ):
                 scheduler.store(tokens, *store_args(0, 4))
-            with pytest.raises(ClientError, match=r"refused: register_pools: this session said hello with role 'lookup'; only an 'engine' session registers pools"):
+            with pytest.raises(
+                ClientError,
+                match=r"refused: register_pools: this session said hello with role 'lookup'; only an 'engine' session registers pools",
+            ):
                 scheduler.register_pools(scheduler.create_pools(8))
             # a second engine for the namespace is still refused
             with pytest.raises(ClientError, match=r"namespace tp_rank=0 tenant='' is attached by"):
