@@ -83,7 +83,7 @@ def main(argv: list[str]) -> int:
     elif task == "test":
         cmd = [python, "-m", "pytest", *rest]
         if _wants_vllm():  # installed above: its tests must run, never skip
-            os.environ.setdefault("HICACHE_REQUIRE_VLLM", "1")
+            os.environ.setdefault("_HICACHE_REQUIRE_VLLM", "1")
     elif task == "docs":
         cmd = [python, "-m", "hicache.cli.docs"]
     else:

@@ -57,8 +57,9 @@ class ClientBase:
             "tp_rank": tp_rank,
             "tenant": tenant,
             "token": token,
-            "role": role,
         }
+        if role != "engine":  # sidecars before the role field refuse unknown hello keys
+            self._hello["role"] = role
         self._ids = itertools.count(1)
         self.session: dict[str, Any] = {}
         self.pools: SharedPools | None = None

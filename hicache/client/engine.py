@@ -95,11 +95,18 @@ class Client(ClientBase):
         sock.settimeout(self.timeout_s)
         if family == socket.AF_INET:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.connect(addr)
-        self._sock = sock
-        self.session = self._exchange("hello", self._hello)
-        if self._registration is not None:
-            self._pools_registered(self._exchange(*self._registration))
+        try:
+            sock.connect(addr)
+            self._sock = sock
+            self.session = self._exchange("hello", self._hello)
+            if self._registration is not None:
+                self._pools_registered(self._exchange(*self._registration))
+        except BaseException:
+            # a refused hello or re-registration: the next call starts afresh, it never
+            # talks on a session that said no
+            sock.close()
+            self._sock = None
+            raise
 
     def _recv_exact(self, n: int) -> bytes:
         assert self._sock is not None

@@ -69,6 +69,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 log = logging.getLogger("hicache.vllm")
@@ -159,6 +160,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.page = _token_block_size(kv_cache_config)
         self.tenant = self.settings.tenant or _default_tenant(vllm_config, kv_cache_config)
         self._client_args = self._client_kwargs(vllm_config, kv_cache_config)
+        self._engine_id = str(self._kv_transfer_config.engine_id or "")
         self._max_model_len = int(vllm_config.model_config.max_model_len)
         self._max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
         if role == KVConnectorRole.SCHEDULER:
@@ -167,6 +169,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._lookup_client: Client | None = None
             self._next_try = 0.0
             self._lookups_down = False
+            self._failed_loads: set[str] = set()
             self.book = StepBook(self.page, self._lookup, async_loads=self.async_loads)
         else:
             self.worker: WorkerSide | None = None
@@ -213,7 +216,9 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings.address,
             self.layer_map,
             role=role,
-            engine=f"vllm-{role}",
+            # both halves of one vLLM engine name it alike: a lookup session answers only
+            # for the namespace its own engine's worker holds
+            engine=f"vllm:{self._engine_id}",
             timeout_s=max(5.0, self.settings.load_timeout_s),
             **self._client_args,
         )
@@ -243,7 +248,10 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         return int(hit.tokens_l2), int(hit.tokens_total)
 
     def _lookup_failed(self, message: str) -> None:
-        if not self._lookups_down:  # once per outage, not once per request
+        if "refused:" in message:  # a wrong token or another model: not an outage, say so
+            if not self._lookups_down:
+                log.error(message)
+        elif not self._lookups_down:  # once per outage, not once per request
             log.warning(message)
         self._lookups_down = True
 
@@ -255,6 +263,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             getattr(request, "lora_request", None)
             or getattr(request, "mm_features", None)
             or getattr(request, "cache_salt", None)
+            # prompt embeddings: vLLM's token ids are placeholders (zeros) then
+            or getattr(request, "prompt_embeds", None) is not None
         )
 
     def on_new_request(self, request: Request) -> None:
@@ -268,6 +278,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             return 0, False
         self._requests[request.request_id] = request
         self._local[request.request_id] = num_computed_tokens
+        if request.request_id in self._failed_loads:
+            return 0, False  # its load failed once: recompute it (a retry would fail again)
         hit = self.book.matched(
             request.request_id, list(request.all_token_ids), num_computed_tokens
         )
@@ -320,7 +332,13 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._forget(request.request_id)
         return False, None
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Asynchronous loads that failed: vLLM asks for those requests' hits again at once;
+        they get none, so a load that fails every time cannot hold a request forever."""
+        self._failed_loads.update(connector_output.failed_recving or ())
+
     def _forget(self, req_id: str) -> None:
+        self._failed_loads.discard(req_id)
         self._requests.pop(req_id, None)
         self._local.pop(req_id, None)
         self.book.finished(req_id)

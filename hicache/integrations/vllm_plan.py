@@ -47,8 +47,9 @@ class StoreJob:
     tokens: tuple[int, ...]
     first_page: int
     block_ids: tuple[tuple[int, ...], ...]
-    # tokens with KV after the step: a state group's snapshot is taken when it equals
-    # len(tokens) (the step ended on a page boundary), since its block holds the state then
+    # tokens with KV after the step (unclipped): a state group's snapshot is taken when it
+    # equals len(tokens) (the step ended on a page boundary), since its block holds the
+    # state after exactly that many tokens then
     computed_after: int = 0
 
 
@@ -88,6 +89,7 @@ class StepBook:
         self._loads: dict[str, LoadJob] = {}
         self._stored_pages: dict[str, int] = {}  # per running request: pages hicache has
         self._l2_tokens: dict[str, int] = {}  # per matched request: of its hit, in L2
+        self._after: dict[str, int] = {}  # per running request: tokens with KV after its step
         self.lookups = 0
         self.hit_tokens = 0
 
@@ -137,12 +139,17 @@ class StepBook:
             done = req.computed_before // self.page
             # pages hicache holds already: a load's, or what earlier steps stored
             have = max(done, self._stored_pages.get(req.req_id, 0))
-            if req.computed_before == 0:
-                have = 0  # a fresh start (or a preempted request recomputing from scratch)
+            if req.computed_before < self._after.get(req.req_id, 0):
+                # vLLM rolled the request back (a failed load, a preemption): what the last
+                # steps computed is being recomputed, and is stored again as it is
+                have = done
             if load is not None:
                 have = max(have, len(load.tokens) // self.page)
-            after = min(req.computed_before + req.num_scheduled, len(req.tokens))
-            full = after // self.page
+            # unclipped: a state's snapshot is taken only when exactly this many tokens are in
+            # it (speculative drafts or placeholders past the known tokens never qualify)
+            after = req.computed_before + req.num_scheduled
+            full = min(after, len(req.tokens)) // self.page
+            self._after[req.req_id] = after
             self._stored_pages[req.req_id] = max(have, full)
             if full > have:
                 meta.stores.append(
@@ -159,4 +166,5 @@ class StepBook:
     def finished(self, req_id: str) -> None:
         self._loads.pop(req_id, None)
         self._l2_tokens.pop(req_id, None)
+        self._after.pop(req_id, None)
         self._stored_pages.pop(req_id, None)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from hicache.client import Client, LoadHandle
+from hicache.client import Client, ClientError, LoadHandle
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding, index_tensor
 from hicache.integrations.vllm_plan import NULL_BLOCK, LoadJob, StoreJob
@@ -98,6 +98,8 @@ class WorkerCounters:
     stores: int = 0
     store_failures: int = 0
     stores_skipped_staging: int = 0
+    stores_skipped_failed_load: int = 0
+    staging_quarantined: int = 0
     pages_stored: int = 0
     # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
     # into vLLM's blocks, the forward blocked in wait_layer, whole stores (copy + sidecar)
@@ -106,12 +108,19 @@ class WorkerCounters:
     layer_wait_s: float = 0.0
     store_s: float = 0.0
     errors: list[str] = field(default_factory=list)
+    stats_unwritable: bool = False
 
     def write(self, path: Path) -> None:
-        """The counters as JSON (the connector's `stats_path`), replaced atomically."""
+        """The counters as JSON (the connector's `stats_path`), replaced atomically; a path
+        that cannot be written is said once, never raised into vLLM."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        try:
+            tmp.write_text(json.dumps(asdict(self)))
+            os.replace(tmp, path)
+        except OSError as exc:
+            if not self.stats_unwritable:
+                log.error("kv_connector_extra_config.stats_path %s: cannot write: %s", path, exc)
+            self.stats_unwritable = True
 
     def error(self, message: str) -> None:
         self.errors = [*self.errors[-19:], message]
@@ -156,6 +165,9 @@ class WorkerSide:
         self._pending: list[int] = []  # layers of this step's loads not yet copied, in order
         self._errors: set[int] = set()
         self._async: dict[str, _ActiveLoad] = {}
+        # requests whose load failed this step: their pages computed over stale blocks
+        # must not be stored (vLLM recomputes them next step)
+        self.failed_requests: set[str] = set()
         self.counters = WorkerCounters()
 
     # ---- the sidecar ----------------------------------------------------------------------
@@ -168,12 +180,18 @@ class WorkerSide:
         if now < self._next_try:
             return None
         self._next_try = now + self.retry_after_s
+        client = None
         try:
             client = self._connect()
             pools = client.create_pools(self._staging_pages)
             client.register_pools(pools)
         except (HicacheError, OSError) as exc:
-            if not self._down:  # once per outage, not once per retry
+            if client is not None:  # hello went through: end that session, drop the file
+                with contextlib.suppress(Exception):
+                    client.close()
+            if isinstance(exc, ClientError) and exc.code == "refused":  # not an outage: say so
+                log.error("hicache sidecar refused this engine, serving without it: %s", exc)
+            elif not self._down:  # once per outage, not once per retry
                 self.counters.error(f"hicache sidecar not reachable, serving without it: {exc}")
             self._down = True
             return None
@@ -190,8 +208,7 @@ class WorkerSide:
             if active.handle is not None:
                 with contextlib.suppress(Exception):
                     active.handle.cancel()
-            self.staging.give(active.staging)
-        self._async = {}
+        self._async = {}  # the process is ending: its staging file goes with the client
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -258,28 +275,51 @@ class WorkerSide:
         released, staging given back, failures recorded for vLLM."""
         if not self._active:
             return
-        if self._pending:
-            self.wait_layer(self._pending[-1])
+        if self._pending:  # a layer the forward never waited for: it may have read it stale
+            self.counters.error(
+                f"layers {self._pending} of this step's loads were never waited for by the "
+                "forward; their requests are recomputed"
+            )
+            for active in self._active:
+                active.failed = True
+            self._pending = []
         for active in self._active:
-            handle = active.handle
-            if handle is not None:
-                try:
-                    if handle.done(timeout_s=self.load_timeout_s) != "done":
-                        active.failed = True
-                except Exception as exc:
-                    self.counters.error(f"request {active.job.req_id}: load end: {exc}")
-                    active.failed = True
+            self._end(active)
             if active.failed:
                 self._fail(active)
-            self.staging.give(active.staging)
         self._active = []
         self._pending = []
+
+    def _end(self, active: _ActiveLoad) -> bool:
+        """Wait for the sidecar to finish with the load (it may still be writing staging),
+        release it, then give its staging back. A load that does not end in time keeps its
+        staging pages out of use for good (`staging_quarantined`): a late write into a
+        page handed to another load or store would be served."""
+        handle = active.handle
+        ended = True
+        if handle is not None:
+            try:
+                if handle.done(timeout_s=self.load_timeout_s) != "done":
+                    active.failed = True
+            except Exception as exc:  # no end in time, or the connection is gone
+                self.counters.error(f"request {active.job.req_id}: load end: {exc}")
+                active.failed = True
+                ended = False
+                with contextlib.suppress(Exception):
+                    handle.cancel()
+        if ended:
+            self.staging.give(active.staging)
+        else:
+            self.counters.staging_quarantined += sum(len(p) for p in active.staging.values())
+        active.staging = {}
+        return ended
 
     def _fail(self, active: _ActiveLoad) -> None:
         if active.reported:
             return
         active.reported = True
         self.counters.load_failures += 1
+        self.failed_requests.add(active.job.req_id)
         pages = len(active.job.tokens) // self.page
         for ids in active.job.block_ids:
             self._errors.update(b for b in ids[active.job.skip_pages : pages] if b != NULL_BLOCK)
@@ -309,7 +349,6 @@ class WorkerSide:
             if ok is None:
                 continue
             del self._async[req_id]
-            self.staging.give(active.staging)
             done.add(req_id)
             if not ok:
                 failed.add(req_id)
@@ -317,32 +356,34 @@ class WorkerSide:
         return done, failed
 
     def _settle(self, active: _ActiveLoad) -> bool | None:
-        """True: landed and copied; False: failed; None: still running."""
+        """True: landed and copied; False: failed (ended, staging back or quarantined);
+        None: still running."""
         handle = active.handle
-        if active.failed or handle is None:
+        if handle is None:
+            self.staging.give(active.staging)
+            active.staging = {}
             return False
-        try:
-            state = handle.state()
+        if not active.failed:
+            try:
+                state = handle.state()
+            except Exception as exc:  # the sidecar went away mid-load: vLLM recomputes
+                self.counters.error(f"request {active.job.req_id}: load lost: {exc}")
+                state = "lost"
+            if state == "running" and time.monotonic() < active.deadline:
+                return None
             if state == "running":
-                if time.monotonic() < active.deadline:
-                    return None
                 self.counters.error(
-                    f"request {active.job.req_id}: load still running after "
-                    f"{self.load_timeout_s} s; recomputed"
+                    f"request {active.job.req_id}: load still running after its deadline; "
+                    "recomputed"
                 )
-                handle.cancel()
-                return False
-            if handle.done(timeout_s=self.load_timeout_s) != "done":
-                self.counters.error(f"request {active.job.req_id}: load {state}; recomputed")
-                return False
-        except Exception as exc:  # the sidecar went away mid-load: vLLM recomputes
-            self.counters.error(f"request {active.job.req_id}: load lost: {exc}")
-            with contextlib.suppress(Exception):
-                handle.cancel()
+            if state != "done":
+                active.failed = True
+        if active.failed:
+            self._end(active)
             return False
-        for layer_id in self._order:
+        for layer_id in self._order:  # the load ended: staging holds every layer
             self._copy(active, layer_id)
-        return True
+        return self._end(active) and not active.failed
 
     def _start_one(self, client: Client | None, job: LoadJob) -> _ActiveLoad:
         pages = len(job.tokens) // self.page
@@ -381,7 +422,15 @@ class WorkerSide:
                     if ids[i] != NULL_BLOCK
                 ]
             else:
-                pairs = [(staging[binding.group][0], self._state_load_block(ids, pages))]
+                block = self._state_load_block(ids, pages)
+                if block == NULL_BLOCK:  # vLLM gave no block for the state: never write 0
+                    self.counters.error(
+                        f"request {job.req_id}: vLLM gave layer {layer_id}'s state no block "
+                        f"for a snapshot after {pages} pages; recomputed"
+                    )
+                    active.failed = True
+                    return active
+                pairs = [(staging[binding.group][0], block)]
             if pairs:
                 active.moves.setdefault(layer_id, []).append(
                     _Move(
@@ -398,6 +447,9 @@ class WorkerSide:
         except (HicacheError, OSError) as exc:
             self.counters.error(f"request {job.req_id}: load failed to start: {exc}")
             active.failed = True
+            if isinstance(exc, TimeoutError):  # the sidecar may be filling staging still
+                self.counters.staging_quarantined += sum(len(p) for p in staging.values())
+                active.staging = {}
             return active
         finally:
             self.counters.load_request_s += time.perf_counter() - started
@@ -417,6 +469,14 @@ class WorkerSide:
     # ---- stores ----------------------------------------------------------------------------
 
     def store(self, jobs: Sequence[StoreJob]) -> None:
+        """The step's stores, after `finish_loads`; then the step's failed loads are
+        forgotten (vLLM recomputes those requests from the failed block on)."""
+        try:
+            self._store_all(jobs)
+        finally:
+            self.failed_requests.clear()
+
+    def _store_all(self, jobs: Sequence[StoreJob]) -> None:
         if not jobs:
             return
         client = self.client()
@@ -425,6 +485,10 @@ class WorkerSide:
             return
         started = time.perf_counter()
         for job in jobs:
+            if job.req_id in self.failed_requests:
+                # its pages were computed over blocks the load never filled
+                self.counters.stores_skipped_failed_load += 1
+                continue
             self._store_one(client, job)
         self.counters.store_s += time.perf_counter() - started
 

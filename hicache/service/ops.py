@@ -183,11 +183,19 @@ class EngineOps:
 
     def _readable(self, session: Session, op: str) -> Namespace | None:
         """The namespace a lookup reads: an engine session's own, or for a 'lookup' session
-        the one its engine registered (None until then: nothing is cached yet)."""
+        the one its own engine's session (same `engine` name in hello) holds: None while no
+        such session does, so a scheduler never promises hits another engine would serve."""
         if session.lookup_only:
             if session.key is None:
                 raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
-            return self.namespaces.get(session.key)
+            namespace = self.namespaces.get(session.key)
+            owner = None if namespace is None or namespace.owner is None else namespace.owner
+            engine = self.sessions.get(owner) if owner is not None else None
+            if engine is None or engine.engine != session.engine:
+                # no worker of *this* engine holds the namespace: its hits could not be
+                # loaded (another engine's worker owns it, or none does)
+                return None
+            return namespace
         return self._ready(session, op)
 
     def _check_pages(

@@ -15,13 +15,14 @@ again once a sidecar is back), vLLM's default multi-process mode, and a detector
 model with other weights served the first model's pages under one shared model name gives
 other outputs, so the comparisons above can fail.
 
-vLLM is required here (dev.py installs it; .ci/run sets HICACHE_REQUIRE_VLLM); without it,
+vLLM is required here (dev.py installs it; `dev.py test` sets _HICACHE_REQUIRE_VLLM); without it,
 outside CI, the module skips.
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -29,8 +30,11 @@ from pathlib import Path
 
 import pytest
 
+from hicache.client import connect
+from hicache.config import load_deployment
 from hicache.service.process import SidecarProcess
 from tests.integrations.vllm_harness import (
+    SSM_DTYPE,
     Prompts,
     cached,
     corrupt_l3,
@@ -41,7 +45,7 @@ from tests.integrations.vllm_harness import (
 )
 from tests.integrations.vllm_models import KINDS, build_model
 
-if not os.environ.get("HICACHE_REQUIRE_VLLM"):
+if not os.environ.get("_HICACHE_REQUIRE_VLLM"):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (python3 dev.py setup)")
 
 
@@ -169,10 +173,22 @@ def test_default_multiprocess_mode(kind: str, models: Path, tmp_path: Path) -> N
     rounds = [[p.a], [p.b]]
     reference = outputs(run_engine(tmp_path, model, rounds, name="reference"))
     deploy = write_deployment(tmp_path / "sidecar", model, kind)
-    with SidecarProcess(deploy):
+    with SidecarProcess(deploy) as sidecar:
         out = run_engine(
             tmp_path, model, rounds, connector=_connector(deploy), multiprocess=True, name="mp"
         )
+        # a hicache.client engine of the same model, in vLLM's tenant, sees vLLM's pages
+        [namespace] = sidecar.get_json("/v1/stats")["namespaces"]
+        tenant = namespace["namespace"].split("tenant=")[1].strip("'")
+        assert tenant.startswith("vllm-cpu-")
+        layer_map = load_deployment(deploy).layer_map()
+        kwargs = {"page_size_tokens": p.page, "heartbeat": False, "role": "lookup"}
+        if kind in SSM_DTYPE:
+            kwargs["ssm_state_dtype"] = SSM_DTYPE[kind]
+        with connect(sidecar.socket, layer_map, tenant=tenant, **kwargs) as client:
+            assert client.lookup(p.b).tokens_total == p.hit(p.b)
+        with connect(sidecar.socket, layer_map, tenant="another", **kwargs) as client:
+            assert client.lookup(p.b).tokens_total == 0
     assert outputs(out) == reference
     assert cached(out) == [[0], [p.hit(p.b)]]
 
@@ -209,3 +225,26 @@ def test_detector_other_weights_under_one_name_change_outputs(
         served = run_engine(tmp_path, other, [[p.b]], connector=_connector(deploy), name="second")
     assert cached(served) == [[p.hit(p.b)]]
     assert outputs(served) != own
+
+
+def test_a_failed_load_never_stores_what_was_computed_over_it(models: Path, tmp_path: Path) -> None:
+    """Llama loads layer-wise: when its load fails, vLLM's forward has already run over the
+    blocks the load never filled, and only then recomputes. The pages that step computed
+    must not be stored: a later engine hitting them would be served KV of garbage."""
+    kind = "llama"
+    model = _model(models, kind)
+    p = Prompts.of(kind)
+    rng = random.Random(3)
+    longer = p.a + [rng.randrange(3, 500) for _ in range(2 * p.page + 20)]
+    reference = outputs(run_engine(tmp_path, model, [[longer]], name="reference"))
+    deploy = write_deployment(tmp_path / "sidecar", model, kind)
+    with SidecarProcess(deploy):
+        run_engine(tmp_path, model, [[p.a]], connector=_connector(deploy), name="store-a")
+    assert corrupt_l3(tmp_path / "sidecar" / "l3") > 0  # A's pages: the load of `longer` fails
+    with SidecarProcess(deploy) as sidecar:
+        failed = run_engine(tmp_path, model, [[longer]], connector=_connector(deploy), name="bad")
+        assert sidecar.get_json("/v1/stats")["l3"]["corrupt_dropped"] > 0
+        again = run_engine(tmp_path, model, [[longer]], connector=_connector(deploy), name="hit")
+    assert outputs(failed) == reference
+    assert cached(again) == [[p.hit(longer)]]
+    assert outputs(again) == reference

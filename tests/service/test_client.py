@@ -265,8 +265,16 @@ def test_lookup_sessions_share_an_engines_namespace(sidecar: SidecarProcess, dep
     session joins the engine's namespace, sees its pages, and may not store, load or register."""
     loaded = load_deployment(deploy)
     tokens = list(range(64))
-    kwargs = {"page_size_tokens": 16, "heartbeat": False}
+    kwargs = {"page_size_tokens": 16, "heartbeat": False, "engine": "vllm:e1"}
     scheduler = connect(sidecar.socket, loaded.layer_map(), role="lookup", **kwargs)
+    stranger = connect(
+        sidecar.socket,
+        loaded.layer_map(),
+        role="lookup",
+        page_size_tokens=16,
+        heartbeat=False,
+        engine="vllm:e2",
+    )
     try:
         # before any engine registered pools nothing is cached: a zero hit, not an error
         assert scheduler.lookup(tokens).tokens_total == 0
@@ -275,6 +283,9 @@ def test_lookup_sessions_share_an_engines_namespace(sidecar: SidecarProcess, dep
             worker.store(tokens, *store_args(0, 4))
             assert scheduler.lookup(tokens).tokens_total == 64
             assert scheduler.prefetch(tokens) == 0  # all in L2 already
+            # another engine's scheduler: this engine's worker holds the namespace, not its
+            # own, so it is promised nothing it could not load
+            assert stranger.lookup(tokens).tokens_total == 0
             with pytest.raises(
                 ClientError,
                 match=r"refused: store: this session said hello with role 'lookup'; it may only lookup, prefetch and ask stats",
@@ -288,5 +299,16 @@ def test_lookup_sessions_share_an_engines_namespace(sidecar: SidecarProcess, dep
             # a second engine for the namespace is still refused
             with pytest.raises(ClientError, match=r"namespace tp_rank=0 tenant='' is attached by"):
                 connect(sidecar.socket, loaded.layer_map(), **kwargs)
+            with pytest.raises(
+                ClientError, match=r"refused: load: this session said hello with role 'lookup'"
+            ):
+                scheduler.load(tokens, pages(0, 4))
+        # the worker is gone (its session ends a moment after close): no hits promised until
+        # a worker of this engine is back
+        deadline = time.monotonic() + 10
+        while scheduler.lookup(tokens).tokens_total and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert scheduler.lookup(tokens).tokens_total == 0
     finally:
         scheduler.close()
+        stranger.close()
