@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.client import connect
+from hicache.client import Client, ClientError, connect
 from hicache.config import load_deployment
 from hicache.service.process import SidecarProcess
 from tests.integrations.vllm_harness import (
@@ -164,6 +164,18 @@ def _wait(path: Path, thread: threading.Thread, timeout_s: float = 300) -> None:
         time.sleep(0.05)
 
 
+def _attach(socket: str, layer_map: object, tenant: str, kwargs: dict[str, object]) -> Client:
+    """An engine session in `tenant`, once the exited vLLM's session has ended there."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return connect(socket, layer_map, tenant=tenant, **kwargs)  # type: ignore[arg-type]
+        except ClientError as exc:
+            if "is attached by" not in str(exc) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3_next"])
 def test_default_multiprocess_mode(kind: str, models: Path, tmp_path: Path) -> None:
     """vLLM's default: the scheduler half in EngineCore, the worker half in a Worker
@@ -178,17 +190,18 @@ def test_default_multiprocess_mode(kind: str, models: Path, tmp_path: Path) -> N
             tmp_path, model, rounds, connector=_connector(deploy), multiprocess=True, name="mp"
         )
         # a hicache.client engine of the same model, in vLLM's tenant, sees vLLM's pages
+        # (vLLM has exited: its worker's namespace is free to attach)
         [namespace] = sidecar.get_json("/v1/stats")["namespaces"]
         tenant = namespace["namespace"].split("tenant=")[1].strip("'")
         assert tenant.startswith("vllm-cpu-")
         layer_map = load_deployment(deploy).layer_map()
-        kwargs = {"page_size_tokens": p.page, "heartbeat": False, "role": "lookup"}
+        kwargs: dict[str, object] = {"page_size_tokens": p.page, "heartbeat": False}
         if kind in SSM_DTYPE:
             kwargs["ssm_state_dtype"] = SSM_DTYPE[kind]
-        with connect(sidecar.socket, layer_map, tenant=tenant, **kwargs) as client:
-            assert client.lookup(p.b).tokens_total == p.hit(p.b)
-        with connect(sidecar.socket, layer_map, tenant="another", **kwargs) as client:
-            assert client.lookup(p.b).tokens_total == 0
+        for name, expected in ((tenant, p.hit(p.b)), ("another", 0)):
+            with _attach(sidecar.socket, layer_map, name, kwargs) as client:
+                client.register_pools(client.create_pools(4))
+                assert client.lookup(p.b).tokens_total == expected, name
     assert outputs(out) == reference
     assert cached(out) == [[0], [p.hit(p.b)]]
 
