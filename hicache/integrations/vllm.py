@@ -38,7 +38,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,12 +54,18 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from hicache.client import Client
 from hicache.errors import ConfigError, HicacheError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
-from hicache.integrations.vllm_plan import NULL_BLOCK, Scheduled, StepBook, StepMeta
+from hicache.integrations.vllm_layout import (
+    default_tenant,
+    layer_map_of,
+    state_load_block,
+    state_store_block,
+    token_block_size,
+)
+from hicache.integrations.vllm_plan import Scheduled, StepBook, StepMeta
 from hicache.integrations.vllm_settings import ConnectorSettings
 from hicache.integrations.vllm_worker import WorkerSide
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.memory.geometry import dtype_name
-from hicache.model import LayerMap, layout_from_hf_config, load_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -78,55 +83,6 @@ log = logging.getLogger("hicache.vllm")
 class HicacheConnectorMetadata(KVConnectorMetadata):
     def __init__(self, step: StepMeta):
         self.step = step
-
-
-def _layer_map(vllm_config: VllmConfig) -> LayerMap:
-    """hicache's layout of the model vLLM serves, read from its own config.json; the sidecar
-    compares it with its model at hello, so a connector never shares pages across models."""
-    model = vllm_config.model_config
-    path = Path(str(model.model)) / "config.json"
-    if path.is_file():
-        layout = load_layout(path)
-    else:
-        layout = layout_from_hf_config(model.hf_config.to_dict(), str(model.model))
-    return LayerMap(layout)
-
-
-def _token_block_size(kv_cache_config: KVCacheConfig) -> int:
-    sizes = {
-        g.kv_cache_spec.block_size
-        for g in kv_cache_config.kv_cache_groups
-        if not isinstance(g.kv_cache_spec, MambaSpec)
-    }
-    if len(sizes) != 1:
-        raise ConfigError(
-            f"vLLM's attention KV-cache groups use block sizes {sorted(sizes)}; hicache needs "
-            "one page size for every token group"
-        )
-    return sizes.pop()
-
-
-def _default_tenant(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
-    from vllm.platforms import current_platform
-
-    platform = str(current_platform.device_type or "unknown")
-    if not current_platform.is_cpu():
-        return f"vllm-{platform}"
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
-
-    isas = set()
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        if isinstance(spec, MambaSpec):
-            continue
-        isas.add(
-            _get_attn_isa(
-                getattr(spec, "dtype", torch.bfloat16),
-                spec.block_size,
-                getattr(spec, "head_size", None),
-            )
-        )
-    return "vllm-cpu-" + "-".join(sorted(isas))
 
 
 class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
@@ -156,9 +112,9 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                 "kv_load_failure_policy='recompute' so vLLM recomputes those tokens instead"
             )
         self.async_loads = self._async_loads(self.settings.load_mode, kv_cache_config)
-        self.layer_map = _layer_map(vllm_config)
-        self.page = _token_block_size(kv_cache_config)
-        self.tenant = self.settings.tenant or _default_tenant(vllm_config, kv_cache_config)
+        self.layer_map = layer_map_of(vllm_config)
+        self.page = token_block_size(kv_cache_config)
+        self.tenant = self.settings.tenant or default_tenant(kv_cache_config)
         self._client_args = self._client_kwargs(vllm_config, kv_cache_config)
         self._engine_id = str(self._kv_transfer_config.engine_id or "")
         self._max_model_len = int(vllm_config.model_config.max_model_len)
@@ -382,8 +338,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             page_size_tokens=self.page,
             load_timeout_s=self.settings.load_timeout_s,
             retry_after_s=self.settings.retry_after_s,
-            state_load_block=_state_load_block,
-            state_store_block=_state_store_block,
+            state_load_block=state_load_block,
+            state_store_block=state_store_block,
         )
         self.worker.client()
 
@@ -449,21 +405,3 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         client = getattr(self, "_lookup_client", None)
         if client is not None:
             client.close()
-
-
-def _state_load_block(block_ids: Sequence[int], pages: int) -> int:
-    """The block a state group's snapshot after `pages` pages is loaded into."""
-    return _state_block(block_ids, pages)
-
-
-def _state_store_block(block_ids: Sequence[int], pages: int) -> int | None:
-    """The block holding a state group's state after exactly `pages` pages (the step ended
-    on that boundary)."""
-    block = _state_block(block_ids, pages)
-    return None if block == NULL_BLOCK else block
-
-
-def _state_block(block_ids: Sequence[int], pages: int) -> int:
-    if not block_ids:
-        return NULL_BLOCK
-    return block_ids[min(pages, len(block_ids)) - 1]

@@ -27,47 +27,20 @@ anyway: vLLM maps a failed load back to its request only with one KV-cache group
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
-
-import torch
+from dataclasses import dataclass
 
 from hicache.client import Client, ClientError, LoadHandle
 from hicache.errors import HicacheError
-from hicache.integrations.vllm_binding import LayerBinding, index_tensor
+from hicache.integrations.vllm_binding import LayerBinding
 from hicache.integrations.vllm_plan import NULL_BLOCK, LoadJob, StoreJob
+from hicache.integrations.vllm_staging import Staging, WorkerCounters
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 
 log = logging.getLogger("hicache.vllm")
-
-
-class Staging:
-    """Free staging pages per hicache group; page 0 of every group is the scratch page that
-    positions vLLM does not need (its own prefix hit, a window it dropped) are loaded into."""
-
-    def __init__(self, num_pages: Mapping[str, int]):
-        self.num_pages = dict(num_pages)
-        self._free = {g: list(range(n - 1, 0, -1)) for g, n in num_pages.items()}
-        self._lock = threading.Lock()  # one worker thread today; cheap insurance
-
-    def take(self, wanted: Mapping[str, int]) -> dict[str, list[int]] | None:
-        """`wanted[g]` pages of every group at once, or None (nothing taken)."""
-        with self._lock:
-            if any(len(self._free[g]) < n for g, n in wanted.items()):
-                return None
-            return {g: [self._free[g].pop() for _ in range(n)] for g, n in wanted.items()}
-
-    def give(self, pages: Mapping[str, Sequence[int]]) -> None:
-        with self._lock:
-            for g, ids in pages.items():
-                self._free[g].extend(ids)
 
 
 @dataclass
@@ -75,8 +48,8 @@ class _Move:
     """One layer's copies for one job: staging pages <-> vLLM block ids."""
 
     binding: LayerBinding
-    pages: torch.Tensor
-    blocks: torch.Tensor
+    pages: list[int]
+    blocks: list[int]
 
 
 @dataclass
@@ -88,43 +61,6 @@ class _ActiveLoad:
     failed: bool = False
     reported: bool = False  # its blocks are in the step's load errors
     deadline: float = 0.0  # an asynchronous load still running then is given up
-
-
-@dataclass
-class WorkerCounters:
-    loads: int = 0
-    load_failures: int = 0
-    pages_loaded: int = 0
-    stores: int = 0
-    store_failures: int = 0
-    stores_skipped_staging: int = 0
-    stores_skipped_failed_load: int = 0
-    staging_quarantined: int = 0
-    pages_stored: int = 0
-    # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
-    # into vLLM's blocks, the forward blocked in wait_layer, whole stores (copy + sidecar)
-    load_request_s: float = 0.0
-    load_copy_s: float = 0.0
-    layer_wait_s: float = 0.0
-    store_s: float = 0.0
-    errors: list[str] = field(default_factory=list)
-    stats_unwritable: bool = False
-
-    def write(self, path: Path) -> None:
-        """The counters as JSON (the connector's `stats_path`), replaced atomically; a path
-        that cannot be written is said once, never raised into vLLM."""
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(asdict(self)))
-            os.replace(tmp, path)
-        except OSError as exc:
-            if not self.stats_unwritable:
-                log.error("kv_connector_extra_config.stats_path %s: cannot write: %s", path, exc)
-            self.stats_unwritable = True
-
-    def error(self, message: str) -> None:
-        self.errors = [*self.errors[-19:], message]
-        log.warning(message)
 
 
 class WorkerSide:
@@ -435,8 +371,8 @@ class WorkerSide:
                 active.moves.setdefault(layer_id, []).append(
                     _Move(
                         binding,
-                        index_tensor([p for p, _ in pairs]),
-                        index_tensor([b for _, b in pairs]),
+                        [p for p, _ in pairs],
+                        [b for _, b in pairs],
                     )
                 )
         started = time.perf_counter()
@@ -544,14 +480,14 @@ class WorkerSide:
                     ids = job.block_ids[binding.vllm_group]
                     binding.to_staging(
                         pool,
-                        index_tensor([ids[i] for i in positions]),
-                        index_tensor(staging[binding.group]),
+                        [ids[i] for i in positions],
+                        staging[binding.group],
                     )
                 elif binding.group in state_groups:
                     binding.to_staging(
                         pool,
-                        index_tensor([snapshot_blocks[binding.vllm_group]]),
-                        index_tensor(staging[binding.group]),
+                        [snapshot_blocks[binding.vllm_group]],
+                        staging[binding.group],
                     )
             snapshots = {g: {len(job.tokens): staging[g][0]} for g in state_groups}
             client.store(list(job.tokens), device_pages, snapshots)

@@ -12,7 +12,7 @@ from hicache.errors import ConfigError, PoolShapeError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
 from hicache.integrations.vllm_plan import Scheduled, StepBook
 from hicache.integrations.vllm_settings import ConnectorSettings
-from hicache.integrations.vllm_worker import Staging
+from hicache.integrations.vllm_staging import Staging
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap, load_layout
 from tests.conftest import shared_model

@@ -1,0 +1,88 @@
+"""What the vLLM connector derives from vLLM's configuration, both roles alike: hicache's
+layout of the model (from vLLM's own config.json), the page size (vLLM's attention block),
+the default tenant (pages hold vLLM's block bytes as its backend packs them), and which block
+of a state group holds a snapshot. Pure functions of vLLM's config objects."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from vllm.v1.kv_cache_interface import MambaSpec
+
+from hicache.errors import ConfigError
+from hicache.integrations.vllm_plan import NULL_BLOCK
+from hicache.model import LayerMap, layout_from_hf_config, load_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def layer_map_of(vllm_config: VllmConfig) -> LayerMap:
+    """hicache's layout of the model vLLM serves, read from its own config.json; the sidecar
+    compares it with its model at hello, so a connector never shares pages across models."""
+    model = vllm_config.model_config
+    path = Path(str(model.model)) / "config.json"
+    if path.is_file():
+        layout = load_layout(path)
+    else:
+        layout = layout_from_hf_config(model.hf_config.to_dict(), str(model.model))
+    return LayerMap(layout)
+
+
+def token_block_size(kv_cache_config: KVCacheConfig) -> int:
+    sizes = {
+        g.kv_cache_spec.block_size
+        for g in kv_cache_config.kv_cache_groups
+        if not isinstance(g.kv_cache_spec, MambaSpec)
+    }
+    if len(sizes) != 1:
+        raise ConfigError(
+            f"vLLM's attention KV-cache groups use block sizes {sorted(sizes)}; hicache needs "
+            "one page size for every token group"
+        )
+    return sizes.pop()
+
+
+def default_tenant(kv_cache_config: KVCacheConfig) -> str:
+    from vllm.platforms import current_platform
+
+    platform = str(current_platform.device_type or "unknown")
+    if not current_platform.is_cpu():
+        return f"vllm-{platform}"
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isas = set()
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if isinstance(spec, MambaSpec):
+            continue
+        isas.add(
+            _get_attn_isa(
+                getattr(spec, "dtype", torch.bfloat16),
+                spec.block_size,
+                getattr(spec, "head_size", None),
+            )
+        )
+    return "vllm-cpu-" + "-".join(sorted(isas))
+
+
+def state_load_block(block_ids: Sequence[int], pages: int) -> int:
+    """The block a state group's snapshot after `pages` pages is loaded into."""
+    return _state_block(block_ids, pages)
+
+
+def state_store_block(block_ids: Sequence[int], pages: int) -> int | None:
+    """The block holding a state group's state after exactly `pages` pages (the step ended
+    on that boundary)."""
+    block = _state_block(block_ids, pages)
+    return None if block == NULL_BLOCK else block
+
+
+def _state_block(block_ids: Sequence[int], pages: int) -> int:
+    if not block_ids:
+        return NULL_BLOCK
+    return block_ids[min(pages, len(block_ids)) - 1]

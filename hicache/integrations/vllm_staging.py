@@ -1,0 +1,74 @@
+"""The vLLM worker's bookkeeping: `Staging`, the free pages of the staging pool the sidecar
+maps (page 0 of each group is scratch), and `WorkerCounters`, what the worker did and how
+long it took (written as JSON to the connector's `stats_path`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+log = logging.getLogger("hicache.vllm")
+
+
+class Staging:
+    """Free staging pages per hicache group; page 0 of every group is the scratch page that
+    positions vLLM does not need (its own prefix hit, a window it dropped) are loaded into."""
+
+    def __init__(self, num_pages: Mapping[str, int]):
+        self.num_pages = dict(num_pages)
+        self._free = {g: list(range(n - 1, 0, -1)) for g, n in num_pages.items()}
+        self._lock = threading.Lock()  # one worker thread today; cheap insurance
+
+    def take(self, wanted: Mapping[str, int]) -> dict[str, list[int]] | None:
+        """`wanted[g]` pages of every group at once, or None (nothing taken)."""
+        with self._lock:
+            if any(len(self._free[g]) < n for g, n in wanted.items()):
+                return None
+            return {g: [self._free[g].pop() for _ in range(n)] for g, n in wanted.items()}
+
+    def give(self, pages: Mapping[str, Sequence[int]]) -> None:
+        with self._lock:
+            for g, ids in pages.items():
+                self._free[g].extend(ids)
+
+
+@dataclass
+class WorkerCounters:
+    loads: int = 0
+    load_failures: int = 0
+    pages_loaded: int = 0
+    stores: int = 0
+    store_failures: int = 0
+    stores_skipped_staging: int = 0
+    stores_skipped_failed_load: int = 0
+    staging_quarantined: int = 0
+    pages_stored: int = 0
+    # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
+    # into vLLM's blocks, the forward blocked in wait_layer, whole stores (copy + sidecar)
+    load_request_s: float = 0.0
+    load_copy_s: float = 0.0
+    layer_wait_s: float = 0.0
+    store_s: float = 0.0
+    errors: list[str] = field(default_factory=list)
+    stats_unwritable: bool = False
+
+    def write(self, path: Path) -> None:
+        """The counters as JSON (the connector's `stats_path`), replaced atomically; a path
+        that cannot be written is said once, never raised into vLLM."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(asdict(self)))
+            os.replace(tmp, path)
+        except OSError as exc:
+            if not self.stats_unwritable:
+                log.error("kv_connector_extra_config.stats_path %s: cannot write: %s", path, exc)
+            self.stats_unwritable = True
+
+    def error(self, message: str) -> None:
+        self.errors = [*self.errors[-19:], message]
+        log.warning(message)
