@@ -277,7 +277,24 @@ class ServiceSection(Section):
     )
     max_sessions: int = Field(default=64, ge=1, description="engines attached at once")
     load_slots: int = Field(default=64, ge=1, le=4096, description="unreleased loads per engine")
-    shm_dir: Path = Field(default=Path("/dev/shm"), description="where shared pools may live")
+    max_unread_reply_bytes: ByteSize = Field(
+        default=parse_bytes("4MiB"),
+        ge=65536,
+        description="replies an engine has not read yet, per connection, at most: beyond it the "
+        "sidecar stops reading that engine's requests until it reads",
+    )
+    max_pipelined_requests: int = Field(
+        default=256,
+        ge=1,
+        description="requests of one connection queued behind an awaited op, at most: beyond "
+        "it the sidecar stops reading that connection until the queue drains",
+    )
+    slow_reader_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="a connection paused for back-pressure this long is dropped (counted in "
+        "hicache_connections_dropped_total)",
+    )
     drain_timeout_s: float = Field(
         default=10.0, gt=0, description="on SIGTERM, in-flight loads get this long to finish"
     )

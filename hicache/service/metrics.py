@@ -79,6 +79,13 @@ class ServiceMetrics:
         self.evictions = Counter(
             "hicache_l2_evictions", "Host (L2) pages evicted to make room", registry=r
         )
+        self.connections_dropped = Counter(
+            "hicache_connections_dropped",
+            "Engine connections the sidecar closed, by reason (slow_reader: replies unread "
+            "past service.slow_reader_timeout_s; oversized_frame; bad_frame)",
+            ["reason"],
+            registry=r,
+        )
         self.page_size_tokens = 1
         self._requests: dict[str, Any] = {}  # children bound once (labels() takes a lock)
 
