@@ -95,6 +95,21 @@ def test_errors_exit_2_with_one_clear_line(tmp_path: Path) -> None:
     assert "cannot read model config '/does/not/exist.json'" in missing.stderr
 
 
+def test_a_binary_layout_file_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    for name, expected in (
+        ("bin.json", "is not UTF-8 text (byte 0xff at offset 0); allowed: a config.json"),
+        ("bin.yaml", "cannot read layer list"),
+    ):
+        path = tmp_path / name
+        path.write_bytes(b"\xff\xfe\x00garbage")
+        result = hicache("layout", str(path))
+        assert result.returncode == 2, result
+        assert "Traceback" not in result.stderr
+        assert result.stderr.count("\n") == 1
+        assert result.stderr.startswith("hicache: error: ")
+        assert expected in result.stderr
+
+
 def test_demo_prints_layout_config_and_summary() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "hicache", "demo", "--conversations", "4", "--turns", "2"],

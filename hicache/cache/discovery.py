@@ -6,20 +6,29 @@ lookup path and without I/O, whether asking L3 could extend a hit; `run` asks (o
 `exists`) and records what L3 holds. L3's "absent" answers are remembered for a while
 (`AbsentKeys`), so the same cold prompt looked up at every scheduling step costs one round
 trip, not one per step. Lifecycle: one per `TieredCache`, living as long as its index.
+When L3 is swapped (`TieredCache.attach_l3`), `forget` drops the "absent" answers (they
+were the old store's), and an answer that comes back afterwards is dropped too: the index
+speaks of the attached store only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from hicache.index import AbsentKeys, Hit, PageKey, PrefixIndex
 from hicache.storage import GuardedStore
 
 
 class Discovery:
-    def __init__(self, index: PrefixIndex, absent: AbsentKeys):
+    def __init__(
+        self,
+        index: PrefixIndex,
+        absent: AbsentKeys,
+        current: Callable[[], GuardedStore | None],
+    ):
         self.index = index
         self.absent = absent
+        self.current = current  # the store attached now (None: none)
 
     def _unknown(
         self, keys: Mapping[str, list[PageKey]], start: int = 0
@@ -31,6 +40,13 @@ class Discovery:
                 if self.index.record(group, key) is None:
                     yield group, key, self.absent.fresh(group, key)
 
+    def forget(self) -> None:
+        """L3 was detached or replaced: its "absent" answers say nothing of the next store
+        (the count of skipped keys goes on)."""
+        old = self.absent
+        self.absent = AbsentKeys(old.ttl_s, old.max_keys)
+        self.absent.skipped = old.skipped
+
     def needed(self, token_ids: Sequence[int], hit: Hit) -> bool:
         """Could L3 extend this hit with pages the index does not know?"""
         if hit.pages_total == len(token_ids) // self.index.page_size_tokens:
@@ -40,7 +56,7 @@ class Discovery:
 
     async def run(self, l3: GuardedStore, token_ids: Sequence[int]) -> int:
         """Ask L3 about the prompt's pages the index does not know of, and record those it
-        holds. Returns how many it holds."""
+        holds. Returns how many it holds (0 when `l3` was swapped out before it answered)."""
         unknown: list[tuple[str, PageKey]] = []
         for group, key, fresh in self._unknown(self.index.keys(token_ids)):
             if fresh:  # L3 said so moments ago
@@ -50,6 +66,8 @@ class Discovery:
         if not unknown:
             return 0
         present, answered = await l3.exists_answered([key for _, key in unknown])
+        if self.current() is not l3:
+            return 0  # swapped meanwhile: the old store's answer is not the new one's
         found: dict[str, list[PageKey]] = {}
         absent = []
         for (group, key), here in zip(unknown, present, strict=True):

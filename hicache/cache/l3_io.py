@@ -6,16 +6,26 @@ may still touch it.
 Writes pin their records while L3 reads the pages and mark them in L3 once acknowledged.
 Reads index what verified as soon as the fetch returns; the other pages, and a cancelled
 fetch's, are given back only once the fetch has *settled* (a read that timed out is never
-cancelled on its thread). `settle()` waits for those, bounded, at shutdown.
+cancelled on its thread). `settle()` waits for those, bounded, at shutdown. Each read is
+timed: `read_rate` (L3's bytes per second, `read_rate.py`) and `reading_bytes` (what L3 is
+reading now, for fetches ahead of a new one) size the auto prefetch deadline.
+
+L3 may be swapped under an op (`TieredCache.attach_l3`: detached, or replaced by another
+store). An op finishes on the store it started on, but what that store says is recorded only
+while it is still the attached one (`current()`): a write it acknowledges afterwards is not
+marked in L3, an "absent" answer drops nothing, its timing is not the new store's rate. The
+bytes a read verified are the page's whichever store sent them, so they are indexed in L2.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 
 from hicache.cache.planner import FetchPlan, Planner
+from hicache.cache.read_rate import ReadRate
 from hicache.index import PageRecord, PrefixIndex
 from hicache.memory import HostTier
 from hicache.storage import GuardedStore
@@ -25,10 +35,21 @@ SETTLE_WAIT_S = 60.0  # at shutdown, for L3 reads that timed out to finish on th
 
 
 class L3Io:
-    def __init__(self, index: PrefixIndex, host_tier: HostTier, planner: Planner):
+    def __init__(
+        self,
+        index: PrefixIndex,
+        host_tier: HostTier,
+        planner: Planner,
+        current: Callable[[], GuardedStore | None],
+        clock: Callable[[], float] = time.perf_counter,
+    ):
         self.index = index
         self.host_tier = host_tier
         self.planner = planner
+        self.current = current  # the store attached now (None: none)
+        self.read_rate = ReadRate()
+        self.reading_bytes = 0  # asked of L3 by the reads in flight
+        self._clock = clock
         self._settling: set[asyncio.Future[None]] = set()  # fetches whose threads still run
 
     async def write(
@@ -59,11 +80,12 @@ class L3Io:
             for group, owned in owners.items():
                 self.index.unpin(group, [r.key for r in owned])
         written = 0
+        attached = self.current() is l3  # a store swapped out meanwhile: its acks mark nothing
         for group, owned in owners.items():  # the same order as `items`
             for record in owned:
                 ok = next(stored)
                 written += ok
-                if ok and self.index.record(group, record.key) is record:
+                if ok and attached and self.index.record(group, record.key) is record:
                     self.index.mark_l3(group, record.key)
         return written, skipped
 
@@ -79,14 +101,28 @@ class L3Io:
             keys.extend(r.key for r in g.records)
             targets.extend(pool.page_views(p) for p in g.host_pages)
             spans[group] = (start, len(keys))
+        asked = sum(t.nbytes for target in targets for t in target)
+        ahead, started = self.reading_bytes, self._clock()
+        self.reading_bytes += asked
         fetch = l3.fetch_into(keys, targets)
         try:
             result = await fetch
         except BaseException:  # cancelled: a read may still be writing the pages
             self._after_settled(fetch.settled, lambda: self.planner.abort_fetch(plan))
             raise
+        finally:
+            self.reading_bytes -= asked
         ok = {group: result.ok[a:b] for group, (a, b) in spans.items()}
-        answered = {group: result.answered_keys[a:b] for group, (a, b) in spans.items()}
+        if self.current() is l3:
+            answered = {group: result.answered_keys[a:b] for group, (a, b) in spans.items()}
+            verified = sum(
+                self.host_tier.pool(group).geometry.page_bytes * sum(group_ok)
+                for group, group_ok in ok.items()
+            )
+            if verified:  # L3 read the reads ahead of this one, then this one, meanwhile
+                self.read_rate.observe(ahead + verified, self._clock() - started)
+        else:  # L3 was swapped meanwhile: what the old store lacks says nothing of the new one
+            answered = {}
         gained, leftover = self.planner.commit_fetch(plan, ok, answered)
         if leftover:  # never freed while a read that timed out may still write them
             self._after_settled(result.settled, lambda: self.planner.free_pages(leftover))

@@ -7,7 +7,9 @@ new pages are dropped and counted — back-pressure on a store would put L3's la
 the engine's path) -> the worker takes up to `batch_pages` at a time and calls the writer
 -> `idle()` returns once nothing is waiting or being written (tests, shutdown flush). A page
 evicted from L2 before its turn is skipped and counted; a write that fails is counted (the
-guarded store already turned it into "not stored").
+guarded store already turned it into "not stored"). When L3 is detached or replaced
+(`TieredCache.attach_l3`), `detach()` drops what waits — offered for the store that left —
+and counts it (`detached_pages`); the batch being written then finishes on that store.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class PersistStats:
     written_pages: int
     skipped_pages: int  # left L2 (or reached L3 another way) before their turn
     failed_pages: int
+    detached_pages: int = 0  # waiting when L3 was detached or replaced: dropped
 
 
 class PersistQueue:
@@ -51,6 +54,7 @@ class PersistQueue:
         self._batch_done = asyncio.Event()  # cleared while a batch is being written
         self._batch_done.set()
         self._offered = self._dropped = self._written = self._skipped = self._failed = 0
+        self._detached = 0
 
     def offer(self, records: Mapping[str, Sequence[PageRecord]]) -> int:
         """Queue the pages for L3; returns how many were accepted (the rest dropped)."""
@@ -116,6 +120,16 @@ class PersistQueue:
                 if self._waiting.get((group, record.key)) is record:
                     del self._waiting[(group, record.key)]
 
+    def detach(self) -> int:
+        """L3 was detached or replaced: drop every page waiting (offered for the store that
+        left; counted), and return how many. A batch being written finishes on that store."""
+        dropped = len(self._waiting)
+        self._detached += dropped
+        self._waiting.clear()
+        self._items.clear()  # the worker, finding nothing, reports idle
+        self._wakeup.set()
+        return dropped
+
     def waiting(self, group: str, record: PageRecord) -> bool:
         """Is the page queued (not yet taken by the worker)?"""
         return self._waiting.get((group, record.key)) is record
@@ -141,4 +155,5 @@ class PersistQueue:
             self._written,
             self._skipped,
             self._failed,
+            self._detached,
         )

@@ -401,6 +401,18 @@ class Planner:
         for group, keys in plan.pinned.items():
             self.index.unpin(group, keys)
 
+    def forget_l3(self) -> int:
+        """L3 was detached or replaced: nothing the index knew of the old store holds for the
+        new one. Every record's L3 mark is dropped (an L3-only record goes, a pinned one at
+        its last unpin: a fetch in flight still commits what it verified into L2); the new
+        store is asked again at lookup (discovery). Returns how many marks were dropped."""
+        dropped = 0
+        for group in self.index.rules:
+            for record in self.index.l3_records(group):
+                self.index.drop_l3(group, record.key)
+                dropped += 1
+        return dropped
+
     def evict_all(self) -> int:
         """Drop every L2 page nothing holds (pins, pending plans, copies): the admin API."""
         dropped = 0

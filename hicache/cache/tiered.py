@@ -17,6 +17,12 @@ Tasks: `running()` opens a TaskGroup that owns the persist worker (`persist.py`:
 is acknowledged at L2 and written to L3 behind it, through a bounded queue whose drops are
 counted) and every background L3 -> L2 fetch; nothing is fire-and-forget. L3 errors never
 reach the caller: a page that cannot be fetched shortens the hit (`hit.failed`).
+
+L3 can be attached, detached or replaced at any time, ops in flight (`attach_l3`, the admin
+API): an op that finds L3 gone misses the L3 part and serves what L2 holds; one still talking
+to the store that left finishes there, and records nothing it learnt (see `l3_io.py`). When an
+outage of L3 ends (its breaker closes again), a background check finds the pages it lost and
+persists again what L2 holds (`resync.py`).
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from hicache.cache.discovery import Discovery
 from hicache.cache.l3_io import L3Io
 from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner, StorePlan
 from hicache.cache.requests import check_load_pages, store_positions
+from hicache.cache.resync import Resync
 from hicache.embedded import EmbeddedCache
 from hicache.errors import HicacheError
 from hicache.index import (
@@ -48,6 +55,7 @@ from hicache.index import (
     PrefixIndex,
     WritePolicy,
 )
+from hicache.index.policies import Timeout
 from hicache.scheduler import GroupPages, OpHandle, OpResult
 from hicache.scheduler.moves import moves_group
 from hicache.storage import GuardedStore
@@ -83,7 +91,9 @@ class TieredCache:
     ):
         self.embedded = embedded
         self.index = index
-        self.discovery = Discovery(index, absent if absent is not None else AbsentKeys(2.0))
+        self.discovery = Discovery(
+            index, absent if absent is not None else AbsentKeys(2.0), lambda: self.l3
+        )
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         allocators = {
@@ -94,17 +104,33 @@ class TieredCache:
         self.planner.owed = self.persist.waiting
         self.background_errors = 0
         self.l3: GuardedStore | None = None
+        self.io = L3Io(index, embedded.host_tier, self.planner, lambda: self.l3)
+        self.resync = Resync(index, self.persist, write_policy, lambda: self.l3)
         self.attach_l3(store)
         self._tg: asyncio.TaskGroup | None = None
         self._fetches: set[asyncio.Task[Any]] = set()
-        self.io = L3Io(index, embedded.host_tier, self.planner)
         # groups the move policy leaves to the engine (full_attention_only): not cached
         self._recomputed = {g.name for g in embedded.layer_map.groups} - set(index.rules)
 
     def attach_l3(self, store: GuardedStore | None) -> None:
-        """Use `store` as L3 (None: none); its backend registers the host pools, into which
-        fetches scatter and from which puts read. Ops in flight keep the L3 they started on."""
+        """Use `store` as L3 from now on (None: none) — at start, or at any time ops are in
+        flight (the admin API's attach and detach). Its backend registers the host pools,
+        into which fetches scatter and from which puts read. Another store than the one
+        attached resets what the cache knew of L3: the index's L3 marks and the remembered
+        "absent" answers are dropped (the new store is asked again at lookup), pages queued
+        for the old store are dropped and counted (`persist.stats().detached_pages`), the
+        measured read rate starts over. Ops in flight finish on the store they started on
+        and record nothing it says once it has left; an op that finds no L3 misses the L3
+        part of its hit. Attaching the store that is attached changes nothing."""
+        if store is self.l3:
+            return
+        if self.l3 is not None:
+            self.persist.detach()
+            self.planner.forget_l3()
+            self.discovery.forget()
+            self.io.read_rate.reset()
         self.l3 = store
+        self.resync.attached(store)
         if store is not None:
             for pool in self.embedded.host_tier.pools.values():
                 store.backend.register_memory(pool.buffer.numpy().data)
@@ -118,6 +144,11 @@ class TieredCache:
         model: str = "",
         write_policy: str = "write_through",
         prefetch_policy: str = "best_effort",
+        prefetch_timeout_s: float | Literal["auto"] = "auto",
+        prefetch_timeout_per_token_s: float = 2e-6,
+        prefetch_auto_headroom: float = 2.0,
+        prefetch_auto_floor_s: float = 0.01,
+        prefetch_timeout_max_s: float = 1.0,
         eviction: str = "lru",
         tenant_salt: str = "",
         tp_rank: int = 0,
@@ -126,6 +157,8 @@ class TieredCache:
         l3_absent_ttl_s: float = 2.0,
         persist_queue_pages: int = 65_536,
     ) -> TieredCache:
+        """A cache over `embedded` from settings by name (the `cache` section's); the
+        `prefetch_timeout_*` / `prefetch_auto_*` ones shape the `timeout` policy only."""
         geometries = embedded.geometries
         page = next(iter(geometries.values())).page_size_tokens
         keyers, rules, capacity = {}, {}, {}
@@ -147,12 +180,28 @@ class TieredCache:
             rules[name] = GroupRule.of(geom.group)
             capacity[name] = embedded.host_tier.pool(name).num_pages
         index = PrefixIndex(keyers, rules, capacity, page, eviction, l3_index_max_pages)
+        if prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(
+                f"prefetch_policy {prefetch_policy!r} is not known; allowed: "
+                f"{', '.join(PREFETCH_POLICIES)}"
+            )
+        prefetch: PrefetchPolicy = (
+            Timeout(
+                base_s=prefetch_timeout_s,
+                per_token_s=prefetch_timeout_per_token_s,
+                headroom=prefetch_auto_headroom,
+                floor_s=prefetch_auto_floor_s,
+                max_s=prefetch_timeout_max_s,
+            )
+            if prefetch_policy == Timeout.name
+            else PREFETCH_POLICIES[prefetch_policy]()
+        )
         return cls(
             embedded,
             index,
             store,
             WRITE_POLICIES[write_policy](),
-            PREFETCH_POLICIES[prefetch_policy](),
+            prefetch,
             AbsentKeys(l3_absent_ttl_s),
             persist_queue_pages,
         )
@@ -220,7 +269,15 @@ class TieredCache:
 
     def lookup(self, token_ids: Sequence[int]) -> Hit:
         """How much of the prompt each tier can serve, now; changes nothing."""
+        self._resync_if_due()
         return self.index.lookup(token_ids)
+
+    def _resync_if_due(self) -> None:
+        """An L3 outage ended since the last check: find what L3 lost in the background
+        (`resync.py`) — a restarted server may have come back empty."""
+        store = self.resync.due() if self._tg is not None else None
+        if store is not None:
+            self._spawn(lambda: self.resync.run(store), "l3-resync")
 
     def needs_discovery(self, token_ids: Sequence[int], hit: Hit) -> bool:
         """Could L3 extend this hit with pages the index does not know (persisted before a
@@ -250,6 +307,7 @@ class TieredCache:
         (a multiple of the page size), filed under that prefix. A prompt larger than L2
         stores its longest prefix that fits."""
         self._group()
+        self._resync_if_due()
         size = self.index.page_size_tokens
         full_pages = len(token_ids) // size
         wanted = store_positions(
@@ -343,6 +401,7 @@ class TieredCache:
         `hit.failed`. `skip_pages`: the engine's own device cache holds the prompt's first
         pages; only later ones move."""
         self._group()
+        self._resync_if_due()
         size = self.index.page_size_tokens
         check_load_pages(self.index.rules, self._moved(device_pages), len(token_ids) // size)
         await self.discover(token_ids)
@@ -386,6 +445,7 @@ class TieredCache:
         """Bring the prompt's L3-only pages into L2 ahead of its load (the engine's hint when a
         request is queued); returns how many pages L2 gained."""
         self._group()
+        self._resync_if_due()
         await self.discover(token_ids)
         hit = self.index.lookup(token_ids)
         if hit.pages_total == hit.pages_l2 or self.l3 is None:
@@ -397,7 +457,14 @@ class TieredCache:
         """Bring the hit's L3-only pages into L2 within the prefetch policy's wait; the
         fetch goes on in the background past it (owned by the running cache), so the next
         request for the prefix finds it in L2."""
-        wait = self.prefetch_policy.wait_s(tokens)
+        l3_bytes = sum(
+            self.embedded.host_tier.pool(group).geometry.page_bytes
+            * sum(1 for _, r in rows if r.l2_page is None)
+            for group, rows in hit.needed.items()
+        )
+        # the reads in flight go first (L3 serves them meanwhile), then this one
+        queued = self.io.reading_bytes + l3_bytes
+        wait = self.prefetch_policy.wait_s(tokens, queued, self.io.read_rate.bytes_per_s())
         task = self._spawn(lambda: self._fetch(hit), "fetch")
         if wait != 0.0:
             await asyncio.wait({task}, timeout=wait)
@@ -416,6 +483,9 @@ class TieredCache:
             except BaseException:
                 self.planner.abort_fetch(plan)
                 raise
+            if self.l3 is not l3:  # detached or replaced meanwhile: nothing to read from
+                self.planner.abort_fetch(plan)
+                return 0
             self.planner.plan_fetch(hit, into=plan)
         if not plan.groups:
             self.planner.abort_fetch(plan)
@@ -439,6 +509,8 @@ class TieredCache:
             for record in list(self.index.l3_records(group))
         ]
         await l3.delete([key for _, key in known])
+        if self.l3 is not l3:
+            return len(known)  # swapped meanwhile: the marks went with the old store
         for group, key in known:
             if self.index.record(group, key) is not None:
                 self.index.drop_l3(group, key)

@@ -96,8 +96,8 @@ def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ign
             is_deployment = isinstance(data := yaml.safe_load(path.read_text()), dict) and (
                 "model" in data
             )
-        except (OSError, yaml.YAMLError):
-            is_deployment = False
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            is_deployment = False  # load_layout (or load_deployment) names what is wrong
         if is_deployment:
             loaded = load_deployment(path)
             layout = loaded.layout()
@@ -152,6 +152,9 @@ def cmd_config(args: argparse.Namespace) -> int:
     loaded = load_deployment(args.file)
     layer_map = loaded.layer_map()
     if args.config_command == "validate":
+        from hicache.service.app import host_pages
+
+        host_pages(loaded, layer_map)  # what `hicache serve` refuses before it starts
         print(
             f"{args.file}: ok ({layer_map.model_type}, {layer_map.layout.num_layers} layers, "
             f"{len(layer_map.groups)} cache groups)"

@@ -54,7 +54,7 @@ class AsyncClient(ClientBase):
             self._reader, self._writer = await asyncio.open_connection(*addr)
         self.session = await self._exchange("hello", self._hello)
         if self._registration is not None:
-            self._pools_registered(await self._exchange(*self._registration))
+            self._pools_registered(await self._exchange(*self._registration_args()))
 
     async def _exchange(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
         assert self._reader is not None
@@ -109,13 +109,13 @@ class AsyncClient(ClientBase):
     async def register_pools(self, pools: SharedPools) -> None:
         self.pools = pools
         self._registration = ("register_pools", pools.manifest())
-        self._pools_registered(await self.call(*self._registration))
+        self._pools_registered(await self.call(*self._registration_args()))
 
     async def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
         from hicache.transfer.cuda_ipc import export_cuda_pools
 
         self._registration = ("register_cuda_pools", export_cuda_pools(pools))
-        self._pools_registered(await self.call(*self._registration))
+        self._pools_registered(await self.call(*self._registration_args()))
 
     async def lookup(self, tokens: Sequence[int]) -> Lookup:
         r = await self.call("lookup", {"tokens": list(tokens)})
@@ -173,7 +173,7 @@ class AsyncClient(ClientBase):
             self._beat.cancel()
         self._drop()
         if self.pools is not None:
-            self.pools.unlink()
+            self.pools.close()
 
 
 async def connect_async(address: str | Path, layer_map: LayerMap, **kwargs: Any) -> AsyncClient:

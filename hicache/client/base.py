@@ -65,6 +65,7 @@ class ClientBase:
         self.pools: SharedPools | None = None
         self._registration: tuple[str, dict[str, Any]] | None = None  # replayed on reconnect
         self.counters: CounterFile | None = None
+        self._pending_counters: CounterFile | None = None  # sent, not yet acknowledged
         self.generation = 0
         self.stalls: list[float] = []
 
@@ -82,8 +83,29 @@ class ClientBase:
         result: dict[str, Any] = reply["result"]
         return result
 
+    def _registration_args(self) -> tuple[str, dict[str, Any]]:
+        """The registration to send (first time or on reconnect), with a new counter memfd:
+        each session's loads get rows no earlier session can still write."""
+        assert self._registration is not None
+        if self._pending_counters is not None:
+            self._pending_counters.close()
+        slots = int(self.session.get("load_slots", 64))
+        self._pending_counters = CounterFile.create(slots)
+        op, args = self._registration
+        return op, {**args, "counters_fd": self._pending_counters.fd}
+
     def _pools_registered(self, reply: dict[str, Any]) -> None:
-        self.counters = CounterFile.open(reply["counters"], reply["slots"])
+        counters, self._pending_counters = self._pending_counters, None
+        assert counters is not None
+        if reply.get("slots") != counters.slots:
+            counters.close()
+            raise ClientError(
+                p.ErrorCode.INTERNAL,
+                f"register: the sidecar mapped {reply.get('slots')!r} load slots; the counter "
+                f"memfd holds {counters.slots}",
+            )
+        counters.close()  # the sidecar holds its mapping; ours stays while referenced
+        self.counters = counters
         self.generation += 1
 
     def _take_stalls(self) -> list[float]:
@@ -91,9 +113,8 @@ class ClientBase:
         return stalls
 
     def create_pools(self, num_pages: int | Mapping[str, int]) -> SharedPools:
-        """The engine's KV pool in shared memory, laid out as the sidecar expects."""
-        shm_dir = self.session.get("shm_dir", "/dev/shm")
-        return SharedPools.create(self.geometries, num_pages, shm_dir)
+        """The engine's KV pool in a sealed memfd, laid out as the sidecar expects."""
+        return SharedPools.create(self.geometries, num_pages)
 
     def _handle(self, reply: dict[str, Any], release: Any) -> LoadHandle | None:
         if reply["load_id"] is None:

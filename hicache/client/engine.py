@@ -100,7 +100,7 @@ class Client(ClientBase):
             self._sock = sock
             self.session = self._exchange("hello", self._hello)
             if self._registration is not None:
-                self._pools_registered(self._exchange(*self._registration))
+                self._pools_registered(self._exchange(*self._registration_args()))
         except BaseException:
             # a refused hello or re-registration: the next call starts afresh, it never
             # talks on a session that said no
@@ -173,7 +173,7 @@ class Client(ClientBase):
         """Share a pool made by `create_pools` (the CPU data plane)."""
         self.pools = pools
         self._registration = ("register_pools", pools.manifest())
-        self._pools_registered(self.call(*self._registration))
+        self._pools_registered(self.call(*self._registration_args()))
 
     def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
         """Share the engine's CUDA pools by IPC handle (a sidecar with device.kind: cuda); keep
@@ -181,7 +181,7 @@ class Client(ClientBase):
         from hicache.transfer.cuda_ipc import export_cuda_pools
 
         self._registration = ("register_cuda_pools", export_cuda_pools(pools))
-        self._pools_registered(self.call(*self._registration))
+        self._pools_registered(self.call(*self._registration_args()))
 
     def lookup(self, tokens: Sequence[int]) -> Lookup:
         r = self.call("lookup", {"tokens": list(tokens)})
@@ -239,7 +239,7 @@ class Client(ClientBase):
         if self._beat is not None:
             self._beat.join(timeout=5)
         if self.pools is not None:
-            self.pools.unlink()
+            self.pools.close()
 
     def __enter__(self) -> Client:
         return self

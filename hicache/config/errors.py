@@ -1,6 +1,6 @@
 """Turn pydantic's validation errors into one message per problem that names the file, the
 dotted key, the bad value, where it came from (file or environment variable) and what is
-allowed."""
+allowed. A secret's value is never shown, only whether it was blank."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
@@ -45,7 +45,11 @@ def format_validation_error(
     env_vars: Mapping[str, str] | None = None,
     root: type[BaseModel] | None = None,
 ) -> str:
-    """One line per error: `FILE: key.path: problem (got VALUE[, from $VAR]); allowed: ...`."""
+    """One line per error: `FILE: key.path: problem (got VALUE[, from environment variable
+    VAR])`, the problem saying what is allowed. A key unknown to the schema names the allowed
+    keys beside it: `FILE: key.path: unknown key; allowed keys here: ...`, or for one set by
+    the environment `VAR (environment variable): unknown key key.path; allowed keys in
+    section: ...`."""
     env_vars = env_vars or {}
     lines = []
     for err in exc.errors():
@@ -54,23 +58,73 @@ def format_validation_error(
         if root is not None:
             loc, _ = _resolve(root, raw)
         key = _dotted(loc) or "(top level)"
-        origin = f", from environment variable {env_vars[key]}" if key in env_vars else ""
+        var = env_vars.get(key)
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            allowed = (
-                sorted({k for m in _resolve(root, raw[:-1])[1] for k in m.model_fields})
-                if root is not None
-                else []
-            )
-            message = "unknown key" + (
-                f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
-            )
-            lines.append(f"{source}: {key}: {message}{origin}")
+            lines.append(_unknown_key(source, key, var, root, raw))
             continue
         got = err.get("input")
-        shown = "" if isinstance(got, dict) else f" (got {got!r}{origin})"
-        lines.append(f"{source}: {key}: {message}{shown}")
+        if isinstance(got, dict):
+            lines.append(f"{source}: {key}: {message}")
+            continue
+        if root is not None and _is_secret(root, raw):
+            got = _SecretShown(got)
+        origin = f", from environment variable {var}" if var is not None else ""
+        lines.append(f"{source}: {key}: {message} (got {got!r}{origin})")
     return "\n".join(lines)
+
+
+def _unknown_key(
+    source: str,
+    key: str,
+    var: str | None,
+    root: type[BaseModel] | None,
+    raw: tuple[int | str, ...],
+) -> str:
+    allowed = (
+        sorted({k for m in _resolve(root, raw[:-1])[1] for k in m.model_fields})
+        if root is not None
+        else []
+    )
+    if var is None:
+        return f"{source}: {key}: unknown key" + (
+            f"; allowed keys here: {', '.join(allowed)}" if allowed else ""
+        )
+    section = key.rpartition(".")[0]
+    here = f"in {section}" if section else "at the top level"
+    return f"{var} (environment variable): unknown key {key}" + (
+        f"; allowed keys {here}: {', '.join(allowed)}" if allowed else ""
+    )
+
+
+class _SecretShown:
+    """A secret's input as an error shows it: blank or not, never its characters."""
+
+    def __init__(self, value: object):
+        self.blank = isinstance(value, str) and not value.strip()
+        self.value = value
+
+    def __repr__(self) -> str:
+        if self.blank:
+            return f"a blank value, {self.value!r}"
+        if isinstance(self.value, str):
+            return "'**********'"
+        return f"a {type(self.value).__name__}, not shown"
+
+
+def _is_secret(root: type[BaseModel], raw: tuple[int | str, ...]) -> bool:
+    """Whether the error path ends in a `SecretStr` field."""
+    if not raw or not isinstance(raw[-1], str):
+        return False
+    _, parents = _resolve(root, raw[:-1])
+    fields = [m.model_fields[raw[-1]] for m in parents if raw[-1] in m.model_fields]
+    return any(_holds_secret(f.annotation) for f in fields)
+
+
+def _holds_secret(annotation: Any) -> bool:
+    if annotation is SecretStr:
+        return True
+    return any(_holds_secret(arg) for arg in typing.get_args(annotation))
 
 
 def _resolve(

@@ -34,6 +34,12 @@ class LoadedConfig:
     sources: Mapping[str, Source]  # dotted key -> where its value came from
     env_vars: Mapping[str, str]  # dotted key -> the variable that set it
 
+    def source_of(self, key: str) -> str:
+        """Where a dotted key's value came from, as an error names it: the variable that set
+        it (`HICACHE_HOST__CAPACITY_BYTES (environment variable)`), else the file."""
+        var = self.env_vars.get(key)
+        return f"{var} (environment variable)" if var is not None else str(self.path)
+
     def layout(self) -> ModelLayout:
         model = self.deployment.model
         try:
@@ -115,7 +121,6 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
         ("model", "config_path"),
         ("storage", "path"),
         ("service", "socket_path"),
-        ("service", "shm_dir"),
     ):
         node = data.get(section)
         if isinstance(node, dict) and isinstance(node.get(key), str):
@@ -127,9 +132,16 @@ def load_deployment(path: Path | str, env: Mapping[str, str] | None = None) -> L
     env = os.environ if env is None else env
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read config file {str(path)!r}: {exc.strerror}") from exc
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start}); "
+            "allowed: a UTF-8 YAML deployment file"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

@@ -7,8 +7,11 @@ loaded; `loader.load_deployment` builds it from YAML plus `HICACHE_*` environmen
 
 from __future__ import annotations
 
+import os
+import stat
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import (
     BaseModel,
@@ -126,6 +129,9 @@ class HostSection(Section):
     )
 
 
+_L3_DIRECTORY = "a directory, or a path where one can be created, on a real filesystem"
+
+
 class FileStorage(Section):
     """L3 on a local directory: one object per page, atomic writes, survives restarts."""
 
@@ -145,6 +151,36 @@ class FileStorage(Section):
             raise ValueError(f"{value!r} is not a folder name; allowed: letters, digits, . _ -")
         return value
 
+    @field_validator("path")
+    @classmethod
+    def _can_be_a_directory(cls, value: Path) -> Path:
+        """What is known before start-up: the path is not in a kernel pseudo-filesystem, and
+        neither it nor a folder above it is an existing non-directory (start-up creates what
+        is missing; what only that can tell, such as permissions, it reports then)."""
+        where = Path(os.path.abspath(value))
+        if where.parts[1:2] in (("proc",), ("sys",)):
+            raise ValueError(
+                f"{str(value)!r} is in /{where.parts[1]}, a kernel pseudo-filesystem; "
+                f"allowed: {_L3_DIRECTORY}"
+            )
+        for folder in (where, *where.parents):
+            try:
+                mode = folder.stat().st_mode
+            except (FileNotFoundError, NotADirectoryError):
+                continue  # missing: start-up creates it; look at the folder above
+            except OSError:
+                return value  # cannot look (permissions): start-up says why
+            if stat.S_ISDIR(mode):
+                return value
+            what = "a regular file" if stat.S_ISREG(mode) else "not a directory"
+            place = (
+                f"{str(value)!r} is {what}"
+                if folder == where
+                else f"{str(value)!r} is under {str(folder)!r}, which is {what}"
+            )
+            raise ValueError(f"{place}; allowed: {_L3_DIRECTORY}")
+        return value
+
     capacity_bytes: ByteSize = Field(
         default=parse_bytes("1GiB"), gt=0, description="on-disk budget; oldest objects go first"
     )
@@ -158,6 +194,32 @@ class RedisStorage(Section):
     key_prefix: str = Field(default="hicache:", description="prefix of every key")
     max_connections: int = Field(default=16, ge=1, description="connection pool size")
     socket_timeout_s: float = Field(default=2.0, gt=0, description="per socket operation")
+
+    @field_validator("url")
+    @classmethod
+    def _a_redis_url(cls, value: str) -> str:
+        """The URL's form, as redis-py reads it (whether the server is there is for start-up
+        and the breaker to find out)."""
+        allowed = (
+            "allowed: redis://[user:password@]host[:port][/db], rediss://... (TLS) or "
+            "unix:///path/to/redis.sock"
+        )
+        parts = urlsplit(value)
+        if parts.scheme not in ("redis", "rediss", "unix"):
+            scheme = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
+            raise ValueError(f"{value!r} is not a Redis URL ({scheme}); {allowed}")
+        if parts.scheme == "unix":
+            if not parts.path:
+                raise ValueError(f"{value!r} names no socket path; {allowed}")
+            return value
+        try:
+            _ = parts.port  # parsing it is the check
+        except ValueError as exc:
+            raise ValueError(f"{value!r}: {exc}; {allowed}") from None
+        db = parts.path.strip("/")
+        if db and not db.isdigit():
+            raise ValueError(f"{value!r}: database {db!r} is not a number; {allowed}")
+        return value
 
 
 class MooncakeStorage(Section):
@@ -219,7 +281,43 @@ class CacheSection(Section):
     prefetch_policy: Literal["best_effort", "wait_complete", "timeout"] = Field(
         default="timeout",
         description="how long a load waits for L3 -> L2: not at all (fetch in the background), "
-        "until complete, or a deadline growing with the tokens asked for",
+        "until complete, or a deadline (prefetch_timeout_s); what misses it is fetched on in "
+        "the background",
+    )
+    prefetch_timeout_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | Literal["auto"] = (
+        Field(
+            default="auto",
+            description="the timeout policy's deadline: seconds (plus "
+            "prefetch_timeout_per_token_s per token asked for), or auto: the hit's L3-only "
+            "bytes, behind those L3 is reading for other loads, at L3's read rate measured "
+            "over recent fetches (50 MB/s before the first), times prefetch_auto_headroom, "
+            "plus prefetch_auto_floor_s, at most prefetch_timeout_max_s",
+        )
+    )
+    prefetch_timeout_per_token_s: float = Field(
+        default=2e-6,
+        ge=0,
+        allow_inf_nan=False,
+        description="a fixed prefetch_timeout_s grows by this per token asked for",
+    )
+    prefetch_auto_headroom: float = Field(
+        default=2.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="auto deadline: times the read time L3's measured rate predicts",
+    )
+    prefetch_auto_floor_s: float = Field(
+        default=0.01,
+        ge=0,
+        allow_inf_nan=False,
+        description="auto deadline: at least this (a small read's latency, the loop's jitter)",
+    )
+    prefetch_timeout_max_s: float = Field(
+        default=1.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="auto deadline: at most this, what a hanging L3 may cost a load (a down "
+        "one costs nothing: its breaker answers at once)",
     )
     eviction: Literal["lru", "s3fifo"] = Field(
         default="lru", description="L2 eviction; s3fifo resists one-off scans"
@@ -246,6 +344,16 @@ class CacheSection(Section):
         description="pages only L3 holds that the index remembers, per group (least recently "
         "used forgotten first; a forgotten page is found again by asking L3 at lookup)",
     )
+
+    @model_validator(mode="after")
+    def _floor_below_cap(self) -> CacheSection:
+        if self.prefetch_auto_floor_s > self.prefetch_timeout_max_s:
+            raise ValueError(
+                f"prefetch_auto_floor_s {self.prefetch_auto_floor_s} is above "
+                f"prefetch_timeout_max_s {self.prefetch_timeout_max_s}; the floor must be <= "
+                "the cap"
+            )
+        return self
 
 
 class ServiceSection(Section):
@@ -301,6 +409,17 @@ class ServiceSection(Section):
     log_format: Literal["text", "json"] = Field(
         default="text", description="one line per event: key=value text or JSON"
     )
+
+    @field_validator("token")
+    @classmethod
+    def _token_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError(
+                "a blank token is no secret; allowed: a non-blank string engines and admins "
+                "present, or no token at all (leave service.token out) on loopback-only "
+                "listeners"
+            )
+        return value
 
     @model_validator(mode="after")
     def _token_when_exposed(self) -> ServiceSection:

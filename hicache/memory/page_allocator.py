@@ -41,7 +41,8 @@ class PageAllocator:
         if count > self._free_count:
             raise PoolExhaustedError(
                 f"{self.name}: {count} pages asked for, {self._free_count} of "
-                f"{self.num_pages} free; free or evict pages, or raise the pool's capacity"
+                f"{self.num_pages} free (the others hold data or are pinned by copies in "
+                "flight); free or evict pages, or raise the pool's capacity"
             )
         pages: list[int] = []
         # first fit for one run; otherwise take the largest runs first

@@ -46,7 +46,7 @@ def load_layout(path: Path | str) -> ModelLayout:
 
         try:
             data = yaml.safe_load(path.read_text())
-        except (OSError, yaml.YAMLError) as exc:
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
             raise LayoutError(f"cannot read layer list {str(path)!r}: {exc}") from exc
         try:
             return ExplicitLayout.model_validate(data).to_layout(str(path))

@@ -28,6 +28,11 @@ def read_config_json(path: Path) -> dict[str, Any]:
         text = path.read_text()
     except OSError as exc:
         raise LayoutError(f"cannot read model config {str(path)!r}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise LayoutError(
+            f"model config {str(path)!r} is not UTF-8 text (byte {exc.object[exc.start]:#04x} "
+            f"at offset {exc.start}); allowed: a config.json"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

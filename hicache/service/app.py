@@ -1,11 +1,17 @@
 """`hicache serve`: the long-running sidecar process.
 
-Lifecycle: load the deployment -> copy backend and L3 store -> one TaskGroup owns the engine
-server (and, per engine namespace, a scheduler task), the HTTP control API and the L3 probe ->
-print one `ready` line (socket, HTTP port) -> run until SIGTERM or SIGINT -> drain: stop
-listening, let in-flight loads finish within `service.drain_timeout_s` (cancel the rest; both
-counted in the log), close sessions, flush what the write policy owes to L3 -> close the store
-and the backend -> exit 0.
+Lifecycle: load the deployment -> check what needs the layout (the L2 budget holds a page of
+every group) -> copy backend and L3 store -> one TaskGroup owns the engine server (and, per
+engine namespace, a scheduler task), the HTTP control API and the L3 probe -> print one
+`ready` line (socket, HTTP port) -> run until SIGTERM or SIGINT -> drain: stop listening, let
+in-flight loads finish within `service.drain_timeout_s` (cancel the rest; both counted in the
+log), close sessions, flush what the write policy owes to L3 -> close the store and the
+backend -> exit 0.
+
+A failure before `ready` closes what was started so far (listeners, store, backend and its
+worker thread) and reaches the CLI as one `HicacheError` naming the key at fault — a
+`ServiceStartError` when the cause was a backend's own error (an `OSError` creating the L3
+directory, an unusable URL) — which prints it on one line and exits 2.
 """
 
 from __future__ import annotations
@@ -16,18 +22,85 @@ import gc
 import logging
 import signal
 import sys
+from collections.abc import Iterator
 
-from hicache.config import LoadedConfig
-from hicache.errors import HicacheError
+from aiohttp import web
+
+from hicache.config import LoadedConfig, format_bytes
+from hicache.errors import ConfigError, HicacheError, ServiceStartError
+from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.memory.host_tier import budget_pages
+from hicache.model import LayerMap
 from hicache.service.http_api import start_http
 from hicache.service.logs import configure
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.storage import GuardedStore
 from hicache.storage.factory import make_backend as make_store
-from hicache.transfer import make_backend
+from hicache.transfer import CopyBackend, make_backend
 
 log = logging.getLogger("hicache.service")
+
+
+def host_pages(loaded: LoadedConfig, layer_map: LayerMap) -> dict[str, int]:
+    """The L2 pages per group `host.capacity_bytes` buys (`host_tier.budget_pages`, what
+    each engine namespace allocates at `register_pools`); a budget that holds no page of a
+    group is refused here, at start-up and by `hicache config validate`, naming the file (or
+    variable), the size given and what one page needs."""
+    d = loaded.deployment
+    dtypes = CacheDtypes.of_model(d.model)
+    page = d.model.page_size_tokens
+    geometries = [GroupGeometry.of(g, dtypes, page) for g in layer_map.groups]
+    try:
+        return budget_pages(geometries, d.host.capacity_bytes, d.host.state_fraction)
+    except ConfigError as exc:
+        pages = ", ".join(f"{g.name} {format_bytes(g.page_bytes)}" for g in geometries)
+        raise ConfigError(
+            f"{loaded.source_of('host.capacity_bytes')}: {exc}; one page of each group: {pages}"
+        ) from None
+
+
+def _cause(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
+
+
+@contextlib.contextmanager
+def _starting(loaded: LoadedConfig, key: str, what: str) -> Iterator[None]:
+    """One start-up step, configured by `key`: an error of a library it calls becomes a
+    `ServiceStartError` naming where the key was set, the key, the step and the cause."""
+    try:
+        yield
+    except HicacheError:
+        raise
+    except Exception as exc:
+        raise ServiceStartError(f"{loaded.source_of(key)}: {key}: {what}: {_cause(exc)}") from exc
+
+
+def _open_store(loaded: LoadedConfig) -> GuardedStore | None:
+    """The L3 store of `storage`, or None; its backend's errors named by the key at fault."""
+    section = loaded.deployment.storage
+    if section.kind == "file":
+        key, what = "storage.path", f"cannot use {str(section.path)!r} as the L3 directory"
+    elif section.kind == "redis":
+        key, what = "storage.url", f"cannot use Redis at {section.url!r}"
+    elif section.kind == "mooncake":
+        key, what = "storage.master_address", "cannot set up the Mooncake store client"
+    else:
+        return None
+    try:
+        with _starting(loaded, key, what):
+            backend = make_store(section)
+    except ServiceStartError as exc:
+        if isinstance(exc.__cause__, ImportError):  # an optional extra not installed
+            raise ServiceStartError(
+                f"{loaded.source_of('storage.kind')}: storage.kind: {section.kind} needs "
+                f"the {section.kind!r} extra (pip install 'hicache[{section.kind}]'): "
+                f"{_cause(exc.__cause__)}"
+            ) from exc.__cause__
+        raise
+    return GuardedStore(backend) if backend is not None else None
 
 
 async def _probe_l3(server: EngineServer) -> None:
@@ -53,29 +126,33 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     d = loaded.deployment
     configure(d.service.log_format)
     layer_map = loaded.layer_map()
+    host_pages(loaded, layer_map)  # an L2 too small for one page: refused before anything starts
+    with _starting(loaded, "model.name", "cannot derive the model name"):
+        model_name = loaded.model_name()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
-    store_backend = make_store(d.storage)
-    store = GuardedStore(store_backend) if store_backend is not None else None
-    metrics = ServiceMetrics()
-    metrics.page_size_tokens = d.model.page_size_tokens
+    backend: CopyBackend | None = None
+    store: GuardedStore | None = None
     server: EngineServer | None = None
+    runner: web.AppRunner | None = None
+    ready = False
     try:
+        with _starting(loaded, "device.kind", f"cannot start the {d.device.kind} copy backend"):
+            backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
+        store = _open_store(loaded)
+        metrics = ServiceMetrics()
+        metrics.page_size_tokens = d.model.page_size_tokens
         async with asyncio.TaskGroup() as tg:
-            server = EngineServer(
-                d, layer_map, backend, store, tg, metrics, model_name=loaded.model_name()
-            )
+            server = EngineServer(d, layer_map, backend, store, tg, metrics, model_name=model_name)
             metrics.watch(lambda: list(server.namespaces.values()), lambda: server.store)
-            await server.start()
-            runner = None
             http_port = None
-            if d.service.http_port is not None:
+            if d.service.http_port is not None:  # first: it logs nothing if the rest fails
                 runner, http_port = await start_http(
                     server, metrics, d.service.http_host, d.service.http_port
                 )
+            await server.start()
             probe = tg.create_task(_probe_l3(server), name="hicache-l3-probe")
             fields = {
                 "socket": str(d.service.socket_path),
@@ -87,6 +164,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
             }
             gc.freeze()  # start-up objects (torch's among them) leave the collector's scans
             log.info("serving", extra={"fields": fields})
+            ready = True
             print(
                 "hicache serve: ready "
                 + " ".join(f"{k}={v}" for k, v in fields.items() if v is not None),
@@ -114,16 +192,35 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
             with contextlib.suppress(OSError):
                 d.service.socket_path.unlink()  # no socket left behind that nobody serves
         first = _first_hicache_error(group)
-        if first is None:
+        if first is not None:
+            raise first from None
+        if ready:
             raise
-        raise first from None
+        raise ServiceStartError(
+            f"{loaded.path}: start-up failed: {_cause(group.exceptions[0])}"
+        ) from group
     finally:
+        if server is not None and not ready:
+            await _close_listeners(server, runner, d.service.drain_timeout_s)
         live = server.store if server is not None else store
         if live is not None:
             with contextlib.suppress(Exception):
                 await live.backend.close()
-        backend.close()
+        if backend is not None:
+            backend.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         sys.stdout.flush()
     return 0
+
+
+async def _close_listeners(
+    server: EngineServer, runner: web.AppRunner | None, timeout_s: float
+) -> None:
+    """After a failed start: stop the listeners that did start and remove the socket (no
+    engine is attached yet, so the drain has nothing else to do)."""
+    with contextlib.suppress(Exception):
+        async with asyncio.timeout(timeout_s):
+            await server.drain()
+            if runner is not None:
+                await runner.cleanup()

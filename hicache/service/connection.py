@@ -1,6 +1,13 @@
 """`EngineConnection`: one engine's socket as an `asyncio.Protocol` — frames in, replies out, in
 request order (cheap ops inline, awaited ones through an ordered worker); its end ends the
-session."""
+session.
+
+Back-pressure, per connection: the sidecar stops reading a connection whose unread replies pass
+`service.max_unread_reply_bytes` (the transport's high-water mark) or whose queue behind an
+awaited op reaches `service.max_pipelined_requests`, and reads on once the engine has read
+(or the queue drained): an engine that pipelines without reading fills its own socket buffers,
+not the sidecar's memory. One that stays unread for `service.slow_reader_timeout_s` is dropped
+and counted (`hicache_connections_dropped_total{reason="slow_reader"}`)."""
 
 from __future__ import annotations
 
@@ -30,23 +37,34 @@ class EngineConnection(asyncio.Protocol):
         self.worker: asyncio.Task[None] | None = None
         self.ended: asyncio.Task[None] | None = None
         self.reason = "closed by engine"
+        self._unread = False  # replies past the high-water mark: the engine is not reading
+        self._reading = True
+        self._slow: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        high = self.server.service.max_unread_reply_bytes
+        self.transport.set_write_buffer_limits(high=high, low=high // 4)
         self.session = self.server._open(self)
         if self.session is not None:
             self.server._connections.add(self)
 
     def data_received(self, data: bytes) -> None:
-        session = self.session
-        if session is None or self.transport.is_closing():
+        if self.session is None or self.transport.is_closing():
             return
-        session.last_seen = time.monotonic()
+        self.session.last_seen = time.monotonic()
+        self.buffer += data
+        self._process()
+
+    def _process(self) -> None:
+        """Answer or queue the complete frames in the buffer, while back-pressure allows."""
+        session = self.session
+        assert session is not None
         buffer = self.buffer
-        buffer += data
         header = p.HEADER.size
-        limit = self.server.service.max_frame_bytes
-        while len(buffer) >= header:
+        service = self.server.service
+        limit = service.max_frame_bytes
+        while len(buffer) >= header and not self._held():
             (size,) = p.HEADER.unpack_from(buffer)
             if size > limit:
                 self.transport.write(
@@ -58,6 +76,7 @@ class EngineConnection(asyncio.Protocol):
                     )
                 )
                 self.server.metrics.errors.labels(p.ErrorCode.BAD_FRAME).inc()
+                self.server.metrics.connections_dropped.labels("oversized_frame").inc()
                 self.reason = "oversized frame"
                 self.transport.close()
                 return
@@ -73,6 +92,42 @@ class EngineConnection(asyncio.Protocol):
             self.queue.append(payload)
             if self.worker is None:
                 self.worker = asyncio.ensure_future(self._drain(session))
+        self._set_reading(not self._held())
+
+    def _held(self) -> bool:
+        return self._unread or len(self.queue) >= self.server.service.max_pipelined_requests
+
+    def _set_reading(self, reading: bool) -> None:
+        if reading != self._reading and not self.transport.is_closing():
+            self._reading = reading
+            if reading:
+                self.transport.resume_reading()
+            else:
+                self.transport.pause_reading()
+
+    def pause_writing(self) -> None:
+        """The transport's unread replies passed the high-water mark."""
+        self._unread = True
+        self._set_reading(False)
+        timeout = self.server.service.slow_reader_timeout_s
+        loop = asyncio.get_running_loop()
+        self._slow = loop.call_later(timeout, self._drop_slow_reader, timeout)
+
+    def resume_writing(self) -> None:
+        self._unread = False
+        if self._slow is not None:
+            self._slow.cancel()
+            self._slow = None
+        if self.session is not None and not self.transport.is_closing():
+            self._process()
+
+    def _drop_slow_reader(self, timeout: float) -> None:
+        if not self._unread or self.transport.is_closing():
+            return
+        unread = self.transport.get_write_buffer_size()
+        self.reason = f"slow reader: {unread} reply bytes unread for {timeout:g} s"
+        self.server.metrics.connections_dropped.labels("slow_reader").inc()
+        self.transport.abort()  # connection_lost ends the session
 
     async def _drain(self, session: Session) -> None:
         try:
@@ -82,13 +137,17 @@ class EngineConnection(asyncio.Protocol):
                     self.transport.write(reply)
         finally:
             self.worker = None
+        if not self.transport.is_closing():
+            self._process()  # frames held back while the queue was full
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._slow is not None:
+            self._slow.cancel()
         if self.session is None:
             return
         if exc is not None and self.reason == "closed by engine":
             self.reason = "connection lost"
-        self.ended = asyncio.ensure_future(self._end())
+        self.ended = self.session.ending = asyncio.ensure_future(self._end())
 
     async def _end(self) -> None:
         assert self.session is not None

@@ -2,8 +2,11 @@
 dependency, no ASGI layer or second server process; every handler reads snapshots).
 
     GET  /healthz                 200 while the process serves
-    GET  /readyz                  200 when the engine channel listens and L3 (if any) is not
-                                  behind an open breaker; 503 with the reason otherwise
+    GET  /readyz                  200 while the engine channel listens: "ready", or "ready,
+                                  degraded" with what is degraded listed (L3 behind an open or
+                                  half-open breaker: its state and why; L2 still serves); 503
+                                  with the reason only when not listening (not started yet,
+                                  or draining)
     GET  /metrics                 Prometheus text format
     GET  /v1/config               the effective deployment, secrets redacted
     GET  /v1/stats                sessions, namespaces (L2, pins, queues, bytes), L3 counters
@@ -70,14 +73,30 @@ class ControlApi:
     async def readyz(self, request: web.Request) -> web.Response:
         problems = []
         if not self.server.listening:
-            problems.append("engine channel not listening")
+            problems.append(
+                "draining (SIGTERM): refusing new engines"
+                if self.server.draining
+                else "engine channel not listening"
+            )
         store = self.server.store
-        breaker = None if store is None else store.breaker.state.value
-        if store is not None and store.breaker.state is BreakerState.OPEN:
-            problems.append("L3 breaker open (backend failing; loads serve L2 only)")
+        breaker = None if store is None else store.breaker.describe()
+        degraded = []
+        if breaker is not None and breaker["state"] != BreakerState.CLOSED.value:
+            trying = "a trial call is due" if breaker["state"] == "half_open" else "backend failing"
+            degraded.append(
+                {
+                    "tier": "l3",
+                    "kind": self.server.deployment.storage.kind,
+                    "breaker": breaker,
+                    "effect": f"L3 breaker {breaker['state']} ({trying}); loads serve L2 only",
+                }
+            )
+        status = "not ready" if problems else "ready, degraded" if degraded else "ready"
         body = {
             "ready": not problems,
+            "status": status,
             "problems": problems,
+            "degraded": degraded,
             "namespaces": len(self.server.namespaces),
             "host_pools_bytes": sum(
                 ns.cache.embedded.host_tier.pool(g).num_pages
@@ -86,7 +105,7 @@ class ControlApi:
                 for g in ns.cache.index.rules
             ),
             "l3": self.server.deployment.storage.kind if store is not None else "none",
-            "l3_breaker": breaker,
+            "l3_breaker": None if breaker is None else breaker["state"],
         }
         return web.json_response(body, status=200 if not problems else 503)
 

@@ -82,7 +82,7 @@ class ServiceMetrics:
         self.connections_dropped = Counter(
             "hicache_connections_dropped",
             "Engine connections the sidecar closed, by reason (slow_reader: replies unread "
-            "past service.slow_reader_timeout_s; oversized_frame; bad_frame)",
+            "past service.slow_reader_timeout_s; oversized_frame: over service.max_frame_bytes)",
             ["reason"],
             registry=r,
         )
@@ -227,7 +227,9 @@ class StateCollector(Collector):
         )
         l3 = CounterMetricFamily(
             "hicache_l3_objects",
-            "L3 objects by outcome (stored, hit, miss, corrupt_dropped, skipped_open)",
+            "L3 objects by outcome (stored, hit, miss, corrupt_dropped: failed their header "
+            "or checksum, damaged: not an object at all — a directory, FIFO, link or wrong "
+            "type in its place —, skipped_open)",
             labels=["outcome"],
         )
         l3_bytes = CounterMetricFamily(
@@ -246,6 +248,7 @@ class StateCollector(Collector):
                 ("hit", s.hits),
                 ("miss", s.misses),
                 ("corrupt_dropped", s.corrupt_dropped),
+                ("damaged", store.objects_damaged),
                 ("skipped_open", s.skipped_open),
             ):
                 l3.add_metric([outcome], count)

@@ -61,6 +61,11 @@ class Namespace:
             model=model_name,
             write_policy=d.cache.write_policy,
             prefetch_policy=d.cache.prefetch_policy,
+            prefetch_timeout_s=d.cache.prefetch_timeout_s,
+            prefetch_timeout_per_token_s=d.cache.prefetch_timeout_per_token_s,
+            prefetch_auto_headroom=d.cache.prefetch_auto_headroom,
+            prefetch_auto_floor_s=d.cache.prefetch_auto_floor_s,
+            prefetch_timeout_max_s=d.cache.prefetch_timeout_max_s,
             eviction=d.cache.eviction,
             # a separator, so ("a", "bc") and ("ab", "c") never share keys
             tenant_salt=f"{d.cache.tenant_salt}\x00{key.tenant}",

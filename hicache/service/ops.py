@@ -5,12 +5,12 @@ is wrong. `EngineServer` (server.py) owns the state they use and dispatches to t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from hicache.config import Deployment
@@ -81,6 +81,11 @@ class EngineOps:
                 + "; ".join(diffs),
             )
         key = NamespaceKey(args.tp_rank, args.tenant)
+        for other in list(self.sessions.values()):
+            if args.role == "engine" and other.key == key and other.ending is not None:
+                # an engine reconnecting: its old connection is gone, its session ending
+                with contextlib.suppress(Exception):  # its end logs its own failure
+                    await asyncio.shield(other.ending)
         for other in self.sessions.values():
             if args.role == "engine" and other.key == key and not other.lookup_only:
                 raise p.RequestError(
@@ -95,11 +100,10 @@ class EngineOps:
             "protocol": p.PROTOCOL_VERSION,
             "heartbeat_timeout_s": self.service.heartbeat_timeout_s,
             "load_slots": self.service.load_slots,
-            "shm_dir": str(self.service.shm_dir),
         }
 
     async def _register_pools(self, session: Session, args: p.RegisterPools) -> dict[str, Any]:
-        """The CPU data plane: the engine's pool is a file in shared memory we map."""
+        """The CPU data plane: the engine's pool is a sealed memfd of its own we map."""
         if self.deployment.device.kind != "cpu":
             raise p.RequestError(
                 p.ErrorCode.REFUSED,
@@ -107,13 +111,26 @@ class EngineOps:
                 "engine's CUDA pools with register_cuda_pools",
             )
         self._check_unregistered(session, "register_pools")
+        pid = self._peer_pid(session, "register_pools")
         try:
-            pools = map_pools(args.model_dump(), self.geometries, self.service.shm_dir)
+            pools, identity = map_pools(args.model_dump(), self.geometries, pid)
         except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
-        reply = await self._attach(session, pools)
-        session.pool_path = Path(args.path)
-        return reply
+        return await self._attach(
+            session, pools, pid, args.counters_fd, "register_pools", [identity]
+        )
+
+    def _peer_pid(self, session: Session, op: str) -> int:
+        """The engine process as the kernel names it: shared memory is only ever taken from
+        the process on the other end of this session's Unix socket."""
+        if session.peer_pid is None:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"{op}: this session came over TCP; shared memory is registered only over the "
+                f"Unix socket ({self.service.socket_path}), whose peer the kernel names, so "
+                "that no session can register another process's memory",
+            )
+        return session.peer_pid
 
     async def _register_cuda_pools(
         self, session: Session, args: p.RegisterCudaPools
@@ -129,11 +146,12 @@ class EngineOps:
         self._check_unregistered(session, "register_cuda_pools")
         from hicache.transfer.cuda_ipc import map_cuda_pools  # CUDA only when used
 
+        pid = self._peer_pid(session, "register_cuda_pools")
         try:
             pools = map_cuda_pools(args.model_dump(), self.geometries)
         except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_cuda_pools.{exc}") from None
-        return await self._attach(session, pools)
+        return await self._attach(session, pools, pid, args.counters_fd, "register_cuda_pools", [])
 
     def _check_unregistered(self, session: Session, op: str) -> None:
         if session.lookup_only:
@@ -145,30 +163,54 @@ class EngineOps:
         if session.pools is not None:
             raise p.RequestError(p.ErrorCode.REFUSED, f"{op}: pools already registered")
 
-    async def _attach(self, session: Session, pools: dict[str, DevicePool]) -> dict[str, Any]:
+    async def _attach(
+        self,
+        session: Session,
+        pools: dict[str, DevicePool],
+        pid: int,
+        counters_fd: int,
+        op: str,
+        memory: list[tuple[int, int]],
+    ) -> dict[str, Any]:
         assert session.key is not None
-        counters = CounterFile.create(self.service.shm_dir, self.service.load_slots)
         try:
-            namespace = self.namespaces.get(session.key)
-            if namespace is None:
-                namespace = await Namespace.start(
-                    session.key,
-                    self.deployment,
-                    self.model_name,
-                    self.layer_map,
-                    self.backend,
-                    self.store,
-                    pools,
-                    self._tg,
+            counters, identity = CounterFile.of_peer(pid, counters_fd, self.service.load_slots)
+        except HicacheError as exc:
+            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"{op}.{exc}") from None
+        memory = [*memory, identity]
+        if len(set(memory)) < len(memory):
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{op}.counters_fd: the counters are the pool's own memory; give each its memfd",
+            )
+        for other in self.sessions.values():
+            shared = set(memory) & set(other.memory)
+            if other is not session and other.peer_pid != pid and shared:
+                # another process's memfd reached through a descriptor of this one (opened
+                # from /proc): the sidecar would move this session's bytes into its memory
+                raise p.RequestError(
+                    p.ErrorCode.REFUSED,
+                    f"{op}: this memory is registered by {other.describe()}; a session "
+                    "registers memfds its own process created",
                 )
-                self.namespaces[session.key] = namespace
-            namespace.attach(session.id, pools)
-        except BaseException:
-            counters.unlink()
-            raise
+        namespace = self.namespaces.get(session.key)
+        if namespace is None:
+            namespace = await Namespace.start(
+                session.key,
+                self.deployment,
+                self.model_name,
+                self.layer_map,
+                self.backend,
+                self.store,
+                pools,
+                self._tg,
+            )
+            self.namespaces[session.key] = namespace
+        namespace.attach(session.id, pools)
         session.namespace, session.pools, session.counters = namespace, pools, counters
+        session.memory = memory
         session.free_slots = list(range(self.service.load_slots - 1, -1, -1))
-        return {"counters": str(counters.path), "slots": counters.slots}
+        return {"slots": counters.slots}
 
     def _ready(self, session: Session, op: str) -> Namespace:
         if session.lookup_only:

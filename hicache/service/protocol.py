@@ -23,7 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap
 
-PROTOCOL_VERSION = 2  # 2: stores say each snapshot's length, and which pages are held
+# 2: stores say each snapshot's length, and which pages are held; 3: pools and counters are
+# sealed memfds named by descriptor number (no paths)
+PROTOCOL_VERSION = 3
 HEADER = struct.Struct("<I")
 MAX_TOKENS = 1 << 20
 TOKEN_ID_MAX = (1 << 32) - 1
@@ -73,10 +75,14 @@ class GroupManifest(Msg):
     ]
 
 
+Fd = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
+
+
 class RegisterPools(Msg):
-    path: str = Field(min_length=1, max_length=4096)
-    nbytes: int = Field(ge=1)
+    fd: Fd  # in the engine's own fd table: the sidecar opens it as the socket's peer's
+    nbytes: int = Field(ge=1, le=1 << 48)
     groups: Annotated[dict[Name, GroupManifest], Field(max_length=64)]
+    counters_fd: Fd
 
 
 class CudaTensor(Msg):
@@ -103,6 +109,7 @@ class CudaGroup(Msg):
 
 class RegisterCudaPools(Msg):
     groups: Annotated[dict[Name, CudaGroup], Field(max_length=64)]
+    counters_fd: Fd
 
 
 class Tokens(Msg):
@@ -188,27 +195,55 @@ def describe(exc: ValidationError, op: str) -> str:
     return "; ".join(lines)
 
 
+def _undecodable(payload: bytes, exc: Exception) -> str:
+    detail = str(exc) or {
+        "FormatError": "a byte that starts no msgpack value",
+        "StackError": "nested too deep",
+    }.get(type(exc).__name__, type(exc).__name__)
+    if isinstance(exc, msgpack.ExtraData):
+        detail = "bytes after the first value; one request per frame"
+    head = payload[:16].hex(" ")
+    return f"frame of {len(payload)} bytes is not valid msgpack ({detail}); it starts {head}"
+
+
 def parse_request(payload: bytes) -> tuple[int, str, Msg]:
     """Decode and validate one request body; RequestError names what is wrong."""
     try:
         message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
     except Exception as exc:
-        raise RequestError(ErrorCode.BAD_FRAME, f"frame is not valid msgpack: {exc}") from None
+        raise RequestError(ErrorCode.BAD_FRAME, _undecodable(payload, exc)) from None
     if not isinstance(message, dict):
         raise RequestError(
             ErrorCode.BAD_FRAME,
             f"a request is a map with op, id and args; got {type(message).__name__}",
         )
+    not_text = [key for key in message if not isinstance(key, str)]
+    if not_text:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"request keys must be msgpack strings; got {', '.join(map(repr, not_text[:3]))} "
+            "(pack with use_bin_type=True and str keys)",
+        )
     unknown = set(message) - {"op", "id", "args"}
     if unknown:
         raise RequestError(
             ErrorCode.BAD_REQUEST,
-            f"unknown request fields {sorted(map(str, unknown))}; allowed: op, id, args",
+            f"unknown request fields {sorted(unknown)}; allowed: op, id, args",
         )
     request_id = message.get("id", 0)
     if not isinstance(request_id, int) or isinstance(request_id, bool) or request_id < 0:
         raise RequestError(ErrorCode.BAD_REQUEST, f"id must be an int >= 0 (got {request_id!r})")
-    op = message.get("op")
+    if "op" not in message:
+        raise RequestError(
+            ErrorCode.BAD_REQUEST,
+            f"request {request_id} names no op; a request is {{op, id, args}} with op one of: "
+            f"{', '.join(sorted(ARGS))}",
+        )
+    op = message["op"]
+    if not isinstance(op, str):
+        raise RequestError(
+            ErrorCode.BAD_REQUEST, f"op must be a string (got {type(op).__name__} {op!r:.40})"
+        )
     if op not in ARGS:
         raise RequestError(
             ErrorCode.UNKNOWN_OP, f"op {op!r} is not known; allowed: {', '.join(sorted(ARGS))}"

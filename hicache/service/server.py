@@ -1,11 +1,12 @@
 """`EngineServer`: the sidecar's engine channel — sessions, validation, the ops, cleanup.
 
 Lifecycle of a session: connect -> `hello` (version, token, layout and namespace checks) ->
-`register_pools` (the engine's shared pool is mapped and attached to its namespace's cache; a
-counter file is created for its loads) -> ops in order: lookup / store / load / prefetch /
-release / stats / heartbeat -> the socket closes or heartbeats stop -> `_end_session` cancels
-and awaits the session's loads (their pins go with them), detaches its pools and removes its
-counter file; the namespace's L2 pages and index stay for the next engine.
+`register_pools` (the engine's sealed memfds — its pool and its load counters — are taken from
+the socket's peer process and mapped; the pool is attached to its namespace's cache) -> ops in
+order: lookup / store / load / prefetch / release / stats / heartbeat -> the socket closes or
+heartbeats stop -> `_end_session` cancels and awaits the session's loads (their pins go with
+them), detaches its pools and drops every mapping of the engine's memory; the namespace's L2
+pages and index stay for the next engine.
 
 A request that fails validation, names a page outside the pool, or hits any error gets an
 error reply naming what is wrong; the connection and every other session carry on. Only an
@@ -19,13 +20,14 @@ import contextlib
 import itertools
 import logging
 import os
+import socket
+import struct
 import time
 from collections.abc import Callable, Coroutine
-from pathlib import Path
 from typing import Any
 
 from hicache.config import Deployment
-from hicache.errors import HicacheError, ServiceStartError
+from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
 from hicache.service import protocol as p
@@ -33,11 +35,23 @@ from hicache.service.connection import EngineConnection
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
 from hicache.service.ops import DeferToAwait, EngineOps
-from hicache.service.sessions import DrainReport, Session, process_alive, remove_under
+from hicache.service.sessions import DrainReport, Session
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
 log = logging.getLogger("hicache.service")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def peer_pid(transport: asyncio.BaseTransport) -> int | None:
+    """The pid of a Unix socket's peer, from the kernel (SO_PEERCRED); None for TCP."""
+    sock = transport.get_extra_info("socket")
+    if sock is None or sock.family != socket.AF_UNIX:
+        return None
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, _uid, _gid = _PEERCRED.unpack(raw)
+    return int(pid) if pid > 0 else None
+
 
 Handler = Callable[[Session, Any], Coroutine[Any, Any, dict[str, Any]]]
 InlineHandler = Callable[[Session, Any], dict[str, Any]]
@@ -126,6 +140,10 @@ class EngineServer(EngineOps):
         log.info("engine channel listening", extra={"fields": {"socket": str(path)}})
 
     @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
     def listening(self) -> bool:
         return bool(self._servers) and all(s.is_serving() for s in self._servers)
 
@@ -155,6 +173,7 @@ class EngineServer(EngineOps):
             connection.transport.close()
             return None
         session = Session(next(self._session_ids), connection.transport, time.monotonic())
+        session.peer_pid = peer_pid(connection.transport)
         self.sessions[session.id] = session
         self.metrics.sessions.set(len(self.sessions))
         return session
@@ -206,6 +225,12 @@ class EngineServer(EngineOps):
     def _error_reply(self, session: Session, request_id: int, op: str, exc: Exception) -> bytes:
         if isinstance(exc, p.RequestError):
             code, message = exc.code, exc.message
+        elif isinstance(exc, PoolExhaustedError):  # pages pinned by ops in flight: transient
+            code = p.ErrorCode.BUSY
+            message = (
+                f"{op}: no free L2 page now ({exc}); the rest are pinned by copies in flight: "
+                "retry after they end (if this persists, raise host.capacity_bytes)"
+            )
         elif isinstance(exc, HicacheError):
             code, message = p.ErrorCode.BAD_REQUEST, f"{op}: {exc}"
         else:  # the server stays up; the engine learns what happened
@@ -224,12 +249,10 @@ class EngineServer(EngineOps):
         namespace = session.namespace
         if namespace is not None and namespace.owner == session.id:
             namespace.detach()
-        if session.counters is not None:
-            session.counters.unlink()
         session.loads.clear()
-        session.pools = None
-        if session.pool_path is not None and session.pid:
-            self._tg.create_task(self._reap_pool_file(session.pid, session.pool_path))
+        # the last references to the engine's memory: a dead engine's memfd is freed now
+        session.pools = session.counters = session.namespace = None
+        session.memory = []
         self.sessions.pop(session.id, None)
         self.metrics.sessions.set(len(self.sessions))
         with contextlib.suppress(Exception):
@@ -244,17 +267,6 @@ class EngineServer(EngineOps):
                 }
             },
         )
-
-    async def _reap_pool_file(self, pid: int, path: Path, wait_s: float = 5.0) -> None:
-        """An engine that dies leaves its pool file in shared memory; once its process is gone
-        (its socket closes a moment before it exits), remove the file. A live engine that
-        merely disconnected keeps it: it re-registers the same file on reconnect."""
-        deadline = time.monotonic() + wait_s
-        while process_alive(pid):
-            if time.monotonic() > deadline:
-                return
-            await asyncio.sleep(0.05)
-        remove_under(path, self.service.shm_dir)
 
     async def _watchdog(self) -> None:
         timeout = self.service.heartbeat_timeout_s

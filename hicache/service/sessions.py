@@ -1,14 +1,10 @@
 """What the engine server keeps per engine: `Session` (its namespace, mapped pools, counter
-file, unreleased loads), `LoadEntry`, the `DrainReport`, and the process and file checks used
-when an engine goes away."""
+file, unreleased loads), `LoadEntry`, the `DrainReport`."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from hicache.memory import DevicePool
 from hicache.scheduler import OpHandle
@@ -29,21 +25,24 @@ class Session:
     transport: asyncio.Transport
     last_seen: float
     engine: str = ""
-    pid: int = 0
+    pid: int = 0  # as the engine says in hello (its own pid namespace's view)
+    peer_pid: int | None = None  # the Unix socket's peer as the kernel says; None over TCP
     key: NamespaceKey | None = None
     namespace: Namespace | None = None
     pools: dict[str, DevicePool] | None = None
-    pool_path: Path | None = None
     counters: CounterFile | None = None
+    memory: list[tuple[int, int]] = field(default_factory=list)  # (st_dev, st_ino) mapped
     loads: dict[int, LoadEntry] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
     in_request: int = 0  # awaited requests in progress: a busy engine is not a silent one
     lookup_only: bool = False  # hello role "lookup": no pools, no stores or loads
+    ending: asyncio.Task[None] | None = None  # set once its connection is gone
 
     def describe(self) -> str:
         who = f"session {self.id}"
-        if self.engine or self.pid:
-            who += f" ({self.engine or 'engine'} pid {self.pid})"
+        pid = self.peer_pid or self.pid
+        if self.engine or pid:
+            who += f" ({self.engine or 'engine'} pid {pid})"
         return who
 
 
@@ -52,24 +51,3 @@ class DrainReport:
     loads_finished: int
     loads_cancelled: int
     pages_flushed: int
-
-
-def process_alive(pid: int) -> bool:
-    """The process exists and is not a zombie (exited, not yet reaped by its parent)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def remove_under(path: Path, root: Path) -> None:
-    with contextlib.suppress(OSError):
-        if path.resolve().is_relative_to(root.resolve()):
-            path.unlink()

@@ -1,14 +1,24 @@
 """Shared memory between an engine process and the sidecar: the engine's KV pool and the
 per-load layer counters. Bytes never cross the socket; only a manifest of where they live.
 
-Pool file (CPU data plane). The engine creates it (`SharedPools.create`) under the sidecar's
-`service.shm_dir`: per cache group, per layer, per tensor one contiguous `[slots, *shape]`
-tensor, each at a 4 KiB-aligned offset. `register_pools` sends the manifest (path, size, per
-tensor offsets); the sidecar maps the same file (`map_pools`) after checking the file (a regular
-file under shm_dir, ours, of the stated size) and every offset (in bounds, aligned, no two
-tensors overlapping). The engine unlinks the file when it closes; a mapping outlives the name.
+Both live in memfds the ENGINE creates (`SharedPools.create`, `CounterFile.create`), sized once
+and sealed (`F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL`) before anyone maps them: nobody, the
+engine included, can shrink them afterwards, so no mapping of them can ever fault (a truncated
+shared file delivers SIGBUS to every process touching the lost pages — a sidecar serving many
+engines must not die of one). Pool layout: per cache group, per layer, per tensor one contiguous
+`[slots, *shape]` tensor, each at a 4 KiB-aligned offset.
 
-Counter file. The sidecar creates one per session: `slots` rows of six int64
+`register_pools` sends descriptor NUMBERS in the engine's own fd table, never paths. The sidecar
+opens `/proc/<pid>/fd/<n>` where `<pid>` is the Unix socket's peer, as the kernel reports it
+(`SO_PEERCRED`) — not what the engine claims — so a session can only ever register memory its
+own process holds: another engine's pool cannot be named. The sidecar checks what it opened (a
+regular shmem file, not hugetlb, sealed against shrinking, of the stated size, mappable for
+writing) and every offset (in bounds, aligned, no two tensors overlapping), maps it, and closes
+its descriptor. Nothing is created in /dev/shm: a memfd's memory goes when the last descriptor
+and mapping go, so neither a crashed engine nor a crashed sidecar leaves files behind. The
+sidecar drops its mappings when the session ends.
+
+Counter file: one per registration, `slots` rows of six int64
 `[load_id, layers_done, state, num_layers, landed_ns, stop]` (landed_ns: CLOCK_MONOTONIC when
 the latest layer landed, so the engine can measure how late it saw it), then, per slot,
 `CAUSE_BYTES` of UTF-8 (NUL-padded): why the load's walk stopped. A load's row is written
@@ -31,14 +41,14 @@ event).
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import mmap
 import os
-import secrets
 import stat
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +61,7 @@ from hicache.transfer import LayerFailure, StopKind
 ALIGN_BYTES = 4096
 COUNTER_FIELDS = 6  # load_id, layers_done, state, num_layers, landed_ns, stop
 CAUSE_BYTES = 256  # per slot, after the rows: the stop's reason, UTF-8, NUL-padded
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
 class LoadState(IntEnum):
@@ -69,26 +80,84 @@ def _tensor_bytes(geometry: GroupGeometry, num_pages: int, tensor: str) -> int:
     return num_pages * geometry.row_bytes(tensor)
 
 
-def _create_file(directory: Path, prefix: str, nbytes: int) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"{prefix}-{os.getpid()}-{secrets.token_hex(6)}"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+def sealed_memfd(name: str, nbytes: int) -> int:
+    """A memfd of exactly `nbytes`, sealed so that no one can resize it (its descriptor)."""
+    fd = os.memfd_create(f"{name}-{os.getpid()}", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, nbytes)
-    finally:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+    except BaseException:
         os.close(fd)
-    return path
+        raise
+    return fd
 
 
-def _map(path: Path, nbytes: int) -> torch.Tensor:
-    return torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8)
+def map_fd(fd: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` of a shared descriptor as a uint8 tensor; the mapping lives while the tensor
+    (or any view of it) does, and outlives the descriptor."""
+    mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapping, dtype=torch.uint8)
+
+
+@dataclass(frozen=True, slots=True)
+class PeerMemory:
+    """A mapping of an engine's memfd, and the memfd's identity (st_dev, st_ino): the same
+    memory reached through another process's descriptor has the same identity."""
+
+    tensor: torch.Tensor
+    identity: tuple[int, int]
+
+
+def map_peer_fd(pid: int, fd: int, nbytes: int, where: str) -> PeerMemory:
+    """Map descriptor `fd` of process `pid` (the socket's peer, from the kernel), after
+    checking it is memory nobody can shrink under us."""
+    told = f"{where}: descriptor {fd} of engine pid {pid}"
+    try:
+        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise PoolManifestError(
+            f"{told} cannot be opened ({exc.strerror or exc}); send the fd of a memfd made by "
+            "SharedPools.create (the sidecar must run as the engine's uid, or as root)"
+        ) from None
+    try:
+        info = os.fstat(own)
+        if not stat.S_ISREG(info.st_mode):
+            raise PoolManifestError(f"{told} is not a memfd (not a regular file)")
+        try:
+            seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
+        except OSError:
+            seals = 0
+        if not seals & fcntl.F_SEAL_SHRINK:
+            raise PoolManifestError(
+                f"{told} is not sealed against shrinking (F_SEAL_SHRINK): a shrunk file would "
+                "fault the sidecar; create it with SharedPools.create"
+            )
+        if info.st_blksize != mmap.PAGESIZE:
+            raise PoolManifestError(
+                f"{told} has {info.st_blksize}-byte pages (hugetlb?); only plain memfds of "
+                f"{mmap.PAGESIZE}-byte pages are mapped"
+            )
+        if info.st_size != nbytes:
+            raise PoolManifestError(
+                f"{where}: nbytes {nbytes} does not match the memfd's size {info.st_size}"
+            )
+        try:
+            return PeerMemory(map_fd(own, nbytes), (info.st_dev, info.st_ino))
+        except (OSError, ValueError) as exc:
+            raise PoolManifestError(
+                f"{told} cannot be mapped for writing ({exc}); is it write-sealed?"
+            ) from None
+    finally:
+        os.close(own)
 
 
 @dataclass
 class SharedPools:
-    """The engine's side: KV pools in one shared file, as tensors the engine computes with."""
+    """The engine's side: KV pools in one sealed memfd, as tensors the engine computes with.
+    `fd` stays open while the pools are registered (the sidecar opens it again on reconnect);
+    `close` closes it (the memory goes when the last mapping does)."""
 
-    path: Path
+    fd: int
     nbytes: int
     geometries: dict[str, GroupGeometry]
     num_pages: dict[str, int]
@@ -97,10 +166,7 @@ class SharedPools:
 
     @classmethod
     def create(
-        cls,
-        geometries: Mapping[str, GroupGeometry],
-        num_pages: int | Mapping[str, int],
-        directory: Path | str = "/dev/shm",
+        cls, geometries: Mapping[str, GroupGeometry], num_pages: int | Mapping[str, int]
     ) -> SharedPools:
         pages = {
             name: num_pages if isinstance(num_pages, int) else num_pages[name]
@@ -119,12 +185,17 @@ class SharedPools:
                     cursor = _align(cursor + _tensor_bytes(geom, pages[name], tensor))
                 offsets[name].append(row)
         nbytes = max(cursor, ALIGN_BYTES)
-        path = _create_file(Path(directory), "hicache-pool", nbytes)
-        return cls(path, nbytes, dict(geometries), pages, offsets, _map(path, nbytes))
+        fd = sealed_memfd("hicache-pool", nbytes)
+        try:
+            buffer = map_fd(fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(fd, nbytes, dict(geometries), pages, offsets, buffer)
 
     def manifest(self) -> dict[str, Any]:
         return {
-            "path": str(self.path),
+            "fd": self.fd,
             "nbytes": self.nbytes,
             "groups": {
                 name: {"num_pages": self.num_pages[name], "offsets": self.offsets[name]}
@@ -135,8 +206,11 @@ class SharedPools:
     def device_pools(self) -> dict[str, DevicePool]:
         return _views(self.buffer, self.geometries, self.num_pages, self.offsets)
 
-    def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)
+    def close(self) -> None:
+        """Close the descriptor (idempotent); the tensors stay valid while referenced."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def _views(
@@ -161,29 +235,11 @@ def _views(
 
 
 def map_pools(
-    manifest: Mapping[str, Any], geometries: Mapping[str, GroupGeometry], shm_dir: Path
-) -> dict[str, DevicePool]:
-    """The sidecar's side: check the manifest against the file and the geometries, then map."""
-    path = Path(manifest["path"])
+    manifest: Mapping[str, Any], geometries: Mapping[str, GroupGeometry], peer_pid: int
+) -> tuple[dict[str, DevicePool], tuple[int, int]]:
+    """The sidecar's side: check the manifest against the geometries, then map the peer's
+    memfd (`map_peer_fd` checks the descriptor)."""
     nbytes = manifest["nbytes"]
-    root = shm_dir.resolve()
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root):
-        raise PoolManifestError(
-            f"path {str(path)!r} is outside the shared-memory dir {str(root)!r}"
-        )
-    try:
-        info = os.stat(resolved)
-    except FileNotFoundError:
-        raise PoolManifestError(f"path {str(path)!r} does not exist") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise PoolManifestError(f"path {str(path)!r} is not a regular file")
-    if info.st_uid != os.getuid():
-        raise PoolManifestError(
-            f"path {str(path)!r} belongs to uid {info.st_uid}, not {os.getuid()}"
-        )
-    if info.st_size != nbytes:
-        raise PoolManifestError(f"nbytes {nbytes} does not match the file's size {info.st_size}")
     groups = manifest["groups"]
     if set(groups) != set(geometries):
         raise PoolManifestError(
@@ -211,55 +267,69 @@ def map_pools(
                     raise PoolManifestError(f"{where}: offset {offset} is not {itemsize}-aligned")
                 if offset + size > nbytes:
                     raise PoolManifestError(
-                        f"{where}: bytes {offset}..{offset + size} run past the file's {nbytes}"
+                        f"{where}: bytes {offset}..{offset + size} run past the pool's {nbytes}"
                     )
                 spans.append((offset, offset + size, where))
     spans.sort()
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
             raise PoolManifestError(f"{second} overlaps {first}")
-    buffer = _map(resolved, nbytes)
+    memory = map_peer_fd(peer_pid, manifest["fd"], nbytes, "fd")
     pages_of = {name: groups[name]["num_pages"] for name in geometries}
-    return _views(buffer, geometries, pages_of, {n: groups[n]["offsets"] for n in geometries})
+    offsets = {n: groups[n]["offsets"] for n in geometries}
+    return _views(memory.tensor, geometries, pages_of, offsets), memory.identity
 
 
 class CounterFile:
-    """Per-session load counters in shared memory (`slots` rows of six int64, then a cause
-    text per slot)."""
+    """Per-registration load counters in shared memory (`slots` rows of six int64, then a
+    cause text per slot). The engine creates it (`create`: a sealed memfd, `fd` sent in
+    register_pools); the sidecar maps the engine's descriptor (`of_peer`)."""
 
     def __init__(
         self,
-        path: Path,
         slots: int,
         array: np.ndarray[Any, np.dtype[np.int64]],
         causes: np.ndarray[Any, np.dtype[np.uint8]],
+        tensor: torch.Tensor,
+        fd: int = -1,
     ):
-        self.path = path
         self.slots = slots
         self.array = array
         self.causes = causes
-        self._tensor: torch.Tensor | None = None  # keeps the mapping alive
+        self.fd = fd
+        self._tensor = tensor  # keeps the mapping alive
 
     @staticmethod
     def nbytes(slots: int) -> int:
         return max(slots * (COUNTER_FIELDS * 8 + CAUSE_BYTES), 8)
 
     @classmethod
-    def create(cls, directory: Path, slots: int) -> CounterFile:
-        path = _create_file(directory, "hicache-counters", cls.nbytes(slots))
-        return cls.open(path, slots)
+    def create(cls, slots: int) -> CounterFile:
+        fd = sealed_memfd("hicache-counters", cls.nbytes(slots))
+        try:
+            return cls._of(map_fd(fd, cls.nbytes(slots)), slots, fd)
+        except BaseException:
+            os.close(fd)
+            raise
 
     @classmethod
-    def open(cls, path: Path | str, slots: int) -> CounterFile:
-        path = Path(path)
-        tensor = _map(path, cls.nbytes(slots))
+    def of_peer(cls, pid: int, fd: int, slots: int) -> tuple[CounterFile, tuple[int, int]]:
+        memory = map_peer_fd(pid, fd, cls.nbytes(slots), "counters_fd")
+        return cls._of(memory.tensor, slots), memory.identity
+
+    @classmethod
+    def _of(cls, tensor: torch.Tensor, slots: int, fd: int = -1) -> CounterFile:
         raw = tensor.numpy()
         rows_end = slots * COUNTER_FIELDS * 8
         array = raw[:rows_end].view(np.int64).reshape(slots, COUNTER_FIELDS)
         causes = raw[rows_end : rows_end + slots * CAUSE_BYTES].reshape(slots, CAUSE_BYTES)
-        counters = cls(path, slots, array, causes)
-        counters._tensor = tensor
-        return counters
+        return cls(slots, array, causes, tensor, fd)
+
+    def close(self) -> None:
+        """Close the engine's descriptor (idempotent); the mapping stays while referenced."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
     def start(self, slot: int, load_id: int, num_layers: int) -> None:
         row = self.array[slot]
@@ -297,6 +367,3 @@ class CounterFile:
             return None
         reason = self.causes[slot].tobytes().rstrip(b"\0").decode(errors="replace")
         return LayerFailure(int(row[1]), StopKind(code), reason)
-
-    def unlink(self) -> None:
-        self.path.unlink(missing_ok=True)

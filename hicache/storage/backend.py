@@ -73,5 +73,14 @@ class StorageBackend(abc.ABC):
         with registered memory returns memory it can send from without a copy)."""
         return memoryview(bytearray(nbytes))
 
+    # things met where an object should be that are not one (a directory or FIFO in place of
+    # a file, a Redis list under an object's key): each read as a miss for its key, counted
+    # here, never a failure for the breaker
+    objects_damaged: int = 0
+
+    def damaged(self) -> int:
+        """`objects_damaged` so far (a wrapper answers for the backend it wraps)."""
+        return self.objects_damaged
+
     async def close(self) -> None:
         return None

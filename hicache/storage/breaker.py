@@ -8,6 +8,10 @@ sidecar's probe task makes that trial in the background, so a recovered backend 
 before the next engine request needs it.
 
 Both thresholds are constructor parameters (defaults: 3 failures, 5 s), checked there.
+`failure(why)` keeps the reason of the latest failure; `describe()` is what a readiness
+probe lists: the state, why, failures in a row and how long until the next trial. `outages`
+counts the times it closed after being open: the backend is back, perhaps empty (a restarted
+server), which the cache checks (`hicache/cache/resync.py`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import math
 import time
 from collections.abc import Callable
 from enum import StrEnum
+from typing import Any
 
 DEFAULT_FAILURE_THRESHOLD = 3
 DEFAULT_RESET_AFTER_S = 5.0
@@ -56,6 +61,8 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at: float | None = None
         self._trial_in_flight = False
+        self.last_failure: str | None = None  # the latest failure's reason, kept after closing
+        self.outages = 0  # open -> closed transitions: the backend is back, maybe empty
 
     @property
     def state(self) -> BreakerState:
@@ -76,11 +83,15 @@ class CircuitBreaker:
 
     def success(self) -> None:
         self._failures = 0
+        if self._opened_at is not None:
+            self.outages += 1
         self._opened_at = None
         self._trial_in_flight = False
 
-    def failure(self) -> None:
+    def failure(self, why: str | None = None) -> None:
+        """A call failed (`why`: what and how, e.g. "get:timeout")."""
         self._trial_in_flight = False
+        self.last_failure = why
         self._failures += 1
         if self._opened_at is not None or self._failures >= self.failure_threshold:
             self._opened_at = self._clock()
@@ -89,3 +100,17 @@ class CircuitBreaker:
         """A call `allow` let through ended with no verdict (its caller was cancelled): a
         half-open trial is free again. Counts neither way."""
         self._trial_in_flight = False
+
+    def describe(self) -> dict[str, Any]:
+        """The breaker for a readiness or stats answer: state, the latest failure's reason,
+        failures in a row, and (open) seconds until a trial may go through."""
+        state = self.state
+        retry_in = None
+        if state is BreakerState.OPEN and self._opened_at is not None:
+            retry_in = max(0.0, self._opened_at + self.reset_after_s - self._clock())
+        return {
+            "state": state.value,
+            "why": self.last_failure,
+            "failures_in_a_row": self._failures,
+            "trial_in_s": None if retry_in is None else round(retry_in, 3),
+        }

@@ -116,6 +116,9 @@ class FaultyBackend(StorageBackend):
     def register_memory(self, view: memoryview) -> None:
         self.inner.register_memory(view)
 
+    def damaged(self) -> int:
+        return self.inner.damaged()
+
     def alloc_buffer(self, nbytes: int) -> memoryview:
         return self.inner.alloc_buffer(nbytes)
 

@@ -21,11 +21,15 @@ overlaps its predecessor). The rules:
   `stale_tmp_after_s` (default 10 min; a write keeps the mtime fresh). Any other temporary —
   another host's, another container's, an older version's unparseable name — is judged by
   age alone. `removed_temporaries` counts what start-up removed.
-- **Only regular files are objects.** A directory, FIFO, socket or device where an object
-  should be is a miss: dropped from the catalogue and counted (`non_regular`), never an
-  exception for the breaker, never a hang (objects are opened `O_NONBLOCK` and checked with
-  `fstat` before any read; the scan and `exists_many` check `S_ISREG`). A put onto such a
-  path is refused for that key. The thing itself is left where it is: it is not ours.
+- **Only regular files are objects.** A directory, FIFO, socket, device or symbolic link
+  (to anything, or dangling) where an object should be is a miss: dropped from the catalogue
+  and counted (`objects_damaged`), never an exception for the breaker, never a hang (objects
+  are opened `O_NONBLOCK | O_NOFOLLOW` and checked with `fstat` before any read; the scan and
+  `exists_many` `lstat` and check `S_ISREG`). A put onto a directory, or into a shard whose
+  directory is not one, is refused for that key (counted too); a put onto a FIFO, socket or
+  link replaces that entry atomically, as it would a stale object. Nothing else is removed:
+  the thing is not ours. A truncated, empty or garbled regular file is an object that fails
+  verification: `GuardedStore` deletes it and counts it as corrupt.
 """
 
 from __future__ import annotations
@@ -45,13 +49,16 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from hicache.errors import TierUnavailableError
 from hicache.storage.backend import MISSING, Buffer, StorageBackend
 
 _SUFFIX = ".kv"
 _TMP = ".tmp-"
 STALE_TMP_AFTER_S = 600.0
 # open() errors that mean "no object of ours here" (a miss), not a failing disk
+# (ENXIO: a socket; ELOOP: a symbolic link, refused by O_NOFOLLOW)
 _NOT_AN_OBJECT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENXIO, errno.ELOOP, errno.EISDIR})
+_OPEN_FLAGS = os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _writer_id() -> str:
@@ -123,7 +130,7 @@ class FileBackend(StorageBackend):
         self._lock = threading.Lock()
         self._dirs: set[Path] = set()
         self.adopted = 0  # objects found on disk that the catalogue did not list
-        self.non_regular = 0  # non-regular files met where an object should be
+        self.objects_damaged = 0  # non-regular files met where an object (or shard) should be
         self.removed_temporaries = 0
         self.root.mkdir(parents=True, exist_ok=True)
         self._rebuild()
@@ -139,8 +146,8 @@ class FileBackend(StorageBackend):
         now = time.time()
         for path in self.root.glob("*/*"):
             try:
-                st = path.stat()
-            except OSError:  # gone meanwhile (another process), or a dangling link
+                st = path.lstat()  # a link is not followed: it is no object of ours
+            except OSError:  # gone meanwhile (another process)
                 continue
             if path.name.startswith(_TMP):
                 if _abandoned(path.name, st.st_mtime, self.stale_tmp_after_s, now):
@@ -157,7 +164,7 @@ class FileBackend(StorageBackend):
             except ValueError:
                 continue
             if not stat.S_ISREG(st.st_mode):
-                self.non_regular += 1
+                self.objects_damaged += 1
                 continue
             found.append((st.st_mtime, key, st.st_size))
         for _, key, size in sorted(found):
@@ -189,7 +196,7 @@ class FileBackend(StorageBackend):
 
     def _not_regular(self, key: bytes) -> None:
         with self._lock:
-            self.non_regular += 1
+            self.objects_damaged += 1
             self._forget(key)
 
     # ---- blocking operations (run in threads) -----------------------------------------------
@@ -197,7 +204,11 @@ class FileBackend(StorageBackend):
     def _put(self, key: bytes, parts: Sequence[Buffer]) -> bool:
         path = self._path(key)
         if path.parent not in self._dirs:
-            path.parent.mkdir(exist_ok=True)
+            try:
+                path.parent.mkdir(exist_ok=True)
+            except FileExistsError:  # a file (or a dangling link) where the shard goes
+                self._not_regular(key)
+                return False
             self._dirs.add(path.parent)
         tmp = path.parent / temporary_name()
         try:
@@ -215,8 +226,14 @@ class FileBackend(StorageBackend):
             tmp.unlink(missing_ok=True)
             self._not_regular(key)
             return False
-        except FileNotFoundError:  # our temporary was removed under us: not stored
+        except NotADirectoryError:  # the shard became a file since we made it
+            self._dirs.discard(path.parent)
+            self._not_regular(key)
+            return False
+        except FileNotFoundError:  # our temporary, or its shard, was removed under us
             tmp.unlink(missing_ok=True)
+            self._dirs.discard(path.parent)  # made again by the next put
+            self._check_root()  # the whole directory gone is a failure, not a refusal
             return False
         except OSError:
             tmp.unlink(missing_ok=True)
@@ -243,16 +260,17 @@ class FileBackend(StorageBackend):
 
     def _open(self, key: bytes) -> tuple[int, int] | None:
         """The object's fd and size, or None where there is no regular file (a miss; the
-        catalogue forgets it). `O_NONBLOCK`: opening a FIFO never waits for a writer."""
+        catalogue forgets it). `O_NONBLOCK`: opening a FIFO never waits for a writer;
+        `O_NOFOLLOW`: a link is refused (ELOOP), never followed elsewhere."""
         try:
-            fd = os.open(self._path(key), os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            fd = os.open(self._path(key), _OPEN_FLAGS)
         except OSError as exc:
             if exc.errno not in _NOT_AN_OBJECT:
                 raise
-            if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            if exc.errno == errno.ENOENT:
                 with self._lock:
                     self._forget(key)
-            else:
+            else:  # ENOTDIR: the shard is a file; the others: not a regular file
                 self._not_regular(key)
             return None
         try:
@@ -303,10 +321,12 @@ class FileBackend(StorageBackend):
     def _stat(self, key: bytes) -> bool:
         """Whether a regular object file exists for `key` (adopted when found)."""
         try:
-            st = os.stat(self._path(key))
+            st = os.lstat(self._path(key))
         except OSError as exc:
             if exc.errno not in _NOT_AN_OBJECT:
                 raise
+            if exc.errno == errno.ENOTDIR:  # the shard is a file: counted, like a bad object
+                self._not_regular(key)
             return False
         if not stat.S_ISREG(st.st_mode):
             self._not_regular(key)
@@ -320,13 +340,50 @@ class FileBackend(StorageBackend):
         with self._lock:
             self._forget(key)
 
+    def _check_root(self) -> None:
+        """Raise when the L3 directory itself is gone (unmounted, removed): a failure of the
+        whole backend, for the breaker — not a miss per key. Checked after a batch that
+        missed, so a miss costs one more `stat` per batch, none per key."""
+        try:
+            st = os.stat(self.root)
+        except OSError as exc:
+            raise TierUnavailableError(
+                f"file L3 at {str(self.root)!r}: the directory is gone ({exc.strerror}); "
+                "it must exist and be a directory for the backend's lifetime"
+            ) from exc
+        if not stat.S_ISDIR(st.st_mode):
+            raise TierUnavailableError(
+                f"file L3 at {str(self.root)!r}: is no longer a directory; it must stay one "
+                "for the backend's lifetime"
+            )
+
+    def _gets(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        out = [self._get(k) for k in keys]
+        if any(v is None for v in out):
+            self._check_root()
+        return out
+
+    def _gets_parts(
+        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+    ) -> list[int]:
+        out = [self._get_parts(k, t) for k, t in zip(keys, targets, strict=True)]
+        if MISSING in out:
+            self._check_root()
+        return out
+
+    def _stats(self, keys: Sequence[bytes]) -> list[bool]:
+        out = [self._stat(k) for k in keys]
+        if not all(out):
+            self._check_root()
+        return out
+
     # ---- async interface ------------------------------------------------------------------
 
     async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         return await asyncio.to_thread(lambda: [self._put(k, [d]) for k, d in items])
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        return await asyncio.to_thread(lambda: [self._get(k) for k in keys])
+        return await asyncio.to_thread(self._gets, keys)
 
     vectored_put = True
     chunked_put = True
@@ -335,9 +392,7 @@ class FileBackend(StorageBackend):
     async def get_parts_many(
         self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
     ) -> list[int]:
-        return await asyncio.to_thread(
-            lambda: [self._get_parts(k, t) for k, t in zip(keys, targets, strict=True)]
-        )
+        return await asyncio.to_thread(self._gets_parts, keys, targets)
 
     async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
         return await asyncio.to_thread(lambda: [self._put(k, list(p)) for k, p in items])
@@ -350,7 +405,7 @@ class FileBackend(StorageBackend):
         unknown = [k for k, listed in zip(keys, known, strict=True) if not listed]
         if not unknown:
             return known
-        found = iter(await asyncio.to_thread(lambda: [self._stat(k) for k in unknown]))
+        found = iter(await asyncio.to_thread(self._stats, unknown))
         return [listed or next(found) for listed in known]
 
     async def delete_many(self, keys: Sequence[bytes]) -> None:

@@ -1,8 +1,12 @@
 """`GuardedStore`: the L3 tier as the rest of hicache sees it — misses, never exceptions.
 
 Every object is written with a header and checksum and verified on read; a corrupt object is
-deleted, counted and reported as a miss. Each call has a timeout derived from its bytes
-(`base_timeout_s + bytes / min_bandwidth_bytes_per_s`). A `CircuitBreaker` counts failures:
+deleted, counted and reported as a miss. A damaged one — something that is not an object
+where one should be (a directory or FIFO in place of a file, a Redis list under its key) — is
+a miss the backend counts (`objects_damaged`); neither feeds the breaker, which hears only of
+calls that failed as a whole or keys the backend could not answer for. Each call has a
+timeout derived from its bytes (`base_timeout_s + bytes / min_bandwidth_bytes_per_s`).
+A `CircuitBreaker` counts failures (and keeps the latest one's reason, for `/readyz`):
 after `failure_threshold` in a row it opens and calls return misses at once without touching
 the backend; after `reset_after_s` the next call is a trial (half-open) that closes the
 breaker on success or re-opens it on failure (`breaker.py`). Backend-native errors are mapped to
@@ -296,6 +300,24 @@ class GuardedStore:
         self._head_arena: memoryview | None = None
         self._get_lock = asyncio.Lock()
 
+    @property
+    def objects_damaged(self) -> int:
+        """Things met where an object should be that were not one (the backend's count)."""
+        return self.backend.damaged()
+
+    def _failed(
+        self,
+        reason: str,
+        exc: BaseException | None = None,
+        note: str | None = None,
+        count: int = 1,
+    ) -> None:
+        """Count a failed call (or `count` failed keys) under `reason` ("what:how") and
+        tell the breaker why, once."""
+        self.stats.failures[reason] += count
+        detail = note if exc is None else str(exc)
+        self.breaker.failure(reason if not detail else f"{reason}: {detail[:200]}")
+
     def _timeout(self, nbytes: int) -> float:
         return self.base_timeout_s + nbytes / self.min_bandwidth
 
@@ -317,15 +339,13 @@ class GuardedStore:
         try:
             result = await asyncio.wait_for(coro_factory(), self._timeout(nbytes))
         except TimeoutError:
-            self.stats.failures[f"{what}:timeout"] += 1
-            self.breaker.failure()
+            self._failed(f"{what}:timeout")
             return None, "timeout"
         except asyncio.CancelledError:
             self.breaker.abandon()
             raise
         except Exception as exc:  # every backend error becomes a miss; counted by reason
-            self.stats.failures[f"{what}:{type(exc).__name__}"] += 1
-            self.breaker.failure()
+            self._failed(f"{what}:{type(exc).__name__}", exc)
             return None, type(exc).__name__
         self.breaker.success()
         return result, None
@@ -353,13 +373,11 @@ class GuardedStore:
             self.breaker.abandon()
             raise
         if not done:
-            self.stats.failures[f"{what}:timeout"] += 1
-            self.breaker.failure()
+            self._failed(f"{what}:timeout")
             return None, "timeout"
         exc = call.exception() if not call.cancelled() else asyncio.CancelledError()
         if exc is not None:
-            self.stats.failures[f"{what}:{type(exc).__name__}"] += 1
-            self.breaker.failure()
+            self._failed(f"{what}:{type(exc).__name__}", exc)
             return None, type(exc).__name__
         return call.result(), None
 
@@ -609,8 +627,9 @@ class GuardedStore:
                 break
             failed = [i for i, n in zip(chunk, read, strict=True) if n == FAILED]
             if failed:  # the backend could not say for these keys: a failure, not a miss
-                self.stats.failures["get:key_failed"] += len(failed)
-                self.breaker.failure()
+                self._failed(
+                    "get:key_failed", note=f"{len(failed)} of {len(chunk)} keys", count=len(failed)
+                )
             else:
                 self.breaker.success()
             jobs = [

@@ -11,6 +11,12 @@ the payload straight from the caller's memory — and sent on one pooled connect
 blocking client from a worker thread, so a page is never copied into an encoding buffer (on
 this 2-vCPU machine that copy, not the socket, was what held puts at half the raw client's
 speed). Reads stay on the asyncio client.
+
+A value of another type under an object's key (a list, a hash: someone else's write into our
+prefix) is a miss for that key, not a failure: GET answers it with a per-command WRONGTYPE
+error, which is read per reply (the pipeline does not raise on it), counted in
+`objects_damaged` and the key unlinked — a key under our prefix is ours. Any other error
+reply still fails the call.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from collections.abc import Iterable, Sequence
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 
 from hicache.errors import TierUnavailableError
 from hicache.storage.backend import Buffer, StorageBackend
@@ -58,12 +64,16 @@ class RedisBackend(StorageBackend):
     def _name(self, key: bytes) -> str:
         return f"{self.key_prefix}{{{key.hex()}}}"
 
-    async def _pipeline(self, commands: Sequence[tuple[str, tuple[object, ...]]]) -> list[object]:
+    async def _pipeline(
+        self, commands: Sequence[tuple[str, tuple[object, ...]]], *, per_reply: bool = False
+    ) -> list[object]:
+        """The replies in order; `per_reply`: error replies come back as `ResponseError`
+        values for the caller to judge, instead of failing the whole call."""
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for command, args in commands:
                     getattr(pipe, command)(*args)
-                return list(await pipe.execute())
+                return list(await pipe.execute(raise_on_error=not per_reply))
         except (RedisError, OSError) as exc:
             raise TierUnavailableError(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
 
@@ -112,8 +122,24 @@ class RedisBackend(StorageBackend):
         return await asyncio.to_thread(send)
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        replies = await self._pipeline([("get", (self._name(k),)) for k in keys])
-        return [r if isinstance(r, bytes) else None for r in replies]
+        names = [self._name(k) for k in keys]
+        replies = await self._pipeline([("get", (name,)) for name in names], per_reply=True)
+        out: list[bytes | None] = []
+        damaged = []
+        for name, reply in zip(names, replies, strict=True):
+            if isinstance(reply, ResponseError):
+                if not str(reply).startswith("WRONGTYPE"):
+                    raise TierUnavailableError(
+                        f"redis at {self.url}: GET {name}: {type(reply).__name__}: {reply}"
+                    )
+                damaged.append(name)  # not a string: no object of ours, a miss
+                out.append(None)
+            else:
+                out.append(reply if isinstance(reply, bytes) else None)
+        if damaged:
+            self.objects_damaged += len(damaged)
+            await self._pipeline([("unlink", (name,)) for name in damaged])
+        return out
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         replies = await self._pipeline([("exists", (self._name(k),)) for k in keys])

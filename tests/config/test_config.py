@@ -67,7 +67,7 @@ def test_storage_without_kind_is_the_default_file_kind(tmp_path: Path) -> None:
     # a file with no storage section still takes a storage override from the environment
     loaded = load_deployment(write(tmp_path, BASE), env={"HICACHE_STORAGE__PATH": "/tmp/l3"})
     assert loaded.deployment.storage.kind == "file"
-    assert str(loaded.deployment.storage.path) == "/tmp/l3"  # type: ignore[union-attr]
+    assert str(loaded.deployment.storage.path) == "/tmp/l3"
     d = load_deployment(write(tmp_path, BASE + "storage:\n  capacity_bytes: 2GiB\n"), env={})
     assert d.deployment.storage.kind == "file"
 
@@ -121,9 +121,9 @@ def test_secret_token_is_redacted(tmp_path: Path) -> None:
         (
             BASE,
             {"HICACHE_SCHEDULER__COLOUR": "red"},
-            r"{f}: scheduler\.colour: unknown key; allowed keys here: counter_ring_size, "
-            r"inflight_bytes, move_policy, op_timeout_s, queue_depth, from environment variable "
-            r"HICACHE_SCHEDULER__COLOUR$",
+            r"HICACHE_SCHEDULER__COLOUR \(environment variable\): unknown key scheduler\.colour; "
+            r"allowed keys in scheduler: counter_ring_size, inflight_bytes, move_policy, "
+            r"op_timeout_s, queue_depth$",
         ),
         (
             BASE + "storage:\n  kind: tape\n",
@@ -216,3 +216,120 @@ def test_schema_has_every_section() -> None:
         "cache",
         "service",
     }
+
+
+def test_unknown_key_from_the_environment_reads_as_the_variable_then_the_keys(
+    tmp_path: Path,
+) -> None:
+    path = write(tmp_path, BASE)
+    with pytest.raises(ConfigError) as caught:
+        load_deployment(path, env={"HICACHE_SERVICE__COLOUR": "red"})
+    message = str(caught.value)
+    assert message.startswith(
+        "HICACHE_SERVICE__COLOUR (environment variable): unknown key service.colour; "
+        "allowed keys in service: drain_timeout_s, "
+    )
+    assert message.endswith(", tcp_port, token")  # the list ends the line, nothing glued on
+    with pytest.raises(
+        ConfigError,
+        match=r"^HICACHE_COLOUR \(environment variable\): unknown "
+        r"key colour; allowed keys at the top level: cache, device, host, model",
+    ):
+        load_deployment(path, env={"HICACHE_COLOUR": "red"})
+
+
+BLANK_TOKEN = (
+    r"service\.token: a blank token is no secret; allowed: a non-blank string engines and "
+    r"admins present, or no token at all \(leave service\.token out\) on loopback-only "
+    r"listeners \(got a blank value, "
+)
+
+
+@pytest.mark.parametrize("token", ['""', "'   '", '"\\t"'])
+@pytest.mark.parametrize("exposed", [False, True])
+def test_blank_token_in_the_file_is_refused(tmp_path: Path, token: str, exposed: bool) -> None:
+    listener = "  tcp_host: 0.0.0.0\n  tcp_port: 0\n" if exposed else ""
+    path = write(tmp_path, BASE + f"service:\n{listener}  token: {token}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}: {BLANK_TOKEN}'[^']*'\)$"):
+        load_deployment(path, env={})
+
+
+def test_blank_token_from_the_environment_is_refused(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "service:\n  tcp_host: 0.0.0.0\n  tcp_port: 0\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{path}: {BLANK_TOKEN}'', from environment variable HICACHE_SERVICE__TOKEN\)$",
+    ):
+        load_deployment(path, env={"HICACHE_SERVICE__TOKEN": ""})
+    token = load_deployment(path, env={"HICACHE_SERVICE__TOKEN": "s3cret"}).deployment.service
+    assert token.token is not None
+    assert token.token.get_secret_value() == "s3cret"
+
+
+def test_a_bad_token_never_shows_its_characters(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "service:\n  token: [hunter2]\n")
+    with pytest.raises(ConfigError, match=r"service\.token: Input should be") as caught:
+        load_deployment(path, env={})
+    assert "hunter2" not in str(caught.value)
+
+
+def test_storage_path_that_cannot_be_a_directory_is_refused(tmp_path: Path) -> None:
+    regular = tmp_path / "afile"
+    regular.write_text("x")
+    allowed = "; allowed: a directory, or a path where one can be created, on a real filesystem"
+    cases = {
+        str(regular / "l3"): f"'{regular}/l3' is under '{regular}', which is a regular file",
+        str(regular / "a" / "b"): f"'{regular}/a/b' is under '{regular}', which is a regular file",
+        str(regular): f"'{regular}' is a regular file",
+        "/proc/hicache-l3": "'/proc/hicache-l3' is in /proc, a kernel pseudo-filesystem",
+        "/sys/l3": "'/sys/l3' is in /sys, a kernel pseudo-filesystem",
+    }
+    for where, problem in cases.items():
+        path = write(tmp_path, BASE + f"storage:\n  kind: file\n  path: {where}\n")
+        with pytest.raises(ConfigError) as caught:
+            load_deployment(path, env={})
+        assert str(caught.value) == f"{path}: storage.path: {problem}{allowed} (got {where!r})"
+    # a path to create, under directories (or relative to the file) is fine
+    for where in (str(tmp_path / "new" / "l3"), "l3", "/dev/shm/hicache-l3"):
+        path = write(tmp_path, BASE + f"storage:\n  kind: file\n  path: {where}\n")
+        assert load_deployment(path, env={}).deployment.storage.kind == "file"
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("localhost:6379", r"'localhost:6379' is not a Redis URL \(scheme 'localhost'\)"),
+        ("http://x", r"'http://x' is not a Redis URL \(scheme 'http'\)"),
+        ("127.0.0.1", r"'127\.0\.0\.1' is not a Redis URL \(no scheme\)"),
+        ("redis://h:99999/0", r"'redis://h:99999/0': Port out of range 0-65535"),
+        ("redis://h:6379/zero", r"'redis://h:6379/zero': database 'zero' is not a number"),
+        ("unix://", r"'unix://' names no socket path"),
+    ],
+)
+def test_redis_url_that_is_not_one_is_refused(tmp_path: Path, url: str, problem: str) -> None:
+    path = write(tmp_path, BASE + f"storage:\n  kind: redis\n  url: '{url}'\n")
+    with pytest.raises(
+        ConfigError, match=rf"^{path}: storage\.url: {problem}; allowed: redis://\[user:"
+    ):
+        load_deployment(path, env={})
+
+
+@pytest.mark.parametrize(
+    "url", ["redis://127.0.0.1:6379/0", "rediss://u:p@cache.example:6380", "redis://", "unix:///s"]
+)
+def test_redis_urls_redis_py_reads_are_accepted(tmp_path: Path, url: str) -> None:
+    path = write(tmp_path, BASE + f"storage:\n  kind: redis\n  url: '{url}'\n")
+    assert load_deployment(path, env={}).deployment.storage.kind == "redis"
+
+
+def test_binary_config_file_is_named_as_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "deploy.yaml"
+    path.write_bytes(b"model:\n  config_path: \xff\xfe.json\n")
+    with pytest.raises(
+        ConfigError,
+        match=rf"^{path}: not UTF-8 text \(byte 0xff at offset 22\); allowed: a UTF-8 YAML "
+        "deployment file$",
+    ):
+        load_deployment(path, env={})
+    path.write_bytes(b"\xef\xbb\xbf" + BASE.encode())  # a byte-order mark is still UTF-8
+    assert load_deployment(path, env={}).deployment.model.config_path == tmp_path / "model.json"

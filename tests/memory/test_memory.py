@@ -40,7 +40,8 @@ def test_allocator_prefers_runs_and_is_all_or_nothing() -> None:
     with pytest.raises(
         PoolExhaustedError,
         match=r"^host pool 'full': 6 pages asked for, 5 of 10 "
-        r"free; free or evict pages, or raise the pool's capacity$",
+        r"free \(the others hold data or are pinned by copies in flight\); free or evict "
+        r"pages, or raise the pool's capacity$",
     ):
         alloc.alloc(6)
     assert alloc.stats().free_pages == 5

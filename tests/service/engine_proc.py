@@ -10,14 +10,19 @@ Modes:
   store-loop   store prompt 0, 1, 2, ... printing each acknowledged index (the sidecar is
                SIGTERMed meanwhile)
   verify       load prompts 0..N-1 and check every byte loaded; prints the counts
+  bystander    roundtrips over --prompts prompts until the file --until exists, counting
+               (never raising) errors, short loads and wrong bytes; rewrites --status with
+               the totals after every round (the hostile-engine tests read it)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import threading
+from pathlib import Path
 
 from hicache.client import Client, connect
 from hicache.config import load_deployment
@@ -101,13 +106,45 @@ def client_needed(client: Client, group: str, pages: int) -> range:
     return needed if rule.kind.is_token_cache else range(0, 1)
 
 
+def bystander(client: Client, pools: SharedPools, args: argparse.Namespace) -> None:
+    totals = {"rounds": 0, "verified": 0, "mismatches": 0, "short": 0, "errors": 0}
+    first_error = ""
+    status = Path(args.status)
+    while not Path(args.until).exists():
+        tokens = prompt(args.first + totals["rounds"] % args.prompts)
+        try:
+            src = pages_for(client, pools, 0, PROMPT_PAGES)
+            prefill(client, pools, tokens, src)
+            store(client, tokens, src)
+            wipe(pools)
+            verified, mismatches, loaded = load_and_verify(
+                client, pools, tokens, pages_for(client, pools, 32, PROMPT_PAGES)
+            )
+            totals["verified"] += verified
+            totals["mismatches"] += mismatches
+            totals["short"] += loaded != len(tokens)
+        except (Exception, SystemExit) as exc:
+            totals["errors"] += 1
+            first_error = first_error or f"{type(exc).__name__}: {exc}"
+        totals["rounds"] += 1
+        partial = status.with_suffix(".tmp")
+        partial.write_text(json.dumps({**totals, "first_error": first_error}))
+        os.replace(partial, status)
+    emit(**totals, first_error=first_error)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["roundtrip", "load-loop", "store-loop", "verify"])
+    parser.add_argument(
+        "mode", choices=["roundtrip", "load-loop", "store-loop", "verify", "bystander"]
+    )
     parser.add_argument("--config", required=True)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--first", type=int, default=0, help="roundtrip: the first prompt id")
     parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--tenant", default="")
+    parser.add_argument("--until", help="bystander: stop once this file exists")
+    parser.add_argument("--status", help="bystander: the totals, rewritten every round")
     args = parser.parse_args()
     loaded = load_deployment(args.config)
     d = loaded.deployment
@@ -119,6 +156,7 @@ def main() -> int:
         ssm_state_dtype=d.model.ssm_state_dtype,
         page_size_tokens=d.model.page_size_tokens,
         tp_rank=args.tp_rank,
+        tenant=args.tenant,
         engine=f"test-{args.mode}",
         token=d.service.token.get_secret_value() if d.service.token else None,
     )
@@ -154,6 +192,8 @@ def main() -> int:
                 prefill(client, pools, tokens, src)
                 store(client, tokens, src)
                 emit(stored=i)
+        elif args.mode == "bystander":
+            bystander(client, pools, args)
         else:
             verified = mismatches = hits = 0
             for i in range(args.prompts):

@@ -4,6 +4,7 @@ reply or a clean close, and the server answers a valid request afterwards."""
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ from hicache.client import ClientError, connect
 from hicache.config import load_deployment
 from hicache.service import protocol as p
 from hicache.service.process import SidecarProcess
+from hicache.service.shm import CounterFile
 from tests.service.conftest import write_config
 
 
@@ -95,8 +97,30 @@ def test_requests_before_hello_and_unknown_ops(served: tuple[SidecarProcess, Pat
         )
         send(sock, b"\xc1not msgpack")
         code, message = error_of(recv(sock))
-        assert code == "bad_frame"
-        assert message.startswith("frame is not valid msgpack")
+        assert (code, message) == (
+            "bad_frame",
+            "frame of 12 bytes is not valid msgpack (a byte that starts no msgpack value); it "
+            "starts c1 6e 6f 74 20 6d 73 67 70 61 63 6b",
+        )
+        send(sock, msgpack.packb({"id": 4}) + b"\x01")
+        assert error_of(recv(sock)) == (
+            "bad_frame",
+            "frame of 6 bytes is not valid msgpack (bytes after the first value; one request "
+            "per frame); it starts 81 a2 69 64 04 01",
+        )
+        code, message = error_of(ask(sock, {"id": 5, "args": {}}))
+        assert code == "bad_request"
+        assert message.startswith("request 5 names no op; a request is {op, id, args} with op")
+        assert error_of(ask(sock, {"op": 7, "id": 6})) == (
+            "bad_request",
+            "op must be a string (got int 7)",
+        )
+        send(sock, msgpack.packb({b"op": "lookup", "id": 7}, use_bin_type=True))
+        assert error_of(recv(sock)) == (
+            "bad_request",
+            "request keys must be msgpack strings; got b'op' (pack with use_bin_type=True and "
+            "str keys)",
+        )
 
 
 def test_argument_errors_name_field_value_and_rule(served: tuple[SidecarProcess, Path]) -> None:
@@ -137,7 +161,7 @@ def test_hello_refusals_name_the_difference(served: tuple[SidecarProcess, Path])
         )
         assert (code, message) == (
             "refused",
-            "hello.protocol: engine speaks version 99; this sidecar speaks 2",
+            "hello.protocol: engine speaks version 99; this sidecar speaks 3",
         )
     with pytest.raises(ClientError) as info:
         client_for(config, dtype="float16")
@@ -154,23 +178,47 @@ def test_hello_refusals_name_the_difference(served: tuple[SidecarProcess, Path])
     )
 
 
-def test_register_pools_and_page_range_errors(served: tuple[SidecarProcess, Path]) -> None:
+def test_register_pools_and_page_range_errors(
+    served: tuple[SidecarProcess, Path], tmp_path: Path
+) -> None:
     _, config = served
     with client_for(config) as client:
         pools = client.create_pools(4)
+        counters = CounterFile.create(int(client.session["load_slots"]))
+        plain = os.open(tmp_path / "plain", os.O_RDWR | os.O_CREAT)
+        loose = os.memfd_create("unsealed")
         try:
-            manifest = pools.manifest()
+            manifest = {**pools.manifest(), "counters_fd": counters.fd}
             bad = {**manifest, "nbytes": manifest["nbytes"] + 1}
             with pytest.raises(ClientError) as info:
                 client.call("register_pools", bad)
             assert info.value.message == (
-                f"register_pools.nbytes {manifest['nbytes'] + 1} does not match the file's "
+                f"register_pools.fd: nbytes {manifest['nbytes'] + 1} does not match the memfd's "
                 f"size {manifest['nbytes']}"
             )
-            outside = {**manifest, "path": "/etc/passwd"}
+            os.ftruncate(plain, manifest["nbytes"])
+            os.ftruncate(loose, manifest["nbytes"])
+            pid = os.getpid()
+            for fd in (plain, loose):  # a file the engine could shrink under the sidecar
+                with pytest.raises(ClientError) as info:
+                    client.call("register_pools", {**manifest, "fd": fd})
+                assert info.value.message == (
+                    f"register_pools.fd: descriptor {fd} of engine pid {pid} is not sealed "
+                    "against shrinking (F_SEAL_SHRINK): a shrunk file would fault the sidecar; "
+                    "create it with SharedPools.create"
+                )
             with pytest.raises(ClientError) as info:
-                client.call("register_pools", outside)
-            assert "path '/etc/passwd' is outside the shared-memory dir" in info.value.message
+                client.call("register_pools", {**manifest, "fd": 999_999})
+            assert info.value.message.startswith(
+                f"register_pools.fd: descriptor 999999 of engine pid {pid} cannot be opened (No "
+                "such file or directory)"
+            )
+            with pytest.raises(ClientError) as info:
+                client.call("register_pools", {**manifest, "counters_fd": loose})
+            assert info.value.message.startswith(
+                f"register_pools.counters_fd: descriptor {loose} of engine pid {pid} is not "
+                "sealed against shrinking"
+            )
             groups = {k: dict(v) for k, v in manifest["groups"].items()}
             groups["full"]["offsets"] = [list(o) for o in groups["full"]["offsets"]]
             groups["full"]["offsets"][1][0] = groups["full"]["offsets"][0][0]
@@ -178,7 +226,7 @@ def test_register_pools_and_page_range_errors(served: tuple[SidecarProcess, Path
                 client.call("register_pools", {**manifest, "groups": groups})
             assert info.value.message.endswith("overlaps groups.full.offsets[0] (k)")
             with pytest.raises(ClientError) as info:
-                client.call("register_cuda_pools", {"groups": {}})
+                client.call("register_cuda_pools", {"groups": {}, "counters_fd": counters.fd})
             assert info.value.code == "refused"
             assert info.value.message.startswith(
                 "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu)"
@@ -217,7 +265,10 @@ def test_register_pools_and_page_range_errors(served: tuple[SidecarProcess, Path
                 client.call("release", {"load_id": 12345})
             assert info.value.code == "out_of_range"
         finally:
-            pools.unlink()
+            pools.close()
+            counters.close()
+            os.close(plain)
+            os.close(loose)
 
 
 _scalars = st.one_of(
@@ -266,3 +317,22 @@ def test_fuzzed_frames_get_an_error_or_a_clean_close(
             assert ask(sock, {"op": "heartbeat", "id": 7})["id"] == 7
     with raw(proc) as sock:  # the server is up for everyone else
         assert ask(sock, {"op": "heartbeat", "id": 8})["error"]["code"] == "not_ready"
+
+
+def test_a_capacity_race_is_busy_not_bad_request() -> None:
+    """L2 pages pinned by copies in flight are a transient state, not the engine's mistake:
+    busy (retry), not bad_request telling it to raise a capacity."""
+    from hicache.errors import PoolExhaustedError
+    from hicache.service.metrics import ServiceMetrics
+    from hicache.service.server import EngineServer
+
+    server = EngineServer.__new__(EngineServer)
+    server.metrics = ServiceMetrics()
+    exc = PoolExhaustedError("host pool 'full': 3 pages asked for, 0 of 8 free")
+    reply = msgpack.unpackb(server._error_reply(None, 7, "store", exc)[p.HEADER.size :])  # type: ignore[arg-type]
+    assert reply["error"] == {
+        "code": "busy",
+        "message": "store: no free L2 page now (host pool 'full': 3 pages asked for, 0 of 8 "
+        "free); the rest are pinned by copies in flight: retry after they end (if this "
+        "persists, raise host.capacity_bytes)",
+    }

@@ -122,9 +122,37 @@ def test_tcp_needs_the_token(tmp_path: Path) -> None:
             heartbeat=False,
         )
         pools = client.create_pools(8)
-        client.register_pools(pools)
-        assert client.lookup(list(range(32))).tokens_total == 0
+        with pytest.raises(ClientError) as info:  # no kernel-named peer: no shared memory
+            client.register_pools(pools)
+        assert info.value.code == "refused"
+        assert info.value.message == (
+            "register_pools: this session came over TCP; shared memory is registered only over "
+            f"the Unix socket ({loaded.deployment.service.socket_path}), whose peer the kernel "
+            "names, so that no session can register another process's memory"
+        )
         client.close()
+        # what TCP carries: a scheduler's lookups beside an engine attached on the socket
+        with (
+            connect(
+                loaded.deployment.service.socket_path,
+                loaded.layer_map(),
+                page_size_tokens=16,
+                token="tok",
+                heartbeat=False,
+                engine="e1",
+            ) as owner,
+            connect(
+                f"tcp://127.0.0.1:{port}",
+                loaded.layer_map(),
+                page_size_tokens=16,
+                token="tok",
+                heartbeat=False,
+                engine="e1",
+                role="lookup",
+            ) as scheduler,
+        ):
+            owner.register_pools(owner.create_pools(8))
+            assert scheduler.lookup(list(range(32))).tokens_total == 0
 
 
 def test_hung_engine_is_dropped_after_the_heartbeat_timeout(
@@ -159,7 +187,7 @@ def test_hung_engine_is_dropped_after_the_heartbeat_timeout(
 
 def test_a_load_in_flight_when_the_connection_resets_is_lost(tmp_path: Path) -> None:
     loaded = load_deployment(write_config(tmp_path))
-    counters = CounterFile.create(tmp_path, 4)
+    counters = CounterFile.create(4)
     counters.start(2, load_id=7, num_layers=16)
     generation = [1]
     reply = {"load_id": 7, "slot": 2, "tokens": 32, "failed": {}}

@@ -7,10 +7,17 @@ import json
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
+from hicache.service.http_api import ControlApi
+from hicache.service.metrics import ServiceMetrics
 from hicache.service.process import SidecarProcess
+from hicache.service.server import EngineServer
+from hicache.storage import CircuitBreaker, FileBackend, GuardedStore
 from tests.service.conftest import engine, engine_result, write_config
 
 TOKEN = "s3cret-token"
@@ -37,6 +44,8 @@ def test_health_ready_metrics_config_stats(tmp_path: Path) -> None:
         assert status == 200
         ready = json.loads(body)
         assert ready["ready"] is True
+        assert ready["status"] == "ready"
+        assert ready["degraded"] == []
         assert ready["l3"] == "file"
         assert ready["l3_breaker"] == "closed"
         result = engine_result(engine("roundtrip", config, "--prompts", "2"))
@@ -94,12 +103,18 @@ def test_admin_endpoints_need_the_token(tmp_path: Path) -> None:
         assert status == 400
         assert "storage section: " in text
         assert post(proc, "/v1/admin/l3/attach", token=TOKEN) == (200, {"l3": "file"})
+        # the index forgot what the detached store held; the attached one is asked again
+        assert post(proc, "/v1/admin/clear?tier=l2", token=TOKEN)[0] == 200
+        again = engine_result(engine("verify", config, "--prompts", "1"))
+        assert again == {"verified": 7, "mismatches": 0, "prompts_hit": 1}
         status, reply = post(proc, "/v1/admin/clear?tier=l3", token=TOKEN)
         assert status == 200
         assert reply["pages_deleted"] == 7
 
 
-def test_readyz_reports_an_open_breaker(tmp_path: Path) -> None:
+def test_readyz_is_ready_but_degraded_behind_an_open_breaker(tmp_path: Path) -> None:
+    """L2 still serves while L3 is failing: 200 "ready, degraded", the breaker listed (a
+    503 would take a serving sidecar out of rotation; it is kept for not listening)."""
     config = write_config(tmp_path)
     text = config.read_text().replace(
         f"kind: file\n  path: {tmp_path / 'l3'}", "kind: redis\n  url: redis://127.0.0.1:1/0"
@@ -109,11 +124,80 @@ def test_readyz_reports_an_open_breaker(tmp_path: Path) -> None:
         result = engine_result(engine("roundtrip", config, "--prompts", "3"))
         assert result["mismatches"] == 0  # L3 failures are misses, never errors
         status, body = proc.get("/readyz")
-        assert status == 503
-        assert json.loads(body)["problems"] == [
-            "L3 breaker open (backend failing; loads serve L2 only)"
-        ]
+        assert status == 200
+        ready = json.loads(body)
+        assert ready["ready"] is True
+        assert ready["status"] == "ready, degraded"
+        assert ready["problems"] == []
+        (l3,) = ready["degraded"]
+        assert l3["tier"] == "l3"
+        assert l3["kind"] == "redis"
+        assert l3["breaker"]["state"] in ("open", "half_open")
+        assert l3["breaker"]["why"].startswith(("put:", "get:", "exists:", "probe:"))
+        assert ready["l3_breaker"] == l3["breaker"]["state"]
         assert "hicache_l3_breaker_state 2.0" in proc.get("/metrics")[1]
+
+
+class _ReadinessInputs:
+    """What `/readyz` reads of an `EngineServer`: whether it listens, its store, its
+    namespaces and deployment (a real server's readiness runs in the tests above)."""
+
+    def __init__(self, store: GuardedStore | None, listening: bool):
+        self.store = store
+        self.listening = listening
+        self.draining = False
+        self.namespaces: dict[str, object] = {}
+        self.deployment = SimpleNamespace(storage=SimpleNamespace(kind="file"))
+
+
+async def _readyz(inputs: _ReadinessInputs) -> tuple[int, dict[str, Any]]:
+    api = ControlApi(cast(EngineServer, inputs), ServiceMetrics())
+    async with TestClient(TestServer(api.app)) as client:
+        reply = await client.get("/readyz")
+        return reply.status, await reply.json()
+
+
+@pytest.mark.asyncio
+async def test_readyz_lists_an_open_and_a_half_open_breaker_and_stays_200(
+    tmp_path: Path,
+) -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(2, reset_after_s=5.0, clock=lambda: now[0])
+    store = GuardedStore(FileBackend(tmp_path, capacity_bytes=1 << 20), breaker=breaker)
+    inputs = _ReadinessInputs(store, listening=True)
+    status, body = await _readyz(inputs)
+    assert (status, body["status"], body["degraded"]) == (200, "ready", [])
+    breaker.failure("get:timeout")
+    breaker.failure("exists:TierUnavailableError: redis at ...: ConnectionError")
+    status, body = await _readyz(inputs)
+    assert status == 200
+    assert body["ready"] is True
+    assert body["status"] == "ready, degraded"
+    (l3,) = body["degraded"]
+    assert l3["breaker"] == {
+        "state": "open",
+        "why": "exists:TierUnavailableError: redis at ...: ConnectionError",
+        "failures_in_a_row": 2,
+        "trial_in_s": 5.0,
+    }
+    now[0] = 5.0  # half-open: a trial is due, L3 is still not serving
+    status, body = await _readyz(inputs)
+    assert status == 200
+    assert body["status"] == "ready, degraded"
+    assert body["degraded"][0]["breaker"]["state"] == "half_open"
+    assert body["l3_breaker"] == "half_open"
+    breaker.success()
+    status, body = await _readyz(inputs)
+    assert (status, body["status"], body["degraded"]) == (200, "ready", [])
+    inputs.listening = False  # not started, or draining: the only 503s
+    status, body = await _readyz(inputs)
+    assert status == 503
+    assert body["ready"] is False
+    assert body["status"] == "not ready"
+    assert body["problems"] == ["engine channel not listening"]
+    inputs.draining = True
+    status, body = await _readyz(inputs)
+    assert (status, body["problems"]) == (503, ["draining (SIGTERM): refusing new engines"])
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3"])

@@ -153,7 +153,7 @@ def test_the_row_carries_the_stop_while_the_load_is_still_running(tmp_path: Path
     """The client half on its own, against a counter file written the way the sidecar's
     `on_layer` and `finished` write it: the stop is seen before the load's end."""
     layer_map = load_deployment(write_config(tmp_path)).layer_map()
-    counters = CounterFile.create(tmp_path, 2)
+    counters = CounterFile.create(2)
     released: list[int] = []
 
     def handle_for(load_id: int, slot: int) -> LoadHandle:

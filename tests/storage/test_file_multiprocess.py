@@ -180,7 +180,7 @@ async def test_a_non_regular_file_in_place_of_an_object_is_a_counted_miss(
         assert await asyncio.wait_for(store.get([known]), 5) == [None]
         assert await asyncio.wait_for(store.exists([unknown]), 5) == [False]
         assert not store.stats.failures  # nothing fed the breaker
-        assert backend.non_regular >= 3
+        assert backend.objects_damaged >= 3
         # a put onto a directory is refused for that key, not raised
         if kind == "directory":
             assert await store.put([(unknown, b"w" * PAGE)]) == [False]
@@ -190,7 +190,7 @@ async def test_a_non_regular_file_in_place_of_an_object_is_a_counted_miss(
             asyncio.to_thread(FileBackend, tmp_path, capacity_bytes=1 << 20), 5
         )
         assert len(restarted) == 0
-        assert restarted.non_regular == 2
+        assert restarted.objects_damaged == 2
     finally:
         if kind == "fifo":
             for p in (path, other):

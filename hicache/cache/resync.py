@@ -1,0 +1,104 @@
+"""`Resync`: after an L3 outage, find what L3 lost and put back what L2 still holds.
+
+A backend whose breaker opened and closed again may have come back empty: a Mooncake master or
+a Redis without persistence restarted, a file L3 directory replaced. The index would go on
+marking pages "in L3" that are not there: lookups promise them (each load then misses and
+recomputes), and an L2 copy of such a page, clean in the index's eyes, is evicted without ever
+being written again — L3 stays empty of the hot set until every prefix has been recomputed.
+
+Lifecycle: `due()` is asked at the start of the cache's ops (an int compare against the
+breaker's `outages`, which counts its open -> closed transitions); once an outage has ended
+since the last resync, the cache spawns `run(store)` in its TaskGroup. The run asks L3
+(`exists`, batched) about every page the index marks as in L3. A page L3 answers absent loses
+its mark: an L3-only record goes (lookups stop promising it), and a page L2 still holds is
+offered to the persist queue (policies that write at store or hit), or left dirty for its
+eviction to write (write-back). A batch L3 does not answer stops the run: the next outage's
+end starts another. A store swapped in meanwhile (`attach_l3`) ends it too: the new store's
+marks start empty anyway. One run at a time. Counted in `stats()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from hicache.cache.persist import PersistQueue
+from hicache.index import PageRecord, PrefixIndex
+from hicache.index.policies import WritePolicy
+from hicache.storage import GuardedStore
+
+BATCH_PAGES = 512
+
+
+@dataclass(frozen=True, slots=True)
+class ResyncStats:
+    runs: int  # outages whose end started a check
+    checked: int  # pages asked about
+    lost: int  # marked in L3, absent there: marks dropped
+    requeued: int  # of those, L2 copies offered to the persist queue
+    stopped: int  # runs L3 stopped answering (or a swap) cut short
+
+
+class Resync:
+    def __init__(
+        self,
+        index: PrefixIndex,
+        persist: PersistQueue,
+        write_policy: WritePolicy,
+        current: Callable[[], GuardedStore | None],
+    ):
+        self.index = index
+        self.persist = persist
+        self.write_policy = write_policy
+        self.current = current
+        self._seen: tuple[int, int] | None = None  # (id of the store, its outages) checked
+        self.running = False
+        self._runs = self._checked = self._lost = self._requeued = self._stopped = 0
+
+    def attached(self, store: GuardedStore | None) -> None:
+        """A store is attached: its outages so far are not ours to check (the index starts
+        empty of its pages)."""
+        self._seen = None if store is None else (id(store), store.breaker.outages)
+
+    def due(self) -> GuardedStore | None:
+        """The store to check now: an outage of it ended since the last check."""
+        store = self.current()
+        if store is None or self.running:
+            return None
+        if self._seen == (id(store), store.breaker.outages):
+            return None
+        return store
+
+    async def run(self, store: GuardedStore) -> None:
+        self._seen = (id(store), store.breaker.outages)
+        self.running = True
+        self._runs += 1
+        try:
+            for group in list(self.index.rules):
+                marked = self.index.l3_records(group)
+                for start in range(0, len(marked), BATCH_PAGES):
+                    batch = marked[start : start + BATCH_PAGES]
+                    present, answered = await store.exists_answered([r.key for r in batch])
+                    if not answered or self.current() is not store:
+                        self._stopped += 1
+                        return
+                    self._checked += len(batch)
+                    gone = [r for r, here in zip(batch, present, strict=True) if not here]
+                    self._settle(group, gone)
+        finally:
+            self.running = False
+
+    def _settle(self, group: str, absent: list[PageRecord]) -> None:
+        again = []
+        for record in absent:
+            if self.index.record(group, record.key) is not record or not record.in_l3:
+                continue  # evicted, dropped or re-marked meanwhile
+            self.index.drop_l3(group, record.key)
+            self._lost += 1
+            if record.l2_page is not None and not self.write_policy.on_evict(record):
+                again.append(record)
+        if again:
+            self._requeued += self.persist.offer({group: again})
+
+    def stats(self) -> ResyncStats:
+        return ResyncStats(self._runs, self._checked, self._lost, self._requeued, self._stopped)
