@@ -12,13 +12,15 @@ since the last resync, the cache spawns `run(store)` in its TaskGroup. The run a
 (`exists`, batched) about every page the index marks as in L3. A page L3 answers absent loses
 its mark: an L3-only record goes (lookups stop promising it), and a page L2 still holds is
 offered to the persist queue (policies that write at store or hit), or left dirty for its
-eviction to write (write-back). A batch L3 does not answer stops the run: the next outage's
-end starts another. A store swapped in meanwhile (`attach_l3`) ends it too: the new store's
-marks start empty anyway. One run at a time. Counted in `stats()`.
+eviction to write (write-back). A batch L3 does not answer stops the run; the check is still
+due, and starts again once `retry_after_s` has passed (a flaky L3 is not asked at every op).
+A store swapped in meanwhile (`attach_l3`) ends it too: the new store's marks start empty
+anyway. One run at a time. Counted in `stats()`.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -28,6 +30,7 @@ from hicache.index.policies import WritePolicy
 from hicache.storage import GuardedStore
 
 BATCH_PAGES = 512
+RETRY_AFTER_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +56,9 @@ class Resync:
         self.current = current
         self._seen: tuple[int, int] | None = None  # (id of the store, its outages) checked
         self.running = False
+        self.retry_after_s = RETRY_AFTER_S
+        self.clock = time.monotonic
+        self._not_before = 0.0
         self._runs = self._checked = self._lost = self._requeued = self._stopped = 0
 
     def attached(self, store: GuardedStore | None) -> None:
@@ -63,14 +69,14 @@ class Resync:
     def due(self) -> GuardedStore | None:
         """The store to check now: an outage of it ended since the last check."""
         store = self.current()
-        if store is None or self.running:
+        if store is None or self.running or self.clock() < self._not_before:
             return None
         if self._seen == (id(store), store.breaker.outages):
             return None
         return store
 
     async def run(self, store: GuardedStore) -> None:
-        self._seen = (id(store), store.breaker.outages)
+        checking = (id(store), store.breaker.outages)
         self.running = True
         self._runs += 1
         try:
@@ -79,12 +85,17 @@ class Resync:
                 for start in range(0, len(marked), BATCH_PAGES):
                     batch = marked[start : start + BATCH_PAGES]
                     present, answered = await store.exists_answered([r.key for r in batch])
-                    if not answered or self.current() is not store:
+                    if self.current() is not store:
                         self._stopped += 1
-                        return
+                        return  # swapped: the new store's marks start empty
+                    if not answered:
+                        self._stopped += 1
+                        self._not_before = self.clock() + self.retry_after_s
+                        return  # still due: asked again after the pause
                     self._checked += len(batch)
                     gone = [r for r, here in zip(batch, present, strict=True) if not here]
                     self._settle(group, gone)
+            self._seen = checking
         finally:
             self.running = False
 

@@ -52,9 +52,15 @@ class AsyncClient(ClientBase):
             self._reader, self._writer = await asyncio.open_unix_connection(addr)
         else:
             self._reader, self._writer = await asyncio.open_connection(*addr)
-        self.session = await self._exchange("hello", self._hello)
-        if self._registration is not None:
-            self._pools_registered(await self._exchange(*self._registration_args()))
+        try:
+            self.session = await self._exchange("hello", self._hello)
+            if self._registration is not None:
+                self._pools_registered(await self._exchange(*self._registration_args()))
+        except BaseException:
+            # a refused hello or re-registration: the next call starts afresh, it never
+            # talks on a session that said no
+            self._drop()
+            raise
 
     async def _exchange(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
         assert self._reader is not None
@@ -108,14 +114,16 @@ class AsyncClient(ClientBase):
 
     async def register_pools(self, pools: SharedPools) -> None:
         self.pools = pools
-        self._registration = ("register_pools", pools.manifest())
-        self._pools_registered(await self.call(*self._registration_args()))
+        registration = ("register_pools", pools.manifest())
+        self._pools_registered(await self.call(*self._registration_args(registration)))
+        self._registration = registration
 
     async def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
         from hicache.transfer.cuda_ipc import export_cuda_pools
 
-        self._registration = ("register_cuda_pools", export_cuda_pools(pools))
-        self._pools_registered(await self.call(*self._registration_args()))
+        registration = ("register_cuda_pools", export_cuda_pools(pools))
+        self._pools_registered(await self.call(*self._registration_args(registration)))
+        self._registration = registration
 
     async def lookup(self, tokens: Sequence[int]) -> Lookup:
         r = await self.call("lookup", {"tokens": list(tokens)})

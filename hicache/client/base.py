@@ -83,15 +83,20 @@ class ClientBase:
         result: dict[str, Any] = reply["result"]
         return result
 
-    def _registration_args(self) -> tuple[str, dict[str, Any]]:
-        """The registration to send (first time or on reconnect), with a new counter memfd:
-        each session's loads get rows no earlier session can still write."""
-        assert self._registration is not None
+    def _registration_args(
+        self, registration: tuple[str, dict[str, Any]] | None = None
+    ) -> tuple[str, dict[str, Any]]:
+        """A registration to send (`registration`, or the one replayed on reconnect), with a
+        new counter memfd: each session's loads get rows no earlier session can still write.
+        The one replayed is set only once the sidecar took it (`_registered`), so a reconnect
+        in the middle of registering never sends it twice."""
+        registration = registration or self._registration
+        assert registration is not None
         if self._pending_counters is not None:
             self._pending_counters.close()
         slots = int(self.session.get("load_slots", 64))
         self._pending_counters = CounterFile.create(slots)
-        op, args = self._registration
+        op, args = registration
         return op, {**args, "counters_fd": self._pending_counters.fd}
 
     def _pools_registered(self, reply: dict[str, Any]) -> None:

@@ -172,16 +172,18 @@ class Client(ClientBase):
     def register_pools(self, pools: SharedPools) -> None:
         """Share a pool made by `create_pools` (the CPU data plane)."""
         self.pools = pools
-        self._registration = ("register_pools", pools.manifest())
-        self._pools_registered(self.call(*self._registration_args()))
+        registration = ("register_pools", pools.manifest())
+        self._pools_registered(self.call(*self._registration_args(registration)))
+        self._registration = registration
 
     def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
         """Share the engine's CUDA pools by IPC handle (a sidecar with device.kind: cuda); keep
         the tensors alive while registered."""
         from hicache.transfer.cuda_ipc import export_cuda_pools
 
-        self._registration = ("register_cuda_pools", export_cuda_pools(pools))
-        self._pools_registered(self.call(*self._registration_args()))
+        registration = ("register_cuda_pools", export_cuda_pools(pools))
+        self._pools_registered(self.call(*self._registration_args(registration)))
+        self._registration = registration
 
     def lookup(self, tokens: Sequence[int]) -> Lookup:
         r = self.call("lookup", {"tokens": list(tokens)})

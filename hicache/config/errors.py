@@ -11,6 +11,8 @@ from typing import Any
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
+from hicache.config.urls import redacted_url
+
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
     out = ""
@@ -69,6 +71,8 @@ def format_validation_error(
             continue
         if root is not None and _is_secret(root, raw):
             got = _SecretShown(got)
+        elif isinstance(got, str) and "://" in got:
+            got = redacted_url(got)  # a storage URL's password is a secret too
         origin = f", from environment variable {var}" if var is not None else ""
         lines.append(f"{source}: {key}: {message} (got {got!r}{origin})")
     return "\n".join(lines)

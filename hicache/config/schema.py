@@ -25,6 +25,7 @@ from pydantic import (
 )
 
 from hicache.config.sizes import format_bytes, parse_bytes
+from hicache.config.urls import redacted_url
 from hicache.model.explicit import LayerEntry
 
 ByteSize = Annotated[
@@ -207,18 +208,18 @@ class RedisStorage(Section):
         parts = urlsplit(value)
         if parts.scheme not in ("redis", "rediss", "unix"):
             scheme = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
-            raise ValueError(f"{value!r} is not a Redis URL ({scheme}); {allowed}")
+            raise ValueError(f"{redacted_url(value)!r} is not a Redis URL ({scheme}); {allowed}")
         if parts.scheme == "unix":
             if not parts.path:
-                raise ValueError(f"{value!r} names no socket path; {allowed}")
+                raise ValueError(f"{redacted_url(value)!r} names no socket path; {allowed}")
             return value
         try:
             _ = parts.port  # parsing it is the check
         except ValueError as exc:
-            raise ValueError(f"{value!r}: {exc}; {allowed}") from None
+            raise ValueError(f"{redacted_url(value)!r}: {exc}; {allowed}") from None
         db = parts.path.strip("/")
         if db and not db.isdigit():
-            raise ValueError(f"{value!r}: database {db!r} is not a number; {allowed}")
+            raise ValueError(f"{redacted_url(value)!r}: database {db!r} is not a number; {allowed}")
         return value
 
 

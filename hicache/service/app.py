@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from aiohttp import web
 
 from hicache.config import LoadedConfig, format_bytes
+from hicache.config.urls import redacted_url
 from hicache.errors import ConfigError, HicacheError, ServiceStartError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.memory.host_tier import budget_pages
@@ -84,7 +85,7 @@ def _open_store(loaded: LoadedConfig) -> GuardedStore | None:
     if section.kind == "file":
         key, what = "storage.path", f"cannot use {str(section.path)!r} as the L3 directory"
     elif section.kind == "redis":
-        key, what = "storage.url", f"cannot use Redis at {section.url!r}"
+        key, what = "storage.url", f"cannot use Redis at {redacted_url(section.url)!r}"
     elif section.kind == "mooncake":
         key, what = "storage.master_address", "cannot set up the Mooncake store client"
     else:

@@ -131,7 +131,7 @@ class EngineConnection(asyncio.Protocol):
 
     async def _drain(self, session: Session) -> None:
         try:
-            while self.queue:
+            while self.queue and not self.transport.is_closing():  # no one reads the rest
                 reply = await self.server.answer(session, self.queue.popleft())
                 if not self.transport.is_closing():
                     self.transport.write(reply)

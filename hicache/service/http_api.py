@@ -21,13 +21,13 @@ Lifecycle: `start_http(server, ...)` returns the runner; `runner.cleanup()` stop
 from __future__ import annotations
 
 import hmac
-import re
 from typing import Any
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
 from hicache.config.schema import Deployment, StorageSection
+from hicache.config.urls import redacted_url
 from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
@@ -36,14 +36,12 @@ from hicache.storage import GuardedStore
 from hicache.storage.breaker import BreakerState
 from hicache.storage.factory import make_backend
 
-_URL_PASSWORD = re.compile(r"(://[^:/@]*:)[^@]*@")
-
 
 def redacted_config(deployment: Deployment) -> dict[str, Any]:
     data: dict[str, Any] = deployment.model_dump(mode="json")
     storage = data.get("storage", {})
     if isinstance(storage.get("url"), str):
-        storage["url"] = _URL_PASSWORD.sub(r"\1***@", storage["url"])
+        storage["url"] = redacted_url(storage["url"])
     if data["service"].get("token") is not None:
         data["service"]["token"] = "***"
     return data

@@ -9,7 +9,7 @@ import contextlib
 import hmac
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -23,7 +23,7 @@ from hicache.scheduler import OpResult, OpState
 from hicache.service import protocol as p
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
-from hicache.service.sessions import LoadEntry, Session
+from hicache.service.sessions import LoadEntry, Session, same_process
 from hicache.service.shm import CounterFile, LoadState, map_pools
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage import GuardedStore
@@ -113,22 +113,44 @@ class EngineOps:
         self._check_unregistered(session, "register_pools")
         pid = self._peer_pid(session, "register_pools")
         try:
-            pools, identity = map_pools(args.model_dump(), self.geometries, pid)
+            pools, identity = map_pools(
+                args.model_dump(), self.geometries, pid, self._alive(session)
+            )
         except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
         return await self._attach(
             session, pools, pid, args.counters_fd, "register_pools", [identity]
         )
 
+    @staticmethod
+    def _alive(session: Session) -> Callable[[], bool]:
+        assert session.peer_pid is not None
+        pid, start = session.peer_pid, session.peer_start
+        return lambda: same_process(pid, start)
+
     def _peer_pid(self, session: Session, op: str) -> int:
         """The engine process as the kernel names it: shared memory is only ever taken from
         the process on the other end of this session's Unix socket."""
-        if session.peer_pid is None:
+        if not session.unix:
             raise p.RequestError(
                 p.ErrorCode.REFUSED,
                 f"{op}: this session came over TCP; shared memory is registered only over the "
                 f"Unix socket ({self.service.socket_path}), whose peer the kernel names, so "
                 "that no session can register another process's memory",
+            )
+        if session.peer_pid is None:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"{op}: the engine is outside the sidecar's pid namespace (the kernel names "
+                "its pid 0), so its memory cannot be taken from it; run it in the sidecar's "
+                'pid namespace (compose: pid: "service:<sidecar>"; docker: --pid '
+                "container:<sidecar>)",
+            )
+        if not same_process(session.peer_pid, session.peer_start):
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"{op}: the process that connected (pid {session.peer_pid}) has exited; its "
+                "pid may be another's now: connect from the process that holds the pool",
             )
         return session.peer_pid
 
@@ -174,7 +196,9 @@ class EngineOps:
     ) -> dict[str, Any]:
         assert session.key is not None
         try:
-            counters, identity = CounterFile.of_peer(pid, counters_fd, self.service.load_slots)
+            counters, identity = CounterFile.of_peer(
+                pid, counters_fd, self.service.load_slots, self._alive(session)
+            )
         except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"{op}.{exc}") from None
         memory = [*memory, identity]
@@ -185,7 +209,8 @@ class EngineOps:
             )
         for other in self.sessions.values():
             shared = set(memory) & set(other.memory)
-            if other is not session and other.peer_pid != pid and shared:
+            same = (other.peer_pid, other.peer_start) == (pid, session.peer_start)
+            if other is not session and not same and shared:
                 # another process's memfd reached through a descriptor of this one (opened
                 # from /proc): the sidecar would move this session's bytes into its memory
                 raise p.RequestError(
@@ -193,22 +218,26 @@ class EngineOps:
                     f"{op}: this memory is registered by {other.describe()}; a session "
                     "registers memfds its own process created",
                 )
+        session.memory = memory  # claimed before the await: a racing claim sees it
         namespace = self.namespaces.get(session.key)
-        if namespace is None:
-            namespace = await Namespace.start(
-                session.key,
-                self.deployment,
-                self.model_name,
-                self.layer_map,
-                self.backend,
-                self.store,
-                pools,
-                self._tg,
-            )
-            self.namespaces[session.key] = namespace
-        namespace.attach(session.id, pools)
+        try:
+            if namespace is None:
+                namespace = await Namespace.start(
+                    session.key,
+                    self.deployment,
+                    self.model_name,
+                    self.layer_map,
+                    self.backend,
+                    self.store,
+                    pools,
+                    self._tg,
+                )
+                self.namespaces[session.key] = namespace
+            namespace.attach(session.id, pools)
+        except BaseException:
+            session.memory = []
+            raise
         session.namespace, session.pools, session.counters = namespace, pools, counters
-        session.memory = memory
         session.free_slots = list(range(self.service.load_slots - 1, -1, -1))
         return {"slots": counters.slots}
 

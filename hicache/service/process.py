@@ -33,8 +33,10 @@ class SidecarProcess:
         env: Mapping[str, str] | None = None,
         log_path: Path | None = None,
         start_timeout_s: float = 60.0,
+        new_session: bool = False,
     ):
         self.config = config
+        self.new_session = new_session  # a session leader, as under systemd or a container
         self.env = {**os.environ, **(env or {})}
         self.log_path = log_path or config.with_suffix(".serve.log")
         self.start_timeout_s = start_timeout_s
@@ -49,6 +51,7 @@ class SidecarProcess:
             stderr=log,
             text=True,
             env=self.env,
+            start_new_session=self.new_session,
         )
         log.close()
         assert self.proc.stdout is not None

@@ -24,6 +24,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any
 
 from hicache.config import Deployment
@@ -35,7 +36,7 @@ from hicache.service.connection import EngineConnection
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
 from hicache.service.ops import DeferToAwait, EngineOps
-from hicache.service.sessions import DrainReport, Session
+from hicache.service.sessions import DrainReport, Session, process_start
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
@@ -43,14 +44,30 @@ log = logging.getLogger("hicache.service")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 
-def peer_pid(transport: asyncio.BaseTransport) -> int | None:
-    """The pid of a Unix socket's peer, from the kernel (SO_PEERCRED); None for TCP."""
+def _answers(path: Path) -> bool:
+    """Something accepts connections on the Unix socket `path` (a live server)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
+def name_peer(session: Session, transport: asyncio.BaseTransport) -> None:
+    """The Unix socket's peer as the kernel names it (SO_PEERCRED: its pid when it connected,
+    0 when it is outside our pid namespace) and that process's start time; nothing for TCP."""
     sock = transport.get_extra_info("socket")
     if sock is None or sock.family != socket.AF_UNIX:
-        return None
+        return
+    session.unix = True
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
     pid, _uid, _gid = _PEERCRED.unpack(raw)
-    return int(pid) if pid > 0 else None
+    if pid > 0:
+        session.peer_pid, session.peer_start = int(pid), process_start(int(pid))
 
 
 Handler = Callable[[Session, Any], Coroutine[Any, Any, dict[str, Any]]]
@@ -88,6 +105,7 @@ class EngineServer(EngineOps):
         self._servers: list[asyncio.Server] = []
         self._connections: set[EngineConnection] = set()
         self._draining = False
+        self._bound = False  # the socket file is ours to remove
         self._watchdog_task: asyncio.Task[None] | None = None
         self._handlers: dict[str, Handler] = {
             "hello": self._hello,
@@ -112,12 +130,18 @@ class EngineServer(EngineOps):
         path = self.service.socket_path
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.unlink(missing_ok=True)
+            if _answers(path):
+                raise ServiceStartError(
+                    f"service.socket_path: another hicache serve is listening on {str(path)!r}; "
+                    "stop it, or give this one another socket_path"
+                )
+            path.unlink(missing_ok=True)  # a dead server's leftover
             old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
             try:
                 self._servers.append(await self._loop.create_unix_server(self._accept, str(path)))
             finally:
                 os.umask(old)
+            self._bound = True
         except OSError as exc:
             raise ServiceStartError(
                 f"service.socket_path: cannot listen on {str(path)!r}: {exc.strerror or exc}"
@@ -173,7 +197,7 @@ class EngineServer(EngineOps):
             connection.transport.close()
             return None
         session = Session(next(self._session_ids), connection.transport, time.monotonic())
-        session.peer_pid = peer_pid(connection.transport)
+        name_peer(session, connection.transport)
         self.sessions[session.id] = session
         self.metrics.sessions.set(len(self.sessions))
         return session
@@ -314,6 +338,7 @@ class EngineServer(EngineOps):
         for namespace in self.namespaces.values():
             flushed += await namespace.cache.flush()
             await namespace.close()
-        with contextlib.suppress(OSError):
-            self.service.socket_path.unlink()
+        if self._bound:  # never another server's socket (a second serve that failed to start)
+            with contextlib.suppress(OSError):
+                self.service.socket_path.unlink()
         return DrainReport(len(pending) - cancelled, cancelled, flushed)

@@ -26,7 +26,9 @@ class Session:
     last_seen: float
     engine: str = ""
     pid: int = 0  # as the engine says in hello (its own pid namespace's view)
-    peer_pid: int | None = None  # the Unix socket's peer as the kernel says; None over TCP
+    unix: bool = False  # came over the Unix socket (TCP: no peer the kernel names)
+    peer_pid: int | None = None  # the Unix socket's peer as the kernel says (SO_PEERCRED)
+    peer_start: int | None = None  # its start time (clock ticks since boot): not a reused pid
     key: NamespaceKey | None = None
     namespace: Namespace | None = None
     pools: dict[str, DevicePool] | None = None
@@ -51,3 +53,17 @@ class DrainReport:
     loads_finished: int
     loads_cancelled: int
     pages_flushed: int
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22): with
+    the pid, names one process for good (pids are reused, start times with them never)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def same_process(pid: int, start: int | None) -> bool:
+    return start is not None and process_start(pid) == start

@@ -42,11 +42,12 @@ event).
 from __future__ import annotations
 
 import fcntl
+import functools
 import itertools
 import mmap
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -108,21 +109,63 @@ class PeerMemory:
     identity: tuple[int, int]
 
 
-def map_peer_fd(pid: int, fd: int, nbytes: int, where: str) -> PeerMemory:
+def _mount_id(fd: int) -> int | None:
+    """The mount a descriptor's file is on (procfs only: never the file's own filesystem)."""
+    with open(f"/proc/self/fdinfo/{fd}") as info:
+        for line in info:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    return None
+
+
+@functools.cache
+def _memfd_mount() -> int | None:
+    """The kernel's internal mount memfds live on: that of one made here."""
+    fd = os.memfd_create("hicache-probe", os.MFD_CLOEXEC)
+    try:
+        return _mount_id(fd)
+    finally:
+        os.close(fd)
+
+
+def map_peer_fd(
+    pid: int, fd: int, nbytes: int, where: str, alive: Callable[[], bool] = lambda: True
+) -> PeerMemory:
     """Map descriptor `fd` of process `pid` (the socket's peer, from the kernel), after
-    checking it is memory nobody can shrink under us."""
+    checking it is memory nobody can shrink under us. `alive`: asked once the descriptor is
+    held, whether `pid` is still the process that connected (not a reused pid).
+
+    The descriptor is first taken with O_PATH, which calls no driver and no filesystem: a
+    terminal would otherwise become the sidecar's controlling terminal (its engine could
+    then signal it), a FUSE file could block the event loop. Only a file on the memfd mount
+    is looked at further, and reopened for writing (O_NOCTTY)."""
     told = f"{where}: descriptor {fd} of engine pid {pid}"
     try:
-        own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK)
+        handle = os.open(f"/proc/{pid}/fd/{fd}", os.O_PATH | os.O_CLOEXEC)
     except OSError as exc:
         raise PoolManifestError(
             f"{told} cannot be opened ({exc.strerror or exc}); send the fd of a memfd made by "
-            "SharedPools.create (the sidecar must run as the engine's uid, or as root)"
+            "SharedPools.create (the sidecar must run as the engine's uid, or as root, and "
+            "see its pid namespace)"
         ) from None
     try:
-        info = os.fstat(own)
+        if not alive():
+            raise PoolManifestError(
+                f"{told}: the process that connected has exited (its pid is another's now)"
+            )
+        if _mount_id(handle) != _memfd_mount():
+            target = os.readlink(f"/proc/self/fd/{handle}")
+            raise PoolManifestError(
+                f"{told} is not a memfd ({target!r} is on another filesystem); create the "
+                "pool with SharedPools.create"
+            )
+        info = os.fstat(handle)
         if not stat.S_ISREG(info.st_mode):
             raise PoolManifestError(f"{told} is not a memfd (not a regular file)")
+        own = os.open(f"/proc/self/fd/{handle}", os.O_RDWR | os.O_NOCTTY | os.O_CLOEXEC)
+    finally:
+        os.close(handle)
+    try:
         try:
             seals = fcntl.fcntl(own, fcntl.F_GET_SEALS)
         except OSError:
@@ -235,7 +278,10 @@ def _views(
 
 
 def map_pools(
-    manifest: Mapping[str, Any], geometries: Mapping[str, GroupGeometry], peer_pid: int
+    manifest: Mapping[str, Any],
+    geometries: Mapping[str, GroupGeometry],
+    peer_pid: int,
+    alive: Callable[[], bool] = lambda: True,
 ) -> tuple[dict[str, DevicePool], tuple[int, int]]:
     """The sidecar's side: check the manifest against the geometries, then map the peer's
     memfd (`map_peer_fd` checks the descriptor)."""
@@ -274,7 +320,20 @@ def map_pools(
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
             raise PoolManifestError(f"{second} overlaps {first}")
-    memory = map_peer_fd(peer_pid, manifest["fd"], nbytes, "fd")
+    # no slack: an engine must not make the sidecar map more than its tensors (address space)
+    needed = max(_align(max((end for _, end, _ in spans), default=0)), ALIGN_BYTES)
+    if nbytes != needed:
+        raise PoolManifestError(
+            f"nbytes {nbytes}: the tensors end at byte {needed} (4 KiB-aligned); allowed: "
+            "exactly that"
+        )
+    memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if nbytes > memory_bytes:
+        raise PoolManifestError(
+            f"nbytes {nbytes}: more than this machine's memory ({memory_bytes} bytes); "
+            "allowed: a pool that fits in RAM"
+        )
+    memory = map_peer_fd(peer_pid, manifest["fd"], nbytes, "fd", alive)
     pages_of = {name: groups[name]["num_pages"] for name in geometries}
     offsets = {n: groups[n]["offsets"] for n in geometries}
     return _views(memory.tensor, geometries, pages_of, offsets), memory.identity
@@ -313,8 +372,10 @@ class CounterFile:
             raise
 
     @classmethod
-    def of_peer(cls, pid: int, fd: int, slots: int) -> tuple[CounterFile, tuple[int, int]]:
-        memory = map_peer_fd(pid, fd, cls.nbytes(slots), "counters_fd")
+    def of_peer(
+        cls, pid: int, fd: int, slots: int, alive: Callable[[], bool] = lambda: True
+    ) -> tuple[CounterFile, tuple[int, int]]:
+        memory = map_peer_fd(pid, fd, cls.nbytes(slots), "counters_fd", alive)
         return cls._of(memory.tensor, slots), memory.identity
 
     @classmethod

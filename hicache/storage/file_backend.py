@@ -46,7 +46,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from hicache.errors import TierUnavailableError
@@ -141,10 +141,23 @@ class FileBackend(StorageBackend):
         name = key.hex()
         return self.root / name[:2] / f"{name}{_SUFFIX}"
 
+    def _entries(self) -> Iterator[Path]:
+        """What lies in the shard directories; a shard that is a link is damage, skipped and
+        counted (never followed elsewhere)."""
+        for shard in self.root.iterdir():
+            try:
+                mode = shard.lstat().st_mode
+            except OSError:  # gone meanwhile
+                continue
+            if stat.S_ISLNK(mode):
+                self.objects_damaged += 1
+            elif stat.S_ISDIR(mode):
+                yield from shard.iterdir()
+
     def _rebuild(self) -> None:
         found = []
         now = time.time()
-        for path in self.root.glob("*/*"):
+        for path in self._entries():
             try:
                 st = path.lstat()  # a link is not followed: it is no object of ours
             except OSError:  # gone meanwhile (another process)
@@ -261,9 +274,14 @@ class FileBackend(StorageBackend):
     def _open(self, key: bytes) -> tuple[int, int] | None:
         """The object's fd and size, or None where there is no regular file (a miss; the
         catalogue forgets it). `O_NONBLOCK`: opening a FIFO never waits for a writer;
-        `O_NOFOLLOW`: a link is refused (ELOOP), never followed elsewhere."""
+        `O_NOFOLLOW`: a link is refused (ELOOP), never followed elsewhere; nor is a shard
+        directory that is a link."""
+        path = self._path(key)
         try:
-            fd = os.open(self._path(key), _OPEN_FLAGS)
+            if stat.S_ISLNK(os.lstat(path.parent).st_mode):  # a shard that is a link
+                self._not_regular(key)
+                return None
+            fd = os.open(path, _OPEN_FLAGS)
         except OSError as exc:
             if exc.errno not in _NOT_AN_OBJECT:
                 raise

@@ -28,6 +28,7 @@ import redis
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError, ResponseError
 
+from hicache.config.urls import redacted_url
 from hicache.errors import TierUnavailableError
 from hicache.storage.backend import Buffer, StorageBackend
 
@@ -44,6 +45,7 @@ class RedisBackend(StorageBackend):
         socket_timeout_s: float = 2.0,
     ):
         self.url = url
+        self.where = redacted_url(url)  # what messages show: never the password
         self.key_prefix = key_prefix
         self._pool = aioredis.ConnectionPool.from_url(
             url,
@@ -75,7 +77,9 @@ class RedisBackend(StorageBackend):
                     getattr(pipe, command)(*args)
                 return list(await pipe.execute(raise_on_error=not per_reply))
         except (RedisError, OSError) as exc:
-            raise TierUnavailableError(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
+            raise TierUnavailableError(
+                f"redis at {self.where}: {type(exc).__name__}: {exc}"
+            ) from exc
 
     async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         names = [self._name(k) for k, _ in items]
@@ -88,7 +92,7 @@ class RedisBackend(StorageBackend):
                 return list(pipe.execute())
             except (RedisError, OSError) as exc:
                 raise TierUnavailableError(
-                    f"redis at {self.url}: {type(exc).__name__}: {exc}"
+                    f"redis at {self.where}: {type(exc).__name__}: {exc}"
                 ) from exc
 
         replies = await asyncio.to_thread(send)
@@ -114,7 +118,7 @@ class RedisBackend(StorageBackend):
             except (RedisError, OSError) as exc:
                 conn.disconnect()  # type: ignore[no-untyped-call]  # replies may be unread
                 raise TierUnavailableError(
-                    f"redis at {self.url}: {type(exc).__name__}: {exc}"
+                    f"redis at {self.where}: {type(exc).__name__}: {exc}"
                 ) from exc
             finally:
                 pool.release(conn)
@@ -130,7 +134,7 @@ class RedisBackend(StorageBackend):
             if isinstance(reply, ResponseError):
                 if not str(reply).startswith("WRONGTYPE"):
                     raise TierUnavailableError(
-                        f"redis at {self.url}: GET {name}: {type(reply).__name__}: {reply}"
+                        f"redis at {self.where}: GET {name}: {type(reply).__name__}: {reply}"
                     )
                 damaged.append(name)  # not a string: no object of ours, a miss
                 out.append(None)

@@ -143,6 +143,9 @@ class CpuCopyBackend(workers.WorkerOwner, CopyBackend):
                 self._walk(*item)
             except Exception:  # from a callback: the walk's copies are done or skipped
                 log.exception("copy worker: a walk's callback raised; later walks still run")
+            # the walk's pools and listener must not outlive it while this thread waits for
+            # the next (a gone engine's shared memory would stay mapped until then)
+            del item
 
     def _walk(
         self,

@@ -339,6 +339,9 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
                 item.done(errors)
             except Exception:  # a dead completion thread would leave every later walk unheard
                 log.exception("completion thread: a walk's callback raised; later walks go on")
+            # nothing of the walk (its pools, the IPC-mapped memory, the listener) outlives it
+            # while this thread waits for the next
+            del item, signals, errors, on_layer
 
     def _stop(self, timeout_s: float | None) -> None:
         """Accept no more walks, let pending ones complete, join the completion thread, then

@@ -78,7 +78,9 @@ async def test_after_an_outage_what_l3_lost_is_put_back_from_l2_and_never_promis
 
 
 @pytest.mark.asyncio
-async def test_a_check_l3_does_not_answer_changes_nothing(tmp_path: Path) -> None:
+async def test_a_check_l3_does_not_answer_changes_nothing_and_is_tried_again(
+    tmp_path: Path,
+) -> None:
     cache, faulty = build(tmp_path, "qwen2_7b.json", host_pages=6, prefetch_policy="wait_complete")
     try:
         async with cache.running():
@@ -95,6 +97,22 @@ async def test_a_check_l3_does_not_answer_changes_nothing(tmp_path: Path) -> Non
             stats = cache.resync.stats()
             assert (stats.runs, stats.checked, stats.lost, stats.stopped) == (1, 0, 0, 1)
             assert cache.index.l3_pages("full") == 3  # an outage forgets nothing
+            now = [0.0]
+            cache.resync.clock = lambda: now[0]
+            cache.resync._not_before = 5.0  # the pause after a run L3 did not answer
+            faulty.down = False
+            cache.l3.breaker.success()  # one failure does not open the breaker: no new outage
+            keys = [r.key for r in cache.index.l3_records("full")]
+            await faulty.inner.delete_many(keys)  # and L3 had come back empty
+            cache.lookup(A)
+            await cache.drain()
+            assert cache.resync.stats().runs == 1  # not at every op: after the pause
+            now[0] = 5.0
+            cache.lookup(A)
+            await cache.drain()
+            stats = cache.resync.stats()
+            assert (stats.runs, stats.checked, stats.lost, stats.requeued) == (2, 3, 3, 3)
+            assert all(await faulty.exists_many(keys))  # written again from L2
     finally:
         cache.embedded.close()
 

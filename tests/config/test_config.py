@@ -314,6 +314,32 @@ def test_redis_url_that_is_not_one_is_refused(tmp_path: Path, url: str, problem:
         load_deployment(path, env={})
 
 
+def test_a_refused_redis_url_never_shows_its_password(tmp_path: Path) -> None:
+    path = write(tmp_path, BASE + "storage:\n  kind: redis\n  url: 'http://admin:hunter2@x'\n")
+    with pytest.raises(ConfigError) as info:
+        load_deployment(path, env={})
+    assert "hunter2" not in str(info.value)
+    assert "'http://admin:***@x' is not a Redis URL (scheme 'http')" in str(info.value)
+
+
+@pytest.mark.asyncio
+async def test_redis_failures_never_show_the_password() -> None:
+    """The breaker keeps the latest failure's text and /readyz (no token needed) lists it."""
+    from hicache.storage import GuardedStore
+    from hicache.storage.redis_backend import RedisBackend
+
+    backend = RedisBackend("redis://admin:hunter2@127.0.0.1:9/0", socket_timeout_s=0.5)
+    store = GuardedStore(backend)
+    try:
+        assert await store.exists([b"k"]) == [False]
+        why = store.breaker.describe()["why"]
+        assert why is not None
+        assert "hunter2" not in why
+        assert "redis://admin:***@127.0.0.1:9/0" in why
+    finally:
+        await backend.close()
+
+
 @pytest.mark.parametrize(
     "url", ["redis://127.0.0.1:6379/0", "rediss://u:p@cache.example:6380", "redis://", "unix:///s"]
 )

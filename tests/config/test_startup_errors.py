@@ -323,3 +323,44 @@ def test_failed_start_closes_the_copy_backend_and_store(tmp_path: Path, busy_por
     assert left == []
     assert workers.open_owners() == []
     assert not (tmp_path / "e.sock").exists()
+
+
+@pytest.mark.parametrize("fixed_http_port", [False, True])
+def test_a_second_serve_with_the_same_config_leaves_the_first_serving(
+    tmp_path: Path, fixed_http_port: bool
+) -> None:
+    """Defect: a second `hicache serve` of the same config deleted the live socket (engines
+    got FileNotFoundError while /readyz said 200). The second one refuses — on the socket
+    someone answers on, or on the HTTP port the first holds — removes nothing and exits 2;
+    the first keeps serving engines."""
+    from hicache.client import connect
+    from hicache.config import load_deployment
+    from hicache.service.process import SidecarProcess
+
+    http_port = 0
+    if fixed_http_port:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            http_port = int(probe.getsockname()[1])
+    config = write_config(tmp_path, service={"http_port": http_port})
+    with SidecarProcess(config) as first:
+        second = hicache("serve", "--config", str(config))
+        assert second.code == 2, second
+        expected = (
+            f"cannot listen on 127.0.0.1:{http_port}"
+            if fixed_http_port
+            else f"service.socket_path: another hicache serve is listening on "
+            f"{str(tmp_path / 'e.sock')!r}"
+        )
+        _one_line(second, [expected])
+        assert (tmp_path / "e.sock").exists()
+        loaded = load_deployment(config, env={})
+        with connect(
+            loaded.deployment.service.socket_path,
+            loaded.layer_map(),
+            page_size_tokens=16,
+            heartbeat=False,
+        ) as client:
+            client.register_pools(client.create_pools(4))
+            assert client.lookup(list(range(32))).tokens_total == 0
+        assert first.get("/readyz")[0] == 200

@@ -193,20 +193,27 @@ def test_register_pools_and_page_range_errors(
             with pytest.raises(ClientError) as info:
                 client.call("register_pools", bad)
             assert info.value.message == (
-                f"register_pools.fd: nbytes {manifest['nbytes'] + 1} does not match the memfd's "
-                f"size {manifest['nbytes']}"
+                f"register_pools.nbytes {manifest['nbytes'] + 1}: the tensors end at byte "
+                f"{manifest['nbytes']} (4 KiB-aligned); allowed: exactly that"
             )
             os.ftruncate(plain, manifest["nbytes"])
             os.ftruncate(loose, manifest["nbytes"])
             pid = os.getpid()
-            for fd in (plain, loose):  # a file the engine could shrink under the sidecar
-                with pytest.raises(ClientError) as info:
-                    client.call("register_pools", {**manifest, "fd": fd})
-                assert info.value.message == (
-                    f"register_pools.fd: descriptor {fd} of engine pid {pid} is not sealed "
-                    "against shrinking (F_SEAL_SHRINK): a shrunk file would fault the sidecar; "
-                    "create it with SharedPools.create"
-                )
+            # files the engine could shrink under the sidecar
+            with pytest.raises(ClientError) as info:
+                client.call("register_pools", {**manifest, "fd": plain})
+            assert info.value.message == (
+                f"register_pools.fd: descriptor {plain} of engine pid {pid} is not a memfd "
+                f"({str(tmp_path / 'plain')!r} is on another filesystem); create the pool with "
+                "SharedPools.create"
+            )
+            with pytest.raises(ClientError) as info:
+                client.call("register_pools", {**manifest, "fd": loose})
+            assert info.value.message == (
+                f"register_pools.fd: descriptor {loose} of engine pid {pid} is not sealed "
+                "against shrinking (F_SEAL_SHRINK): a shrunk file would fault the sidecar; "
+                "create it with SharedPools.create"
+            )
             with pytest.raises(ClientError) as info:
                 client.call("register_pools", {**manifest, "fd": 999_999})
             assert info.value.message.startswith(

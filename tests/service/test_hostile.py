@@ -86,7 +86,7 @@ def arena(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Arena]:
     config = write_config(
         tmp, heartbeat_timeout_s=5, slow_reader_timeout_s=1.5, max_unread_reply_bytes=262144
     )
-    sidecar = SidecarProcess(config).start()
+    sidecar = SidecarProcess(config, new_session=True).start()  # as under systemd
     status, until = tmp / "bystander.json", tmp / "stop"
     proc = engine(
         "bystander",
@@ -156,17 +156,24 @@ def test_an_engine_cannot_shrink_what_the_sidecar_maps(arena: Arena, tmp_path: P
         manifest = client.create_pools(8).manifest()
         counters = CounterFile.create(64)
         plain = os.open(tmp_path / "pool", os.O_RDWR | os.O_CREAT)
+        in_shm = os.open(f"/dev/shm/hicache-hostile-{os.getpid()}", os.O_RDWR | os.O_CREAT)
+        os.unlink(f"/dev/shm/hicache-hostile-{os.getpid()}")
         loose = os.memfd_create("loose")
         try:
-            for fd in (plain, loose):
+            for fd, refusal in (
+                (plain, "is not a memfd"),
+                (in_shm, "is not a memfd"),  # tmpfs, but not the memfd mount: no seals
+                (loose, "is not sealed against shrinking (F_SEAL_SHRINK)"),
+            ):
                 os.ftruncate(fd, manifest["nbytes"])
                 with pytest.raises(ClientError) as info:
                     client.call(
                         "register_pools", {**manifest, "fd": fd, "counters_fd": counters.fd}
                     )
-                assert "is not sealed against shrinking (F_SEAL_SHRINK)" in info.value.message
+                assert refusal in info.value.message, info.value
         finally:
             os.close(plain)
+            os.close(in_shm)
             os.close(loose)
             counters.close()
     arena.assert_bystander_unharmed()
@@ -200,6 +207,42 @@ def test_swapping_the_descriptor_under_a_registration(arena: Arena) -> None:
     arena.assert_bystander_unharmed()
 
 
+def _controlling_tty(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[4])  # field 7: tty_nr
+
+
+def test_a_terminal_sent_as_a_pool_never_becomes_the_sidecars(arena: Arena) -> None:
+    """Review finding: opening an engine's descriptor for writing before looking at it would
+    make a pty the sidecar's controlling terminal (a session leader without one takes the
+    first it opens), and the engine could then SIGINT / SIGQUIT / SIGHUP it by writing ^C,
+    ^\\ or closing the master. The sidecar takes descriptors with O_PATH and refuses anything
+    off the memfd mount before opening it."""
+    import pty
+
+    assert _controlling_tty(arena.sidecar.pid) == 0  # started in a session of its own
+    master, slave = pty.openpty()
+    try:
+        with arena.client("terminal") as client:
+            pools = client.create_pools(8)
+            counters = CounterFile.create(int(client.session["load_slots"]))
+            try:
+                for field in ("fd", "counters_fd"):
+                    manifest = {**pools.manifest(), "counters_fd": counters.fd, field: slave}
+                    with pytest.raises(ClientError) as info:
+                        client.call("register_pools", manifest)
+                    assert "is not a memfd" in info.value.message, info.value
+            finally:
+                counters.close()
+                pools.close()
+        assert _controlling_tty(arena.sidecar.pid) == 0
+        os.write(master, b"\x03\x1c")  # would be SIGINT and SIGQUIT to a sidecar it owned
+    finally:
+        os.close(slave)
+        os.close(master)
+    arena.assert_bystander_unharmed()
+
+
 def _bystander_pool_fd(pid: int) -> int:
     for name in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
@@ -214,17 +257,23 @@ def test_a_session_cannot_register_another_engines_memory(arena: Arena) -> None:
     and memory another session registered is refused even when reached through /proc."""
     victim = arena.bystander.pid
     victim_fd = _bystander_pool_fd(victim)
+    # the victim's descriptor NUMBER, in our table, is never our pool: hold it with /dev/null
+    # if it is free (otherwise it is one of this process's own files already)
+    placeholder = None
+    try:
+        os.fstat(victim_fd)
+    except OSError:
+        placeholder = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(placeholder, victim_fd)
     with arena.client("thief") as client:
         pools = client.create_pools(8)
         counters = CounterFile.create(int(client.session["load_slots"]))
         manifest = {**pools.manifest(), "counters_fd": counters.fd}
         try:
-            # the victim's descriptor NUMBER names nothing, or our own file, in our fd table
-            if victim_fd not in (pools.fd, counters.fd):
-                with pytest.raises(ClientError) as info:
-                    client.call("register_pools", {**manifest, "fd": victim_fd})
-                assert info.value.code == "bad_request"
-                assert f"descriptor {victim_fd} of engine pid {os.getpid()}" in info.value.message
+            with pytest.raises(ClientError) as info:
+                client.call("register_pools", {**manifest, "fd": victim_fd})
+            assert info.value.code == "bad_request"
+            assert f"descriptor {victim_fd} of engine pid {os.getpid()}" in info.value.message
             # the victim's memfd itself, opened through /proc (same uid), with a manifest
             # that fits it (the bystander's 64 pages): still refused, by identity
             probe = client.create_pools(64)
@@ -248,6 +297,9 @@ def test_a_session_cannot_register_another_engines_memory(arena: Arena) -> None:
             assert client.lookup(list(range(32))).tokens_total == 0
         finally:
             counters.close()
+            if placeholder is not None:
+                os.close(victim_fd)
+                os.close(placeholder)
     arena.assert_bystander_unharmed()
 
 
@@ -409,6 +461,30 @@ def test_stopped_and_killed_engines_leave_nothing_behind(arena: Arena) -> None:
         time.sleep(0.1)
     assert _shm_files() <= shm_before, _shm_files() - shm_before
     arena.assert_bystander_unharmed()
+
+
+def test_a_killed_engine_is_unmapped_with_no_other_traffic(tmp_path: Path) -> None:
+    """Defect: a dead engine's memory stayed mapped until the next copy (the copy thread
+    held the last walk while it waited). Here nothing else copies after the kill."""
+    config = write_config(tmp_path)
+    with SidecarProcess(config) as proc:
+        victim = engine("load-loop", config)
+        try:
+            assert read_event(victim)["event"] == "registered"
+            assert read_event(victim)["event"] == "looping"
+            time.sleep(0.2)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(timeout=30)
+            deadline = time.monotonic() + 30
+            while _maps_of(proc.pid, f"memfd:hicache-pool-{victim.pid}") or _maps_of(
+                proc.pid, f"memfd:hicache-counters-{victim.pid}"
+            ):
+                assert time.monotonic() < deadline, "a dead engine's memory is still mapped"
+                time.sleep(0.1)
+            assert not proc.get_json("/v1/stats")["sessions"]
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(victim.pid, signal.SIGKILL)
 
 
 def test_a_sidecar_killed_outright_leaves_no_files(tmp_path: Path) -> None:

@@ -350,3 +350,26 @@ async def test_redis_a_wrong_type_under_a_key_is_a_per_key_miss(
         assert store.breaker.state is BreakerState.CLOSED
     finally:
         await raw.aclose()
+
+
+@pytest.mark.asyncio
+async def test_a_shard_directory_that_is_a_link_is_never_followed(tmp_path: Path) -> None:
+    """Review finding: O_NOFOLLOW guards the last path component only; a shard directory
+    replaced by a link to elsewhere was followed by reads and by the start-up scan. Its
+    objects are misses now (counted), even a valid one at the link's target; other shards
+    serve on."""
+    store, backend = await _stored(tmp_path)
+    shard = _path(backend.root, DAMAGED).parent
+    elsewhere = tmp_path / "elsewhere"
+    shard.rename(elsewhere)  # the valid object now lies only at the link's target
+    shard.symlink_to(elsewhere, target_is_directory=True)
+    got = await asyncio.wait_for(store.fetch([*INTACT, DAMAGED], 5 * PAGE), WAIT_S)
+    assert got.answered
+    assert [v is not None for v in got.values] == [True] * len(INTACT) + [False]
+    assert store.objects_damaged >= 1
+    assert store.breaker.state is BreakerState.CLOSED
+    assert not store.stats.failures
+    rebuilt = FileBackend(tmp_path / "l3", capacity_bytes=1 << 24)  # the start-up scan
+    assert rebuilt.objects_damaged == 1
+    assert DAMAGED not in rebuilt._sizes
+    assert all(key in rebuilt._sizes for key in INTACT)
