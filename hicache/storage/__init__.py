@@ -6,8 +6,9 @@ only when used), a fault-injecting backend for tests, the circuit breaker, and `
 from hicache.storage.backend import StorageBackend
 from hicache.storage.breaker import BreakerState, CircuitBreaker
 from hicache.storage.faulty import FaultyBackend
+from hicache.storage.fetch_handles import FetchedInto, FetchInto
 from hicache.storage.file_backend import FileBackend
-from hicache.storage.guarded import FetchedInto, FetchInto, GuardedStore, StoreStats
+from hicache.storage.guarded import GuardedStore, StoreStats
 
 __all__ = [
     "BreakerState",

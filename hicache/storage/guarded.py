@@ -43,21 +43,37 @@ from __future__ import annotations
 
 import asyncio
 import math
-import threading
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from hicache.errors import ObjectCorruptError
 from hicache.storage import object_format
 from hicache.storage.backend import FAILED, Buffer, StorageBackend
+from hicache.storage.batches import (
+    Gate,
+    chunks,
+    collect,
+    encode_chunk,
+    headers,
+    lazy_headers,
+    runs,
+    verify_all,
+)
 from hicache.storage.breaker import (
     DEFAULT_FAILURE_THRESHOLD,
     DEFAULT_RESET_AFTER_S,
     BreakerState,
     CircuitBreaker,
+)
+from hicache.storage.fetch_handles import (
+    Fetched,
+    FetchedInto,
+    FetchInto,
+    Outstanding,
+    retrieve_quietly,
 )
 from hicache.storage.object_format import Parts, payload_bytes
 
@@ -65,86 +81,6 @@ T = TypeVar("T")
 
 
 PROBE_KEY = b"hicache-breaker-probe"
-
-
-@dataclass(frozen=True, slots=True)
-class Fetched:
-    values: list[memoryview | None]
-    answered: bool  # False: the backend failed or the breaker is open; the Nones are unknown
-    timed_out: bool = False  # the backend did not answer within the call's timeout
-
-
-@dataclass(frozen=True, slots=True)
-class FetchedInto:
-    """The outcome of `fetch_into` (see the module docstring for the lifecycle)."""
-
-    ok: list[bool]  # per key: read whole and verified in its targets
-    answered: bool  # every key answered (False: a failure, a timeout or an open breaker)
-    answered_keys: list[bool]  # per key: the backend answered (ok False: a definite miss)
-    timed_out: bool  # a read was still running when the store stopped waiting
-    settled: asyncio.Future[None]  # done once no thread of this fetch touches the targets
-
-    def __iter__(self) -> Iterator[Any]:
-        """`ok, answered = result`: the shape callers unpacked before `settled`."""
-        yield self.ok
-        yield self.answered
-
-
-class _Outstanding:
-    """The futures of one fetch that may still touch its targets; `settled` is done once the
-    fetch is `close`d (starts nothing more) and every tracked future is done."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.settled: asyncio.Future[None] = loop.create_future()
-        self._futures: list[asyncio.Future[Any]] = []
-        self._closed = False
-
-    def track(self, future: asyncio.Future[Any]) -> None:
-        self._futures.append(future)
-        future.add_done_callback(self._check)
-
-    @property
-    def idle(self) -> bool:
-        return all(f.done() for f in self._futures)
-
-    def close(self) -> None:
-        self._closed = True
-        self._check()
-
-    def _check(self, _: object = None) -> None:
-        if self._closed and not self.settled.done() and self.idle:
-            self.settled.set_result(None)
-
-
-class FetchInto:
-    """A running `fetch_into`: await it for the `FetchedInto`; `settled` is available at once,
-    so a caller cancelled while awaiting can still tell when its pages are free."""
-
-    def __init__(self, run: Callable[[_Outstanding], Coroutine[Any, Any, FetchedInto]]) -> None:
-        loop = asyncio.get_running_loop()
-        self._outstanding = _Outstanding(loop)
-        self._task = loop.create_task(run(self._outstanding))
-        self._task.add_done_callback(lambda _: self._outstanding.close())
-
-    @property
-    def settled(self) -> asyncio.Future[None]:
-        return self._outstanding.settled
-
-    def cancel(self) -> None:
-        """Stop waiting and start no further chunk; `settled` still waits for the threads."""
-        self._task.cancel()
-
-    def done(self) -> bool:
-        return self._task.done()
-
-    def __await__(self) -> Generator[Any, None, FetchedInto]:
-        return self._task.__await__()
-
-
-def _retrieve(future: asyncio.Future[Any]) -> None:
-    """A late call's error is nobody's to raise: mark it retrieved (no asyncio warning)."""
-    if not future.cancelled():
-        future.exception()
 
 
 def _positive(name: str, value: float) -> float:
@@ -167,102 +103,6 @@ class StoreStats:
     get_bytes: int = 0  # payload bytes returned verified
     get_seconds: float = 0.0
     failures: Counter[str] = field(default_factory=Counter)
-
-
-def _runs(sizes: Sequence[int], chunk_bytes: int) -> list[list[int]]:
-    """Consecutive runs of indices of about `chunk_bytes` bytes (at least one each)."""
-    runs: list[list[int]] = [[]]
-    total = 0
-    for i, size in enumerate(sizes):
-        if runs[-1] and total + size > chunk_bytes:
-            runs.append([])
-            total = 0
-        runs[-1].append(i)
-        total += size
-    return runs if runs[0] else []
-
-
-def _chunks(
-    items: Sequence[tuple[bytes, Parts]], sizes: Sequence[int], chunk_bytes: int
-) -> list[list[tuple[tuple[bytes, Parts], int]]]:
-    """`_runs` of items, each with its size."""
-    return [[(items[i], sizes[i]) for i in run] for run in _runs(sizes, chunk_bytes)]
-
-
-def _encode(
-    chunk: list[tuple[tuple[bytes, Parts], int]], arena: memoryview, offset: int
-) -> list[tuple[bytes, memoryview]]:
-    encoded = []
-    for (key, payload), size in chunk:
-        object_format.encode_into(arena[offset : offset + size], key, payload)
-        encoded.append((key, arena[offset : offset + size]))
-        offset += size
-    return encoded
-
-
-def _headers(
-    chunk: list[tuple[tuple[bytes, Parts], int]],
-) -> list[tuple[bytes, Sequence[Buffer]]]:
-    return [(key, _with_header(key, payload)) for (key, payload), _ in chunk]
-
-
-class _Gate:
-    """Closed once the store stops waiting for a put: a header is computed (its checksum over
-    the caller's payload) only while it is open, under the same lock, so a thread still
-    sending after a timeout can never frame bytes the caller has since reused as a valid
-    object — at worst its payload no longer matches a checksum taken before, and the read
-    that meets it deletes it as corrupt."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.open = True
-
-    def close(self) -> None:
-        with self.lock:
-            self.open = False
-
-
-def _lazy_headers(
-    items: Sequence[tuple[bytes, Parts]], gate: _Gate
-) -> Iterator[tuple[bytes, Sequence[Buffer]]]:
-    for key, payload in items:
-        with gate.lock:
-            if not gate.open:
-                return
-            parts = _with_header(key, payload)
-        yield key, parts
-
-
-def _with_header(key: bytes, payload: Parts) -> list[Buffer]:
-    parts = object_format.parts_of(payload)
-    return [object_format.header(key, parts), *parts]
-
-
-def _verify_all(
-    jobs: list[tuple[bytes, memoryview, list[memoryview], int]],
-) -> list[bool | None]:
-    """Per object: True verified, False present but corrupt, None absent."""
-    out: list[bool | None] = []
-    for key, head, target, n in jobs:
-        if n < 0:
-            out.append(None)
-            continue
-        try:
-            object_format.verify_parts(key, head, target, n)
-            out.append(True)
-        except ObjectCorruptError:
-            out.append(False)
-    return out
-
-
-async def _collect(
-    in_flight: tuple[asyncio.Future[list[bool] | None], int], result: list[bool]
-) -> bool:
-    """Append a sent chunk's outcomes to `result`; True when the call failed."""
-    future, count = in_flight
-    outcome = await future
-    result += outcome if outcome is not None else [False] * count
-    return outcome is None
 
 
 class GuardedStore:
@@ -355,7 +195,7 @@ class GuardedStore:
         what: str,
         nbytes: int,
         start: Callable[[], Awaitable[T]],
-        outstanding: _Outstanding,
+        outstanding: Outstanding,
     ) -> tuple[T | None, str | None]:
         """Like `_call_why` for a call whose threads write caller memory: on a timeout (or a
         cancelled caller) the call is left running — never cancelled — and tracked in
@@ -365,7 +205,7 @@ class GuardedStore:
             self.stats.skipped_open += 1
             return None, "open"
         call = asyncio.ensure_future(start())
-        call.add_done_callback(_retrieve)
+        call.add_done_callback(retrieve_quietly)
         outstanding.track(call)
         try:
             done, _ = await asyncio.wait({call}, timeout=self._timeout(nbytes))
@@ -408,16 +248,16 @@ class GuardedStore:
             failed = False
             in_flight: tuple[asyncio.Future[list[bool] | None], int] | None = None
             offset = 0
-            for chunk in _chunks(items, sizes, self.chunk_bytes):
+            for chunk in chunks(items, sizes, self.chunk_bytes):
                 # on a worker thread, so the loop starts the previous chunk's send meanwhile
-                encoded = await asyncio.to_thread(_encode, chunk, arena, offset)
+                encoded = await asyncio.to_thread(encode_chunk, chunk, arena, offset)
                 offset += sum(size for _, size in chunk)
                 if in_flight is not None:
-                    failed |= await _collect(in_flight, result)
+                    failed |= await collect(in_flight, result)
                 send = self._call("put", sum(size for _, size in chunk), self._sender(encoded))
                 in_flight = (asyncio.ensure_future(send), len(chunk))
             if in_flight is not None:
-                failed |= await _collect(in_flight, result)
+                failed |= await collect(in_flight, result)
             if failed:
                 self._arena = None  # a timed-out call's thread may still read it
             stored = result
@@ -438,7 +278,7 @@ class GuardedStore:
 
         After a timeout the backend's thread may still read the payload (a thread cannot be
         stopped): every header sent was computed before the store gave up (chunked: before
-        the call; lazy: under `_Gate`), so a payload the caller changes afterwards fails its
+        the call; lazy: under `Gate`), so a payload the caller changes afterwards fails its
         checksum on read and is deleted — never served as another page's bytes."""
         started = time.perf_counter()
         self.stats.puts += len(items)
@@ -446,8 +286,8 @@ class GuardedStore:
         if not self.backend.chunked_put:
             # one call, the headers computed lazily on the backend's thread as it sends; the
             # gate stops that once this call is given up (timed out, failed or cancelled)
-            gate = _Gate()
-            lazy = _lazy_headers(items, gate)
+            gate = Gate()
+            lazy = lazy_headers(items, gate)
             try:
                 result = await self._call(
                     "put", sum(sizes), lambda: self.backend.put_parts_many(lazy)
@@ -462,14 +302,14 @@ class GuardedStore:
         chunk_bytes = self.chunk_bytes
         stored: list[bool] = []
         in_flight: tuple[asyncio.Future[list[bool] | None], int] | None = None
-        for chunk in _chunks(items, sizes, chunk_bytes):
-            parts = await asyncio.to_thread(_headers, chunk)
+        for chunk in chunks(items, sizes, chunk_bytes):
+            parts = await asyncio.to_thread(headers, chunk)
             if in_flight is not None:
-                await _collect(in_flight, stored)
+                await collect(in_flight, stored)
             send = self._call("put", sum(size for _, size in chunk), self._parts_sender(parts))
             in_flight = (asyncio.ensure_future(send), len(chunk))
         if in_flight is not None:
-            await _collect(in_flight, stored)
+            await collect(in_flight, stored)
         self.stats.stored += sum(stored)
         self.stats.put_bytes += sum(size for size, ok in zip(sizes, stored, strict=True) if ok)
         self.stats.put_seconds += time.perf_counter() - started
@@ -538,7 +378,7 @@ class GuardedStore:
         self,
         keys: list[bytes],
         targets: list[list[memoryview]],
-        outstanding: _Outstanding,
+        outstanding: Outstanding,
     ) -> FetchedInto:
         sizes = [sum(t.nbytes for t in target) for target in targets]
         if not self.backend.vectored_get:  # the backend's bytes, then one copy into place
@@ -593,7 +433,7 @@ class GuardedStore:
         ok: list[bool],
         answered_keys: list[bool],
         corrupt: list[bytes],
-        outstanding: _Outstanding,
+        outstanding: Outstanding,
     ) -> bool:
         """Read chunk by chunk, verifying chunk k on a worker thread while chunk k+1 is read
         (readv and xxhash both release the GIL). Fills `ok`, `answered_keys` and `corrupt`;
@@ -609,7 +449,7 @@ class GuardedStore:
         verifying: asyncio.Future[list[bool | None]] | None = None
         verifying_chunk: list[int] = []
         timed_out = False
-        for chunk in _runs(sizes, self.chunk_bytes):
+        for chunk in runs(sizes, self.chunk_bytes):
             scatter = [[heads[i], *targets[i]] for i in chunk]
             read, why = await self._detached(
                 "get",
@@ -637,7 +477,7 @@ class GuardedStore:
                 for i, n in zip(chunk, read, strict=True)
                 if n != FAILED
             ]
-            verifying = asyncio.ensure_future(asyncio.to_thread(_verify_all, jobs))
+            verifying = asyncio.ensure_future(asyncio.to_thread(verify_all, jobs))
             outstanding.track(verifying)
             verifying_chunk = [i for i, n in zip(chunk, read, strict=True) if n != FAILED]
         if verifying is not None:
