@@ -101,7 +101,8 @@ class L3Io:
             keys.extend(r.key for r in g.records)
             targets.extend(pool.page_views(p) for p in g.host_pages)
             spans[group] = (start, len(keys))
-        asked = sum(t.nbytes for target in targets for t in target)
+        page_bytes = {group: self.host_tier.pool(group).geometry.page_bytes for group in spans}
+        asked = sum(page_bytes[group] * (b - a) for group, (a, b) in spans.items())
         ahead, started = self.reading_bytes, self._clock()
         self.reading_bytes += asked
         fetch = l3.fetch_into(keys, targets)
@@ -115,10 +116,7 @@ class L3Io:
         ok = {group: result.ok[a:b] for group, (a, b) in spans.items()}
         if self.current() is l3:
             answered = {group: result.answered_keys[a:b] for group, (a, b) in spans.items()}
-            verified = sum(
-                self.host_tier.pool(group).geometry.page_bytes * sum(group_ok)
-                for group, group_ok in ok.items()
-            )
+            verified = sum(page_bytes[group] * sum(group_ok) for group, group_ok in ok.items())
             if verified:  # L3 read the reads ahead of this one, then this one, meanwhile
                 self.read_rate.observe(ahead + verified, self._clock() - started)
         else:  # L3 was swapped meanwhile: what the old store lacks says nothing of the new one

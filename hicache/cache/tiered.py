@@ -43,7 +43,6 @@ from hicache.cache.resync import Resync
 from hicache.embedded import EmbeddedCache
 from hicache.errors import HicacheError
 from hicache.index import (
-    PREFETCH_POLICIES,
     WRITE_POLICIES,
     AbsentKeys,
     GroupRule,
@@ -55,7 +54,7 @@ from hicache.index import (
     PrefixIndex,
     WritePolicy,
 )
-from hicache.index.policies import Timeout
+from hicache.index.policies import prefetch_policy as prefetch_policy_named
 from hicache.scheduler import GroupPages, OpHandle, OpResult
 from hicache.scheduler.moves import moves_group
 from hicache.storage import GuardedStore
@@ -180,21 +179,13 @@ class TieredCache:
             rules[name] = GroupRule.of(geom.group)
             capacity[name] = embedded.host_tier.pool(name).num_pages
         index = PrefixIndex(keyers, rules, capacity, page, eviction, l3_index_max_pages)
-        if prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(
-                f"prefetch_policy {prefetch_policy!r} is not known; allowed: "
-                f"{', '.join(PREFETCH_POLICIES)}"
-            )
-        prefetch: PrefetchPolicy = (
-            Timeout(
-                base_s=prefetch_timeout_s,
-                per_token_s=prefetch_timeout_per_token_s,
-                headroom=prefetch_auto_headroom,
-                floor_s=prefetch_auto_floor_s,
-                max_s=prefetch_timeout_max_s,
-            )
-            if prefetch_policy == Timeout.name
-            else PREFETCH_POLICIES[prefetch_policy]()
+        prefetch = prefetch_policy_named(
+            prefetch_policy,
+            timeout_s=prefetch_timeout_s,
+            per_token_s=prefetch_timeout_per_token_s,
+            headroom=prefetch_auto_headroom,
+            floor_s=prefetch_auto_floor_s,
+            max_s=prefetch_timeout_max_s,
         )
         return cls(
             embedded,

@@ -154,3 +154,22 @@ PREFETCH_POLICIES: dict[str, type[PrefetchPolicy]] = {
     "wait_complete": WaitComplete,
     "timeout": Timeout,
 }
+
+
+def prefetch_policy(
+    name: str,
+    *,
+    timeout_s: float | Literal["auto"] = "auto",
+    per_token_s: float = 2e-6,
+    headroom: float = 2.0,
+    floor_s: float = 0.01,
+    max_s: float = 1.0,
+) -> PrefetchPolicy:
+    """The prefetch policy `name` (the `cache` section's settings shape `timeout` only)."""
+    if name not in PREFETCH_POLICIES:
+        raise ValueError(
+            f"prefetch_policy {name!r} is not known; allowed: {', '.join(PREFETCH_POLICIES)}"
+        )
+    if name == Timeout.name:
+        return Timeout(timeout_s, per_token_s, headroom, floor_s, max_s)
+    return PREFETCH_POLICIES[name]()
