@@ -8,13 +8,17 @@ gets them alike. Methods are async; a blocking client runs in a worker thread.
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 Buffer = bytes | bytearray | memoryview
 
 # what `get_parts_many` returns for a key instead of a byte count
 MISSING = -1  # the backend answered: no such object (a miss the index may act on)
 FAILED = -2  # the backend could not say for this key (a failure: the index keeps its entry)
+
+# `get_parts_many`'s optional hook: (index of the first key, its and the next keys' counts),
+# called on the backend's thread as soon as those objects are in their targets
+Landed = Callable[[int, Sequence[int]], None]
 
 
 class StorageBackend(abc.ABC):
@@ -40,9 +44,14 @@ class StorageBackend(abc.ABC):
     vectored_put: bool = False  # put_parts_many is implemented
     chunked_put: bool = False  # a batch split in chunks costs no extra round trips
     vectored_get: bool = False  # get_parts_many is implemented
+    streamed_get: bool = False  # get_parts_many calls `landed` as objects land
 
     async def get_parts_many(
-        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[Sequence[memoryview]],
+        *,
+        landed: Landed | None = None,
     ) -> list[int]:
         """Read each key's object into its target buffers in order (scatter: the header into
         the first, the payload straight into the caller's memory); returns per key the bytes
@@ -54,7 +63,12 @@ class StorageBackend(abc.ABC):
         this coroutine completes — returns or raises — only once no thread it started can
         touch `targets` any more. The store never cancels it: on a timeout it stops waiting
         and awaits the call's completion in the background (`FetchedInto.settled`), so a
-        backend must not wrap its threads in a timeout or cancellation of its own."""
+        backend must not wrap its threads in a timeout or cancellation of its own.
+
+        `landed` (given only to a backend with `streamed_get`): called on the backend's
+        thread, in key order, with the counts of objects once they are in their targets (and
+        will not be written again), so the store verifies each while it is still in the CPU's
+        cache; a key it was not called for is verified after the call returns."""
         raise NotImplementedError(f"{self.name} has no vectored reads")
 
     async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:

@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 
 from hicache.errors import TierUnavailableError
-from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.backend import Buffer, Landed, StorageBackend
 
 
 class FaultyBackend(StorageBackend):
@@ -83,7 +83,11 @@ class FaultyBackend(StorageBackend):
         return out
 
     async def get_parts_many(
-        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[Sequence[memoryview]],
+        *,
+        landed: Landed | None = None,  # never given: `streamed_get` is False here
     ) -> list[int]:
         """The inner backend's scatter read, delayed by `scatter_latency_s` on a worker thread
         that writes the targets late; corrupts a landed object's last byte at `corrupt_rate`.

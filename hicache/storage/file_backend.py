@@ -50,7 +50,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 from hicache.errors import TierUnavailableError
-from hicache.storage.backend import MISSING, Buffer, StorageBackend
+from hicache.storage.backend import MISSING, Buffer, Landed, StorageBackend
 
 _SUFFIX = ".kv"
 _TMP = ".tmp-"
@@ -382,9 +382,16 @@ class FileBackend(StorageBackend):
         return out
 
     def _gets_parts(
-        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[Sequence[memoryview]],
+        landed: Landed | None = None,
     ) -> list[int]:
-        out = [self._get_parts(k, t) for k, t in zip(keys, targets, strict=True)]
+        out = []
+        for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
+            out.append(self._get_parts(key, target))
+            if landed is not None:  # verified now, while the object is in the CPU's cache
+                landed(i, out[-1:])
         if MISSING in out:
             self._check_root()
         return out
@@ -406,11 +413,16 @@ class FileBackend(StorageBackend):
     vectored_put = True
     chunked_put = True
     vectored_get = True  # readv: the payload lands in the caller's pages, no second copy
+    streamed_get = True
 
     async def get_parts_many(
-        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[Sequence[memoryview]],
+        *,
+        landed: Landed | None = None,
     ) -> list[int]:
-        return await asyncio.to_thread(self._gets_parts, keys, targets)
+        return await asyncio.to_thread(self._gets_parts, keys, targets, landed)
 
     async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
         return await asyncio.to_thread(lambda: [self._put(k, list(p)) for k, p in items])

@@ -51,7 +51,7 @@ from typing import TypeVar
 
 from hicache.errors import ObjectCorruptError
 from hicache.storage import object_format
-from hicache.storage.backend import FAILED, Buffer, StorageBackend
+from hicache.storage.backend import FAILED, Buffer, Landed, StorageBackend
 from hicache.storage.batches import (
     Gate,
     chunks,
@@ -201,12 +201,27 @@ class GuardedStore:
         cancelled caller) the call is left running — never cancelled — and tracked in
         `outstanding` until it ends. The breaker's failure is recorded here; its success is
         the caller's to record (a result may still hold failed keys)."""
+        call = self._launch(start, outstanding)
+        if call is None:
+            return None, "open"
+        return await self._settle_call(what, nbytes, call)
+
+    def _launch(
+        self, start: Callable[[], Awaitable[T]], outstanding: Outstanding
+    ) -> asyncio.Future[T] | None:
+        """Start a `_detached` call now (None: the breaker is open), tracked in `outstanding`."""
         if not self.breaker.allow():
             self.stats.skipped_open += 1
-            return None, "open"
+            return None
         call = asyncio.ensure_future(start())
         call.add_done_callback(retrieve_quietly)
         outstanding.track(call)
+        return call
+
+    async def _settle_call(
+        self, what: str, nbytes: int, call: asyncio.Future[T]
+    ) -> tuple[T | None, str | None]:
+        """Wait for a launched call within the timeout for `nbytes` (the rest of `_detached`)."""
         try:
             done, _ = await asyncio.wait({call}, timeout=self._timeout(nbytes))
         except asyncio.CancelledError:
@@ -449,14 +464,32 @@ class GuardedStore:
         verifying: asyncio.Future[list[bool | None]] | None = None
         verifying_chunk: list[int] = []
         timed_out = False
-        for chunk in runs(sizes, self.chunk_bytes):
+        streamed = self.backend.streamed_get
+        # A streaming backend has each object verified on its thread as it lands (while
+        # still in the CPU's cache); what it did not report is verified after the call, on a
+        # worker thread while the next chunk is read. The next chunk's read is started before
+        # this one is awaited, so the backend's thread never waits for the loop between two.
+        todo = runs(sizes, self.chunk_bytes)
+        started: list[tuple[asyncio.Future[list[int]] | None, Gate, dict[int, bool | None]]] = []
+
+        def launch(chunk: list[int]) -> None:
+            gate = Gate()
+            early: dict[int, bool | None] = {}
+            landed = self._verifier(chunk, keys, heads, targets, gate, early) if streamed else None
             scatter = [[heads[i], *targets[i]] for i in chunk]
-            read, why = await self._detached(
-                "get",
-                sum(sizes[i] for i in chunk),
-                self._scatter_reader([keys[i] for i in chunk], scatter),
-                outstanding,
-            )
+            reader = self._scatter_reader([keys[i] for i in chunk], scatter, landed)
+            started.append((self._launch(reader, outstanding), gate, early))
+
+        for k, chunk in enumerate(todo):
+            while len(started) < min(k + 2, len(todo)):
+                launch(todo[len(started)])
+            call, gate, early = started[k]
+            read: list[int] | None = None
+            why: str | None = "open"
+            if call is not None:
+                settled = await self._settle_call("get", sum(sizes[i] for i in chunk), call)
+                read, why = settled
+            gate.close()  # a late read's verdicts are never counted
             if verifying is not None:
                 # shielded: a cancelled caller leaves the thread tracked, not orphaned
                 outcomes = await asyncio.shield(verifying)
@@ -464,6 +497,8 @@ class GuardedStore:
                 verifying = None
             if read is None:
                 timed_out = why == "timeout"
+                for _, later, _ in started[k + 1 :]:
+                    later.close()  # already started: left running, tracked, never counted
                 break
             failed = [i for i, n in zip(chunk, read, strict=True) if n == FAILED]
             if failed:  # the backend could not say for these keys: a failure, not a miss
@@ -472,23 +507,53 @@ class GuardedStore:
                 )
             else:
                 self.breaker.success()
-            jobs = [
-                (keys[i], heads[i], targets[i], n)
-                for i, n in zip(chunk, read, strict=True)
-                if n != FAILED
-            ]
-            verifying = asyncio.ensure_future(asyncio.to_thread(verify_all, jobs))
-            outstanding.track(verifying)
-            verifying_chunk = [i for i, n in zip(chunk, read, strict=True) if n != FAILED]
+            good = [(i, n) for i, n in zip(chunk, read, strict=True) if n != FAILED]
+            settled_now = [i for i, _ in good if i in early]
+            self._settle(
+                [early[i] for i in settled_now], settled_now, keys, ok, answered_keys, corrupt
+            )
+            rest = [(i, n) for i, n in good if i not in early]
+            if rest:
+                jobs = [(keys[i], heads[i], targets[i], n) for i, n in rest]
+                verifying = asyncio.ensure_future(asyncio.to_thread(verify_all, jobs))
+                outstanding.track(verifying)
+                verifying_chunk = [i for i, _ in rest]
         if verifying is not None:
             outcomes = await asyncio.shield(verifying)
             self._settle(outcomes, verifying_chunk, keys, ok, answered_keys, corrupt)
         return timed_out
 
+    @staticmethod
+    def _verifier(
+        chunk: list[int],
+        keys: list[bytes],
+        heads: list[memoryview],
+        targets: list[list[memoryview]],
+        gate: Gate,
+        early: dict[int, bool | None],
+    ) -> Landed:
+        """The `landed` hook for one chunk: verifies each reported object on the backend's
+        thread and records its verdict in `early` while the store still waits (`gate`)."""
+
+        def landed(start: int, counts: Sequence[int]) -> None:
+            for offset, n in enumerate(counts):
+                i = chunk[start + offset]
+                if n == FAILED:
+                    continue
+                (outcome,) = verify_all([(keys[i], heads[i], targets[i], n)])
+                with gate.lock:
+                    if not gate.open:
+                        return
+                    early[i] = outcome
+
+        return landed
+
     def _scatter_reader(
-        self, keys: list[bytes], scatter: list[list[memoryview]]
+        self, keys: list[bytes], scatter: list[list[memoryview]], landed: Landed | None = None
     ) -> Callable[[], Awaitable[list[int]]]:
-        return lambda: self.backend.get_parts_many(keys, scatter)
+        if landed is None:
+            return lambda: self.backend.get_parts_many(keys, scatter)
+        return lambda: self.backend.get_parts_many(keys, scatter, landed=landed)
 
     @staticmethod
     def _settle(

@@ -121,7 +121,11 @@ class _LateWriter(FileBackend):
     delay_s = 0.3
 
     async def get_parts_many(
-        self, keys: Sequence[bytes], targets: Sequence[Sequence[memoryview]]
+        self,
+        keys: Sequence[bytes],
+        targets: Sequence[Sequence[memoryview]],
+        *,
+        landed: object = None,  # not reported: the store verifies after the call
     ) -> list[int]:
         def run() -> list[int]:
             time.sleep(self.delay_s)

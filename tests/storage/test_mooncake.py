@@ -326,3 +326,68 @@ async def test_a_full_store_refuses_a_put_without_tripping_the_breaker(
     assert await store.put([(b"f" * 16, b"v" * 100)]) == [False]
     assert store.breaker.state is BreakerState.CLOSED
     assert not store.stats.failures
+
+
+@pytest.mark.asyncio
+async def test_zero_copy_parts_put_round_trips_and_upserts(backend: MooncakeBackend) -> None:
+    """Payloads in registered memory go out with no copy (`batch_put_from_multi_buffers`
+    of [header, payload]); that call is a put, which keeps an existing key's old value, so
+    the key is removed first: a second put with other bytes (and another size), right after
+    a read took the key's lease, must still replace it."""
+    store = GuardedStore(backend)
+    pool = memoryview(bytearray(4 * 8192))
+    backend.register_memory(pool)
+    pages = [pool[i * 8192 : (i + 1) * 8192] for i in range(4)]
+    for i, page in enumerate(pages):
+        page[:] = bytes([i + 1]) * 8192
+    keys = [bytes([0x40 + i]) * 16 for i in range(2)]
+    calls: list[str] = []
+    real = backend._store
+
+    class _Spy:
+        def batch_put_from_multi_buffers(self, *args: object) -> list[int]:
+            calls.append("multi")
+            return real.batch_put_from_multi_buffers(*args)  # type: ignore[no-any-return]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    backend._store = _Spy()
+    assert await store.put([(keys[0], pages[0]), (keys[1], [pages[1][:4096], pages[1][4096:]])])
+    assert calls == ["multi"]
+    host = _registered_pages(backend, 2, 8192)
+    fetched = await store.fetch_into(keys, host)
+    assert fetched.ok == [True, True]
+    assert [bytes(t[0]) for t in host] == [bytes(pages[0]), bytes(pages[1])]
+    # upsert: other bytes under a leased key, then another size
+    assert await store.put([(keys[0], pages[2])]) == [True]
+    (value,) = await store.get([keys[0]])
+    assert value is not None
+    assert bytes(value) == bytes(pages[2])
+    assert await store.put([(keys[0], pages[3][:100])]) == [True]
+    (value,) = await store.get([keys[0]])
+    assert value is not None
+    assert bytes(value) == bytes(pages[3][:100])
+    assert calls == ["multi"] * 3
+
+
+@pytest.mark.asyncio
+async def test_zero_copy_put_refused_by_a_full_store_is_not_a_failure(
+    backend: MooncakeBackend,
+) -> None:
+    store = GuardedStore(backend, failure_threshold=1)
+    pool = memoryview(bytearray(8192))
+    backend.register_memory(pool)
+    real = backend._store
+
+    class _Full:
+        def batch_put_from_multi_buffers(self, names: list[str], *_: object) -> list[int]:
+            return [-200] * len(names)  # NO_AVAILABLE_HANDLE
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    backend._store = _Full()
+    assert await store.put([(b"q" * 16, pool)]) == [False]
+    assert store.breaker.state is BreakerState.CLOSED
+    assert not store.stats.failures

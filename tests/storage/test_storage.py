@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -197,3 +198,39 @@ def test_an_object_from_parts_is_the_object_of_their_concatenation() -> None:
     assert object_format.encode(key, parts) == whole
     assert object_format.header(key, parts) + b"".join(parts) == whole
     assert bytes(object_format.decode(key, whole)) == b"".join(parts)
+
+
+@pytest.mark.asyncio
+async def test_file_fetch_into_verifies_each_object_as_it_lands(tmp_path: Path) -> None:
+    """The file backend reports each object to `landed` once read (`streamed_get`), and the
+    store verifies it there: good pages come back ok, a corrupted one is a counted miss,
+    deleted, an absent one a plain miss — as when verified after the call."""
+    backend = FileBackend(tmp_path, capacity_bytes=1 << 24)
+    reported: list[int] = []
+    real = backend._gets_parts
+
+    def spy(keys, targets, landed=None):  # type: ignore[no-untyped-def]
+        def noted(start: int, counts: Sequence[int]) -> None:
+            reported.extend(range(start, start + len(counts)))
+            assert landed is not None
+            landed(start, counts)
+
+        return real(keys, targets, noted if landed is not None else None)
+
+    backend._gets_parts = spy  # type: ignore[method-assign]
+    store = GuardedStore(backend, chunk_bytes=8192)
+    items = [(bytes([i]) * 16, bytes([i]) * 4096) for i in range(5)]
+    assert await store.put(items) == [True] * 5
+    path = backend._path(items[2][0])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 1
+    path.write_bytes(bytes(data))
+    keys = [k for k, _ in items] + [b"\xee" * 16]
+    pages = [[memoryview(bytearray(4096))] for _ in keys]
+    fetched = await store.fetch_into(keys, pages)
+    assert fetched.ok == [True, True, False, True, True, False]
+    assert fetched.answered
+    assert sorted(reported) == [0, 0, 0, 1, 1, 1]  # chunks of 2, 2, 2 keys: each reported
+    assert [bytes(p[0]) for p in pages[:2]] == [d for _, d in items[:2]]
+    assert store.stats.corrupt_dropped == 1
+    assert not path.exists()
