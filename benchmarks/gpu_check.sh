@@ -1,37 +1,141 @@
 #!/usr/bin/env bash
-# The CUDA check, for a machine with a GPU: gpu-marked tests, then the transfer benchmark on
-# CUDA for both host layouts, then a short table. Uses that machine's own CUDA build of torch
-# (python3), never the CPU wheel dev.py installs. Packages it lacks (pydantic, pytest-asyncio,
-# msgpack, aiohttp, prometheus-client, PyYAML, xxhash, uvloop)
-# can be carried as wheels in .whl/ (see README: "GPU check"); they are installed to /tmp/site.
+# The CUDA check, for a machine with a GPU: the gpu-marked tests, then the transfer benchmark
+# on CUDA for both host layouts, then ONE table of everything (tests passed / failed, each
+# ratio, each step's status and time). Every step is bounded (`timeout`), and a step that
+# fails or times out is recorded in the table, never stops it; the exit status is non-zero
+# when any step failed. Budget: about 8 minutes on an H200 with 16 cores (tests <= 240 s,
+# each benchmark <= 100 s). Logs go to $OUT (default /tmp/hicache-gpu-check).
+#
+# Uses that machine's own CUDA build of torch (python3, or $PYTHON), never the CPU wheel
+# dev.py installs. Packages it lacks (pydantic, pytest, pytest-asyncio, msgpack, aiohttp,
+# prometheus-client, PyYAML, xxhash, uvloop) can be carried as wheels in .whl/ (see README:
+# "GPU check"); they are installed to /tmp/site.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+out=${OUT:-/tmp/hicache-gpu-check}
+mkdir -p "$out"
+TEST_LIMIT_S=${TEST_LIMIT_S:-240}
+BENCH_LIMIT_S=${BENCH_LIMIT_S:-100}
+
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
+    --target /tmp/site .whl/*.whl >"$out/pip.log" 2>&1 || echo "pip install of .whl/ failed (see $out/pip.log)"
   export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}" PYTHONUNBUFFERED=1
-"$PY" - <<'PYEOF'
+
+# step NAME LIMIT_S CMD...: run bounded, log to $out/NAME.log, status and seconds to NAME.rc
+step() {
+  local name=$1 limit=$2 rc=0 t0
+  shift 2
+  t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1 || rc=$?
+  echo "$rc $(($(date +%s) - t0))" >"$out/$name.rc"
+  echo "[gpu_check] $name: rc=$rc in $(($(date +%s) - t0))s (log: $out/$name.log)"
+}
+
+step device 60 "$PY" -c '
 import torch
 assert torch.cuda.is_available(), "no CUDA device visible to torch"
-print("torch", torch.__version__, "device", torch.cuda.get_device_name(0))
-PYEOF
-out=${OUT:-/tmp}
-"$PY" -m pytest -q -m gpu tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log"
+print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name(0),
+      "x", torch.cuda.device_count())
+'
+step gpu_tests "$TEST_LIMIT_S" "$PY" -m pytest -q -m gpu tests -p no:cacheprovider -rfE \
+  --junitxml="$out/gpu_tests.xml"
 for layout in layer_first page_first; do
-  "$PY" benchmarks/transfer.py --device cuda --layout "$layout" --move-mib 256 --trials 9 \
-    | tee "$out/transfer_cuda_$layout.log"
+  step "transfer_cuda_$layout" "$BENCH_LIMIT_S" "$PY" benchmarks/transfer.py --device cuda \
+    --layout "$layout" --move-mib 256 --trials 9
 done
-"$PY" - "$out" <<'PYEOF'
-import json, sys, pathlib
+
+overall=0
+"$PY" - "$out" <<'PYEOF' || overall=$?
+import json, pathlib, sys
+import xml.etree.ElementTree as ET
+
 out = pathlib.Path(sys.argv[1])
-print("\n== CUDA transfer (ratio vs pinned contiguous cudaMemcpy; vs_loop = per-page loop / ours)")
+failed_steps = 0
+
+
+def status(name):
+    global failed_steps
+    try:
+        rc, secs = (out / f"{name}.rc").read_text().split()
+    except (OSError, ValueError):
+        failed_steps += 1
+        return "not run"
+    if rc != "0":
+        failed_steps += 1
+        what = "TIMEOUT" if rc in ("124", "137") else f"FAILED rc={rc}"
+        return f"{what} {secs}s"
+    return f"ok {secs}s"
+
+
+def last_json(name):
+    try:
+        for line in reversed((out / f"{name}.log").read_text().splitlines()):
+            if line.startswith("{"):
+                return json.loads(line)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def fmt(value, spec=".2f"):
+    return "-" if value is None or value == "" else (format(value, spec) if isinstance(value, (int, float)) else str(value))
+
+
+rows = []  # (item, backup, load, churn backup, churn load, vs_loop, GB/s, status)
+device_log = (out / "device.log").read_text().strip().splitlines() if (out / "device.log").exists() else []
+rows.append(("device", "", "", "", "", "", "", status("device") + ("  " + device_log[-1] if device_log else "")))
+
+tests = "no junit report"
+failures = []
+try:
+    root = ET.parse(out / "gpu_tests.xml").getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    n, f, e, s = (int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    tests = f"{n - f - e - s} passed, {f} failed, {e} errors, {s} skipped"
+    for case in suite.iter("testcase"):
+        if case.find("failure") is not None or case.find("error") is not None:
+            failures.append(f"{case.get('classname', '')}::{case.get('name', '')}")
+except (OSError, ET.ParseError, AttributeError):
+    pass
+rows.append(("gpu tests", "", "", "", "", "", "", f"{status('gpu_tests')}: {tests}"))
+for name in failures:
+    rows.append(("  failed", "", "", "", "", "", "", name))
+
 for layout in ("layer_first", "page_first"):
-    r = json.loads((out / f"transfer_cuda_{layout}.log").read_text().strip().splitlines()[-1])
+    name = f"transfer_cuda_{layout}"
+    state = status(name)
+    r = last_json(name)
+    rows.append((f"transfer {layout}", "", "", "", "", "", "", state if r else state + " (no JSON result)"))
+    if not r:
+        continue
     for p in (1, 16, 64, 256):
-        loop = r.get(f"vs_loop_p{p}", "")
-        print(f"{layout:<12} p{p:<4} backup {r[f'backup_ratio_p{p}']:.2f}  load {r[f'load_ratio_p{p}']:.2f}"
-              f"  ({r[f'load_gbps_p{p}']} GB/s)  {('vs_loop ' + str(loop)) if loop else ''}")
+        if f"backup_ratio_p{p}" not in r:
+            continue
+        rows.append((
+            f"  {layout} p{p}",
+            fmt(r.get(f"backup_ratio_p{p}")),
+            fmt(r.get(f"load_ratio_p{p}")),
+            fmt(r.get(f"churn_backup_ratio_p{p}")),
+            fmt(r.get(f"churn_load_ratio_p{p}")),
+            fmt(r.get(f"vs_loop_p{p}")),
+            fmt(r.get(f"load_gbps_p{p}"), ".1f"),
+            f"baseline {fmt(r.get(f'baseline_gbps_p{p}'), '.1f')} GB/s",
+        ))
+
+head = ("item", "backup", "load", "churn bk", "churn ld", "vs_loop", "GB/s", "status")
+widths = [max(len(str(row[i])) for row in (head, *rows)) for i in range(len(head) - 1)]
+line = lambda row: "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(row, widths))) + "  " + str(row[-1])
+print("\n== hicache GPU check (ratios: ours / pinned contiguous cudaMemcpy of the same bytes; "
+      "vs_loop: a per-page copy loop's time / ours)")
+print(line(head))
+print("-" * (sum(widths) + 2 * len(widths) + 6))
+for row in rows:
+    print(line(row))
+sys.exit(1 if failed_steps or failures else 0)
 PYEOF
+echo "[gpu_check] logs in $out; exit $overall"
+exit "$overall"

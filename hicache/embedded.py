@@ -7,6 +7,11 @@ Lifecycle: `EmbeddedCache.build(...)` (or `from_config`) allocates everything at
 (queued copies finish, its thread is joined). An engine that raises before `close()`, or
 never calls it, still exits: the backend's thread is a daemon, closed the same way at
 interpreter exit (`hicache/transfer/workers.py`).
+
+The copy backend is bound to one device: the pools' (an engine's own pools on its GPU), or
+`device.index` when the stack allocates its own; pools on another device are refused, naming
+both. On CUDA a backup is ordered after a fence (`TieredCache.store`, `Scheduler.backup`):
+take it on the thread and stream that wrote the pages (`backend.producer_fence(stream)`).
 """
 
 from __future__ import annotations
@@ -18,11 +23,36 @@ import torch
 
 from hicache.config.loader import LoadedConfig
 from hicache.config.schema import Deployment
+from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, DevicePool, GroupGeometry, HostTier
 from hicache.memory.host_pool import HostLayout
 from hicache.model import LayerMap
 from hicache.scheduler import Clock, MovePolicy, Scheduler
 from hicache.transfer import CopyBackend, make_backend
+
+
+def pools_device(device_pools: Mapping[str, DevicePool]) -> torch.device:
+    """The one device every pool is on; refused when they differ (one stage, one device)."""
+    devices = {pool.device for pool in device_pools.values()}
+    if len(devices) != 1:
+        where = ", ".join(f"{name} on {pool.device}" for name, pool in sorted(device_pools.items()))
+        raise ConfigError(
+            f"device pools on {len(devices)} devices ({where}); one stage's pools share one "
+            "device (give each TP rank its own cache)"
+        )
+    return next(iter(devices))
+
+
+def check_pools_device(device_pools: Mapping[str, DevicePool], backend: CopyBackend) -> None:
+    """Refuse pools the copy backend cannot copy: on another device than the backend's
+    (whose streams and staging live on its own device)."""
+    device = pools_device(device_pools)
+    if not backend.serves(device):
+        raise ConfigError(
+            f"device pools on {device}, but the copy backend copies on {backend.device}; bind "
+            f"the backend to the pools' device (make_backend(kind, index={device.index}) or "
+            "backend.for_device(device))"
+        )
 
 
 @dataclass
@@ -61,7 +91,9 @@ class EmbeddedCache:
         }
         backend = backend or make_backend("cpu")
         try:
-            if device_pools is None:
+            if device_pools is not None:
+                check_pools_device(device_pools, backend)
+            else:
                 device_pools = {
                     name: DevicePool.allocate(
                         geom,
@@ -121,7 +153,10 @@ class EmbeddedCache:
         ]
         per_page = sum(g.page_bytes for g in geometries)
         if backend is None:
-            backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
+            # bound to the pools' device when given (an engine's TP rank on its own GPU)
+            where = pools_device(device_pools) if device_pools else None
+            index = d.device.index if where is None or where.index is None else where.index
+            backend = make_backend(d.device.kind, index, d.host.pin_chunk_bytes)
         return cls.build(
             layer_map,
             dtype=dtypes,

@@ -31,7 +31,7 @@ class Discovery:
         self.current = current  # the store attached now (None: none)
 
     def _unknown(
-        self, keys: Mapping[str, list[PageKey]], start: int = 0
+        self, keys: Mapping[str, Sequence[PageKey]], start: int = 0
     ) -> Iterator[tuple[str, PageKey, bool]]:
         """(group, key, L3 just said absent) for every key from page `start` on that the
         index has no record of."""
@@ -51,14 +51,39 @@ class Discovery:
         """Could L3 extend this hit with pages the index does not know?"""
         if hit.pages_total == len(token_ids) // self.index.page_size_tokens:
             return False  # the whole prompt hits already: no hashing twice
-        keys = self.index.keys(token_ids)
-        return any(not fresh for _, _, fresh in self._unknown(keys, hit.pages_total))
+        return self.needed_keys(self.index.keys(token_ids), hit)
+
+    def needed_keys(self, keys: Mapping[str, Sequence[PageKey]], hit: Hit) -> bool:
+        """`needed` for a prompt given by its keys. Pages from the hit's end on are checked,
+        whole-prefix groups (full, sparse) first: past a page of theirs that is unknown and
+        that L3 said moments ago it lacks, no page can extend the hit (that group's run ends
+        there), so the scan stops — a cold prompt looked up at every step costs O(1) here,
+        not one check per page."""
+        pages = min((len(k) for k in keys.values()), default=0)
+        start, end = hit.pages_total, pages
+        if start >= pages:
+            return False
+        rules = self.index.rules
+        for group in sorted(keys, key=lambda g: not rules[g].needs_whole_prefix):
+            whole = rules[group].needs_whole_prefix
+            for offset, key in enumerate(keys[group][start:end]):
+                if self.index.record(group, key) is None:
+                    if not self.absent.fresh(group, key):
+                        return True
+                    if whole:
+                        end = start + offset
+                        break
+        return False
 
     async def run(self, l3: GuardedStore, token_ids: Sequence[int]) -> int:
         """Ask L3 about the prompt's pages the index does not know of, and record those it
         holds. Returns how many it holds (0 when `l3` was swapped out before it answered)."""
+        return await self.run_keys(l3, self.index.keys(token_ids))
+
+    async def run_keys(self, l3: GuardedStore, keys: Mapping[str, Sequence[PageKey]]) -> int:
+        """`run` for a prompt given by its keys."""
         unknown: list[tuple[str, PageKey]] = []
-        for group, key, fresh in self._unknown(self.index.keys(token_ids)):
+        for group, key, fresh in self._unknown(keys):
             if fresh:  # L3 said so moments ago
                 self.absent.skipped += 1
             else:
@@ -77,6 +102,6 @@ class Discovery:
                 absent.append((group, key))
         if answered:  # "absent" from a store that failed is no answer worth remembering
             self.absent.add(absent)
-        for group, keys in found.items():  # one batch per group: none displaces another
-            self.index.mark_l3_many(group, keys)
+        for group, group_keys in found.items():  # one batch per group: none displaces another
+            self.index.mark_l3_many(group, group_keys)
         return len(unknown) - len(absent)

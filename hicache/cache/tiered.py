@@ -48,6 +48,7 @@ from hicache.index import (
     GroupRule,
     Hit,
     Namespace,
+    PageKey,
     PageKeyer,
     PageRecord,
     PrefetchPolicy,
@@ -55,10 +56,12 @@ from hicache.index import (
     WritePolicy,
 )
 from hicache.index.policies import prefetch_policy as prefetch_policy_named
+from hicache.memory import GroupGeometry
+from hicache.model import LayerMap
 from hicache.scheduler import GroupPages, OpHandle, OpResult
-from hicache.scheduler.moves import moves_group
+from hicache.scheduler.moves import MovePolicy, moves_group
 from hicache.storage import GuardedStore
-from hicache.transfer import LayerListener
+from hicache.transfer import Fence, LayerListener
 
 log = logging.getLogger("hicache.cache")
 
@@ -75,6 +78,38 @@ class StoreResult:
     bytes_backed_up: int = 0  # L1 -> L2
     backup_seconds: float = 0.0
     truncated_to_tokens: int | None = None  # L2 held only this prefix of the prompt
+
+
+def page_keyers(
+    geometries: Mapping[str, GroupGeometry],
+    layer_map: LayerMap,
+    move_policy: MovePolicy,
+    *,
+    model: str = "",
+    tenant_salt: str = "",
+    tp_rank: int = 0,
+    key_algorithm: str = "xxh3_128",
+) -> dict[str, PageKeyer]:
+    """The keyer of every group the cache keeps (the move policy may leave some to the
+    engine: never stored, never needed for a hit), each in its own namespace. Pure: the
+    sidecar's `hello` gives an engine these keyers' roots before any cache exists."""
+    keyers = {}
+    for name, geom in geometries.items():
+        if not moves_group(move_policy, geom.group):
+            continue
+        namespace = Namespace(
+            model=model or layer_map.model_type,
+            model_type=layer_map.model_type,
+            dtype=geom.dtype_signature,
+            kv_layout=repr(geom.group.spec),
+            page_size_tokens=geom.page_size_tokens,
+            group=name,
+            tp_rank=tp_rank,
+            pp_rank=layer_map.start_layer,
+            tenant_salt=tenant_salt,
+        )
+        keyers[name] = PageKeyer(namespace, key_algorithm)
+    return keyers
 
 
 class TieredCache:
@@ -160,23 +195,18 @@ class TieredCache:
         `prefetch_timeout_*` / `prefetch_auto_*` ones shape the `timeout` policy only."""
         geometries = embedded.geometries
         page = next(iter(geometries.values())).page_size_tokens
-        keyers, rules, capacity = {}, {}, {}
-        for name, geom in geometries.items():
-            if not moves_group(embedded.scheduler.move_policy, geom.group):
-                continue  # the engine recomputes it: never stored, never needed for a hit
-            namespace = Namespace(
-                model=model or embedded.layer_map.model_type,
-                model_type=embedded.layer_map.model_type,
-                dtype=geom.dtype_signature,
-                kv_layout=repr(geom.group.spec),
-                page_size_tokens=page,
-                group=name,
-                tp_rank=tp_rank,
-                pp_rank=embedded.layer_map.start_layer,
-                tenant_salt=tenant_salt,
-            )
-            keyers[name] = PageKeyer(namespace, key_algorithm)
-            rules[name] = GroupRule.of(geom.group)
+        keyers = page_keyers(
+            geometries,
+            embedded.layer_map,
+            embedded.scheduler.move_policy,
+            model=model,
+            tenant_salt=tenant_salt,
+            tp_rank=tp_rank,
+            key_algorithm=key_algorithm,
+        )
+        rules, capacity = {}, {}
+        for name in keyers:
+            rules[name] = GroupRule.of(geometries[name].group)
             capacity[name] = embedded.host_tier.pool(name).num_pages
         index = PrefixIndex(keyers, rules, capacity, page, eviction, l3_index_max_pages)
         prefetch = prefetch_policy_named(
@@ -281,6 +311,27 @@ class TieredCache:
         l3 = self.l3
         return 0 if l3 is None else await self.discovery.run(l3, token_ids)
 
+    # by keys: an engine that computed the prompt's page keys once (`PageKeyer.from_root`
+    # with the roots `key_roots` gives) sends them instead of its tokens: nothing is rehashed
+
+    def key_roots(self) -> dict[str, bytes]:
+        """Each cached group's keyer root: with the page size and `key_algorithm`, all an
+        engine needs to compute the very keys this cache's index holds."""
+        return {group: keyer.root for group, keyer in self.index.keyers.items()}
+
+    def lookup_keys(self, keys: Mapping[str, Sequence[PageKey]]) -> Hit:
+        """`lookup` of a prompt given by every cached group's keys of its full pages; the
+        counts only (no `needed`)."""
+        self._resync_if_due()
+        return self.index.lookup_keys(keys, rows=False)
+
+    def needs_discovery_keys(self, keys: Mapping[str, Sequence[PageKey]], hit: Hit) -> bool:
+        return self.l3 is not None and self.discovery.needed_keys(keys, hit)
+
+    async def discover_keys(self, keys: Mapping[str, Sequence[PageKey]]) -> int:
+        l3 = self.l3
+        return 0 if l3 is None else await self.discovery.run_keys(l3, keys)
+
     # ---- store: L1 -> L2 (-> L3 behind) ------------------------------------------------------
 
     async def store(
@@ -289,6 +340,7 @@ class TieredCache:
         device_pages: Mapping[str, Sequence[int | None]],
         *,
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
+        fence: Fence | None = None,
     ) -> StoreResult:
         """Back up the prompt's pages the index lacks; acknowledged once L2 holds them (L3
         is written behind, per the write policy). Token groups list a device page per full
@@ -296,7 +348,16 @@ class TieredCache:
         freed pages): those are never stored, so never served. State groups give their
         snapshots as `{num_tokens: device_slot}`: the state after exactly num_tokens tokens
         (a multiple of the page size), filed under that prefix. A prompt larger than L2
-        stores its longest prefix that fits."""
+        stores its longest prefix that fits.
+
+        Ordering (CUDA): the copies wait on `fence`, the point after the kernels that wrote
+        the pages — `backend.producer_fence(stream)` made on the engine's thread, or
+        `NO_FENCE` once the engine synchronised. Without one, it is taken here, on entry and
+        on the calling thread's current stream (before any await), so an engine that calls
+        this on the thread and stream its model runs on needs nothing more; one that wrote
+        the pages on another stream or thread must pass its fence."""
+        if fence is None:
+            fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
         self._group()
         self._resync_if_due()
         size = self.index.page_size_tokens
@@ -327,7 +388,7 @@ class TieredCache:
         truncated = None if plan.truncated_to_pages is None else plan.truncated_to_pages * size
         if not plan.groups:
             return StoreResult(0, 0, evicted, truncated_to_tokens=truncated)
-        result = await self._backup(plan)
+        result = await self._backup(plan, fence)
         if not result.ok:
             self.planner.abort_store(plan)
             return StoreResult(0, 0, evicted, truncated_to_tokens=truncated)
@@ -337,15 +398,15 @@ class TieredCache:
         stored = sum(len(rs) for rs in records.values())
         return StoreResult(stored, queued, evicted, result.bytes_moved, result.seconds, truncated)
 
-    async def _backup(self, plan: StorePlan) -> OpResult:
-        """The plan's copies; on the caller's cancellation the plan is aborted when the
-        backup ends (its copies write the reserved pages until then)."""
+    async def _backup(self, plan: StorePlan, fence: Fence | None) -> OpResult:
+        """The plan's copies, after `fence`; on the caller's cancellation the plan is aborted
+        when the backup ends (its copies write the reserved pages until then)."""
         request = {
             g: GroupPages(tuple(s.device_pages), tuple(s.host_pages))
             for g, s in plan.groups.items()
         }
         try:
-            handle = await self.embedded.scheduler.backup(request)
+            handle = await self.embedded.scheduler.backup(request, fence=fence)
         except BaseException:
             # refused, or the caller left: if its walk started, it writes the pages until it
             # ends, so they are given back then

@@ -1,19 +1,23 @@
 """The engine client of the sidecar: `connect` (blocking, `engine`), `connect_async` (`aio`);
-the handles and errors they return (`handle`); what both share (`base`)."""
+the handles and errors they return (`handle`); a prompt's page keys, computed once with the
+sidecar's keyers (`keys`); what both share (`base`)."""
 
 from hicache.client.aio import AsyncClient, connect_async
 from hicache.client.engine import Client, connect
 from hicache.client.handle import ClientError, LoadFailedError, LoadHandle, LoadLostError, Lookup
+from hicache.client.keys import KeySpec, PromptKeys
 from hicache.service.shm import SharedPools
 
 __all__ = [
     "AsyncClient",
     "Client",
     "ClientError",
+    "KeySpec",
     "LoadFailedError",
     "LoadHandle",
     "LoadLostError",
     "Lookup",
+    "PromptKeys",
     "SharedPools",
     "connect",
     "connect_async",

@@ -11,6 +11,7 @@ from typing import Any
 
 from hicache.client.base import ClientBase, page_lists, parse_address, store_args
 from hicache.client.handle import ClientError, LoadHandle, Lookup
+from hicache.client.keys import PromptKeys
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 from hicache.service import protocol as p
@@ -119,9 +120,10 @@ class AsyncClient(ClientBase):
         self._registration = registration
 
     async def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
-        from hicache.transfer.cuda_ipc import export_cuda_pools
+        from hicache.transfer.cuda_ipc import export_cuda_pools, pools_device
 
         registration = ("register_cuda_pools", export_cuda_pools(pools))
+        self.cuda_device = pools_device(pools)
         self._pools_registered(await self.call(*self._registration_args(registration)))
         self._registration = registration
 
@@ -129,17 +131,40 @@ class AsyncClient(ClientBase):
         r = await self.call("lookup", {"tokens": list(tokens)})
         return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
 
+    async def lookup_keys(self, keys: PromptKeys | Sequence[int]) -> Lookup:
+        """`Client.lookup_keys`: a lookup by the prompt's page keys (`page_keys`)."""
+        return self._lookup_of(await self.call("lookup_keys", self._key_args(keys)))
+
+    async def lookup_many(self, prompts: Sequence[PromptKeys | Sequence[int]]) -> list[Lookup]:
+        """`Client.lookup_many`: several lookups by keys in one frame, answered in order."""
+        out = []
+        for batch in self._lookup_batches(prompts):
+            reply = await self.call("lookup_many", {"lookups": batch})
+            out += [self._lookup_of(r) for r in reply["results"]]
+        return out
+
     async def store(
         self,
         tokens: Sequence[int],
         device_pages: Mapping[str, Sequence[int | None]],
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
+        *,
+        stream: Any = None,
     ) -> dict[str, Any]:
         """Back up the prompt's pages the sidecar lacks. Token groups: a device page per full
         page in token order, None where the engine no longer holds it (freed out-of-window
         pages). State groups: `snapshots[group] = {num_tokens: slot}`, the state after exactly
-        num_tokens tokens (a multiple of the page size), one per boundary kept."""
-        return await self.call("store", store_args(tokens, device_pages, snapshots))
+        num_tokens tokens (a multiple of the page size), one per boundary kept.
+
+        Ordering. Shared-memory pools: the pages must be written before this call (the
+        sidecar reads them once the request arrives). CUDA pools: the sidecar's backup waits,
+        on the GPU, for the work queued so far on `stream` (default: the calling thread's
+        current stream on the pools' device): an interprocess event is recorded there and
+        its handle sent with the request, so the engine need not synchronise — but every
+        kernel that wrote these pages must be on that stream, or ordered before it (e.g.
+        `stream.wait_stream(other)`), at the time of this call."""
+        fence = self._store_fence(stream)  # on the caller's thread, before the request
+        return await self.call("store", store_args(tokens, device_pages, snapshots, fence))
 
     async def load(
         self,

@@ -1,9 +1,11 @@
 """`ClientBase`: what the blocking and the async engine clients share — the hello and its
 layout summary, request framing and reply checking, shared pools and the counter file, the
-per-layer stalls reported with heartbeats."""
+per-layer stalls reported with heartbeats, and page keys computed with the keyers the hello
+reply gives (`page_keys`; `keys.py`) for `lookup_keys` / `lookup_many`."""
 
 from __future__ import annotations
 
+import collections
 import itertools
 import os
 import socket
@@ -11,7 +13,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.client.handle import ClientError, LoadHandle
+from hicache.client.handle import ClientError, LoadHandle, Lookup
+from hicache.client.keys import KeySpec, PromptKeys
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
 from hicache.service import protocol as p
@@ -68,6 +71,12 @@ class ClientBase:
         self._pending_counters: CounterFile | None = None  # sent, not yet acknowledged
         self.generation = 0
         self.stalls: list[float] = []
+        # CUDA pools: their device, and the last stores' fence events, kept alive past their
+        # replies (an imported IPC event must never outlive the engine's original)
+        self.cuda_device: Any = None
+        self._fences: collections.deque[Any] = collections.deque(maxlen=8)
+        self._key_spec: KeySpec | None = None
+        self._key_session: dict[str, Any] | None = None
 
     def _request(self, op: str, args: Mapping[str, Any]) -> tuple[int, bytes]:
         request_id = next(self._ids)
@@ -113,6 +122,88 @@ class ClientBase:
         self.counters = counters
         self.generation += 1
 
+    def key_spec(self) -> KeySpec:
+        """The session's keyers, from the latest hello reply (kept while a reconnect's hello
+        gives the same roots, so keys computed before stay valid)."""
+        session = self.session
+        if self._key_spec is None or self._key_session is not session:
+            spec = KeySpec.of(session)
+            if spec is None:
+                raise ClientError(
+                    p.ErrorCode.UNKNOWN_OP,
+                    "the sidecar's hello gives no page-key roots: it predates lookup_keys; "
+                    "look up by tokens (lookup)",
+                )
+            if spec.page_size_tokens != self.page_size_tokens:
+                raise ClientError(
+                    p.ErrorCode.REFUSED,
+                    f"the sidecar keys pages of {spec.page_size_tokens} tokens; this client "
+                    f"has {self.page_size_tokens}",
+                )
+            if self._key_spec is not None and self._key_spec.same(spec):
+                spec = self._key_spec
+            self._key_spec, self._key_session = spec, session
+        return self._key_spec
+
+    def page_keys(self, tokens: Sequence[int], extend: PromptKeys | None = None) -> PromptKeys:
+        """The prompt's page keys in every cached group, computed here once, exactly as the
+        sidecar's index computes them; `extend`: this prompt's earlier keys (only later
+        pages are hashed). Pure CPU (no request); on the async client too."""
+        return self.key_spec().keys(tokens, extend)
+
+    def _key_args(self, keys: PromptKeys | Sequence[int]) -> dict[str, Any]:
+        spec = self.key_spec()
+        if not isinstance(keys, PromptKeys):
+            return spec.keys(keys).args()
+        if keys.spec is not spec and not keys.spec.same(spec):
+            raise ClientError(
+                p.ErrorCode.REFUSED,
+                "these page keys were computed under key roots the sidecar no longer gives "
+                "(it restarted with another tenant salt or model); compute them again "
+                "(page_keys)",
+            )
+        return keys.args()
+
+    def _lookup_batches(
+        self, prompts: Sequence[PromptKeys | Sequence[int]]
+    ) -> list[list[dict[str, Any]]]:
+        """lookup_many's frames: at most MAX_LOOKUPS lookups and about 4 MiB of keys each
+        (well under the sidecar's default 16 MiB frame limit)."""
+        batches: list[list[dict[str, Any]]] = [[]]
+        size = 0
+        for prompt in prompts:
+            args = self._key_args(prompt)
+            nbytes = sum(len(blob) for blob in args["keys"].values())
+            if batches[-1] and (len(batches[-1]) >= p.MAX_LOOKUPS or size + nbytes > 4 << 20):
+                batches.append([])
+                size = 0
+            batches[-1].append(args)
+            size += nbytes
+        return batches if batches[0] else []
+
+    @staticmethod
+    def _lookup_of(reply: Mapping[str, Any]) -> Lookup:
+        return Lookup(reply["page_size_tokens"], reply["tokens_l2"], reply["tokens_total"])
+
+    def _store_fence(self, stream: Any) -> bytes | None:
+        """A store's `fence`: with CUDA pools, the IPC handle of an interprocess event
+        recorded now on `stream` (default: this thread's current stream on the pools'
+        device), so the sidecar's backup runs after the work queued there so far; None with
+        shared-memory pools (written on the CPU before the call)."""
+        if self.cuda_device is None:
+            if stream is not None:
+                raise ClientError(
+                    p.ErrorCode.BAD_REQUEST,
+                    "store: a stream orders CUDA work; this client registered shared-memory "
+                    "pools (register_cuda_pools gives the sidecar CUDA ones)",
+                )
+            return None
+        from hicache.transfer.cuda_ipc import export_fence  # CUDA only when used
+
+        event, handle = export_fence(self.cuda_device, stream)
+        self._fences.append(event)
+        return handle
+
     def _take_stalls(self) -> list[float]:
         stalls, self.stalls = self.stalls[:4096], self.stalls[4096:]
         return stalls
@@ -144,10 +235,14 @@ def store_args(
     tokens: Sequence[int],
     device_pages: Mapping[str, Sequence[int | None]],
     snapshots: Mapping[str, Mapping[int, int]] | None,
+    fence: bytes | None = None,
 ) -> dict[str, Any]:
     """A store's arguments on the wire: token groups' pages (None where the engine no longer
-    holds one), state groups' snapshots as [num_tokens, slot] pairs."""
+    holds one), state groups' snapshots as [num_tokens, slot] pairs, and the fence's IPC
+    event handle for CUDA pools (sent only when there is one)."""
+    extra: dict[str, Any] = {} if fence is None else {"fence": fence}
     return {
+        **extra,
         "tokens": list(tokens),
         "device_pages": {
             group: [None if x is None else int(x) for x in pages]

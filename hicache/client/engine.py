@@ -6,6 +6,8 @@ Lifecycle:
     pools = client.create_pools(num_pages=64)    # KV pool in /dev/shm; compute with
     client.register_pools(pools)                 # pools.device_pools()[group].tensors
     hit = client.lookup(tokens)
+    keys = client.page_keys(tokens)              # or: keyed once here, as the sidecar keys
+    hit = client.lookup_keys(keys)               # them; lookup_many([keys, ...]) in one frame
     client.store(tokens, device_pages)           # after prefill wrote those pages
     handle = client.load(tokens, device_pages)   # None when nothing hits
     for layer_id in layers: handle.wait_layer(layer_id); ...   # reads shared memory
@@ -34,6 +36,7 @@ from typing import Any
 
 from hicache.client.base import ClientBase, page_lists, parse_address, store_args
 from hicache.client.handle import ClientError, LoadHandle, Lookup
+from hicache.client.keys import PromptKeys
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 from hicache.service import protocol as p
@@ -179,9 +182,10 @@ class Client(ClientBase):
     def register_cuda_pools(self, pools: Mapping[str, DevicePool]) -> None:
         """Share the engine's CUDA pools by IPC handle (a sidecar with device.kind: cuda); keep
         the tensors alive while registered."""
-        from hicache.transfer.cuda_ipc import export_cuda_pools
+        from hicache.transfer.cuda_ipc import export_cuda_pools, pools_device
 
         registration = ("register_cuda_pools", export_cuda_pools(pools))
+        self.cuda_device = pools_device(pools)
         self._pools_registered(self.call(*self._registration_args(registration)))
         self._registration = registration
 
@@ -189,17 +193,43 @@ class Client(ClientBase):
         r = self.call("lookup", {"tokens": list(tokens)})
         return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
 
+    def lookup_keys(self, keys: PromptKeys | Sequence[int]) -> Lookup:
+        """`lookup` by the prompt's page keys (`page_keys`, computed once per prompt; tokens
+        are keyed here first): the same answer, without the sidecar decoding and hashing a
+        token list."""
+        return self._lookup_of(self.call("lookup_keys", self._key_args(keys)))
+
+    def lookup_many(self, prompts: Sequence[PromptKeys | Sequence[int]]) -> list[Lookup]:
+        """Several prompts' `lookup_keys` in one frame (more than fit go in a few), answered
+        in order."""
+        out = []
+        for batch in self._lookup_batches(prompts):
+            reply = self.call("lookup_many", {"lookups": batch})
+            out += [self._lookup_of(r) for r in reply["results"]]
+        return out
+
     def store(
         self,
         tokens: Sequence[int],
         device_pages: Mapping[str, Sequence[int | None]],
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
+        *,
+        stream: Any = None,
     ) -> dict[str, Any]:
         """Back up the prompt's pages the sidecar lacks. Token groups: a device page per full
         page in token order, None where the engine no longer holds it (freed out-of-window
         pages). State groups: `snapshots[group] = {num_tokens: slot}`, the state after exactly
-        num_tokens tokens (a multiple of the page size), one per boundary kept."""
-        return self.call("store", store_args(tokens, device_pages, snapshots))
+        num_tokens tokens (a multiple of the page size), one per boundary kept.
+
+        Ordering. Shared-memory pools: the pages must be written before this call (the
+        sidecar reads them once the request arrives). CUDA pools: the sidecar's backup waits,
+        on the GPU, for the work queued so far on `stream` (default: the calling thread's
+        current stream on the pools' device): an interprocess event is recorded there and
+        its handle sent with the request, so the engine need not synchronise — but every
+        kernel that wrote these pages must be on that stream, or ordered before it (e.g.
+        `stream.wait_stream(other)`), at the time of this call."""
+        fence = self._store_fence(stream)  # on the caller's thread, before the request
+        return self.call("store", store_args(tokens, device_pages, snapshots, fence))
 
     def load(
         self,

@@ -4,12 +4,13 @@ bytes. The L3 backends are in `hicache.storage`; `hicache.cache` wires the two t
 
 from hicache.index.absent import AbsentKeys
 from hicache.index.eviction import EVICTION_POLICIES, EvictionPolicy, LruPolicy, S3FifoPolicy
-from hicache.index.keys import HashAlgorithm, Namespace, PageKey, PageKeyer
+from hicache.index.keys import KEY_BYTES, HashAlgorithm, Namespace, PackedKeys, PageKey, PageKeyer
 from hicache.index.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchPolicy, WritePolicy
 from hicache.index.prefix_index import GroupRule, Hit, PageIndexError, PageRecord, PrefixIndex
 
 __all__ = [
     "EVICTION_POLICIES",
+    "KEY_BYTES",
     "PREFETCH_POLICIES",
     "WRITE_POLICIES",
     "AbsentKeys",
@@ -19,6 +20,7 @@ __all__ = [
     "Hit",
     "LruPolicy",
     "Namespace",
+    "PackedKeys",
     "PageIndexError",
     "PageKey",
     "PageKeyer",

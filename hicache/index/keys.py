@@ -6,6 +6,14 @@ architecture never read each other's KV, and tenants never read each other's pag
 
 Keys are 16-byte digests. Algorithms: xxh3_128 (the default; fast), blake2b and sha256.
 Partial trailing pages get no key.
+
+A keyer is its algorithm, page size and *root* (the digest of the namespace's seed, which the
+first page chains on): `PageKeyer.from_root` rebuilds one from those three alone, which is how
+an engine computes the very keys the sidecar's index holds (the sidecar's `hello` reply carries
+each group's root; the root reveals nothing of the seed — tenant salt, model — it hashes).
+`PackedKeys` is a group's keys as one blob of concatenated 16-byte keys (what the engine
+channel carries): slicing it unpacks a run of keys at C speed (`struct`), and indexing one key
+slices only that key, so a lookup touches only the keys it needs.
 """
 
 from __future__ import annotations
@@ -13,10 +21,11 @@ from __future__ import annotations
 import array
 import hashlib
 import json
+import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import Literal
+from typing import Literal, overload
 
 import xxhash
 
@@ -57,14 +66,36 @@ def _hasher(algorithm: str) -> Callable[[bytes], bytes]:
 
 class PageKeyer:
     def __init__(self, namespace: Namespace, algorithm: str = "xxh3_128"):
-        self.namespace = namespace
+        self.namespace: Namespace | None = namespace
         self.algorithm = algorithm
+        self.page_size_tokens = namespace.page_size_tokens
         self._hash = _hasher(algorithm)
-        self._root = self._hash(b"hicache-page-key-v1\0" + namespace.seed())
+        self.root: bytes = self._hash(b"hicache-page-key-v1\0" + namespace.seed())
+
+    @classmethod
+    def from_root(cls, root: bytes, page_size_tokens: int, algorithm: str) -> PageKeyer:
+        """The keyer whose first page chains on `root` (`PageKeyer.root` of the namespace's
+        keyer): its keys are that keyer's, without knowing the namespace's seed."""
+        if len(root) != KEY_BYTES:
+            raise ConfigError(f"a keyer's root is {KEY_BYTES} bytes (got {len(root)})")
+        if page_size_tokens < 1:
+            raise ConfigError(f"page_size_tokens is {page_size_tokens}; it must be >= 1")
+        keyer = cls.__new__(cls)
+        keyer.namespace = None
+        keyer.algorithm = algorithm
+        keyer.page_size_tokens = page_size_tokens
+        keyer._hash = _hasher(algorithm)
+        keyer.root = bytes(root)
+        return keyer
 
     def keys(self, token_ids: Sequence[int]) -> list[PageKey]:
         """One key per full page of `token_ids`, each chained on the one before."""
-        size = self.namespace.page_size_tokens
+        return self.keys_of_bytes(self.token_bytes(token_ids))
+
+    def token_bytes(self, token_ids: Sequence[int]) -> bytes:
+        """The full pages' token ids as little-endian uint32: what keys are computed over
+        (convert once, key every group from it: `keys_of_bytes`)."""
+        size = self.page_size_tokens
         full = len(token_ids) // size * size
         try:
             words = array.array("I", token_ids[:full])  # uint32, as the wire carries them
@@ -74,12 +105,63 @@ class PageKeyer:
             ) from None
         if sys.byteorder == "big":
             words.byteswap()  # keys are defined over little-endian token bytes
-        data = words.tobytes()
-        step = 4 * size
+        return words.tobytes()
+
+    def keys_of_bytes(self, data: bytes, previous: bytes | None = None) -> list[PageKey]:
+        """The keys of `token_bytes`' output, chained on `previous` (the key of the page
+        before the first one given; None: the root), so a growing prompt keys only its new
+        pages."""
+        step = 4 * self.page_size_tokens
         out: list[PageKey] = []
-        previous = self._root
+        previous = self.root if previous is None else previous
         hash_ = self._hash
-        for start in range(0, len(data), step):
+        for start in range(0, len(data) - step + 1, step):
             previous = hash_(previous + data[start : start + step])
             out.append(previous)
         return out
+
+
+class PackedKeys(Sequence[PageKey]):
+    """One group's page keys as a blob of concatenated `KEY_BYTES`-byte keys (the engine
+    channel's form). `keys[i]` slices one key; `keys[a:b]` unpacks a run at C speed."""
+
+    __slots__ = ("blob",)
+
+    def __init__(self, blob: bytes):
+        if len(blob) % KEY_BYTES:
+            raise ValueError(
+                f"a blob of page keys is a multiple of {KEY_BYTES} bytes (got {len(blob)})"
+            )
+        self.blob = bytes(blob)
+
+    @classmethod
+    def of(cls, keys: Sequence[PageKey]) -> PackedKeys:
+        return cls(b"".join(keys))
+
+    def __len__(self) -> int:
+        return len(self.blob) // KEY_BYTES
+
+    @overload
+    def __getitem__(self, index: int) -> PageKey: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[PageKey]: ...
+
+    def __getitem__(self, index: int | slice) -> PageKey | Sequence[PageKey]:
+        count = len(self.blob) // KEY_BYTES
+        if isinstance(index, slice):
+            start, stop, step = index.indices(count)
+            if step != 1:
+                return tuple(self[i] for i in range(start, stop, step))
+            if stop <= start:
+                return ()
+            layout = f"{KEY_BYTES}s" * (stop - start)
+            return struct.unpack_from(layout, self.blob, start * KEY_BYTES)
+        if index < 0:
+            index += count
+        if not 0 <= index < count:
+            raise IndexError(f"page {index} of {count} keys")
+        return self.blob[index * KEY_BYTES : (index + 1) * KEY_BYTES]
+
+    def __iter__(self) -> Iterator[PageKey]:
+        return iter(self[0 : len(self)])

@@ -7,8 +7,10 @@
         kv_connector_extra_config={"config": "deploy.yaml"}))
 
 vLLM makes one connector per process and role. The scheduler role (EngineCore) asks a running
-`hicache serve` how much of each new prompt it holds, through a lookup-only session, and plans
-each step's loads and stores (`vllm_plan.py`); the worker role (Worker) binds vLLM's KV tensors
+`hicache serve` how much of each new prompt it holds, through a lookup-only session — by page
+keys it computes once per request with the sidecar's keyers and extends as the request grows
+(`lookup_keys`; a sidecar without them is asked by tokens) — and plans each step's loads and
+stores (`vllm_plan.py`); the worker role (Worker) binds vLLM's KV tensors
 (`vllm_binding.py`) and moves pages through a staging pool the sidecar maps
 (`vllm_worker.py`). The two halves share nothing but vLLM's per-step metadata, so they work
 the same in vLLM's multi-process mode and with VLLM_ENABLE_V1_MULTIPROCESSING=0.
@@ -51,7 +53,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from hicache.client import Client
+from hicache.client import Client, ClientError, Lookup, PromptKeys
 from hicache.errors import ConfigError, HicacheError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
 from hicache.integrations.vllm_layout import (
@@ -66,6 +68,7 @@ from hicache.integrations.vllm_settings import ConnectorSettings
 from hicache.integrations.vllm_worker import WorkerSide
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.memory.geometry import dtype_name
+from hicache.service.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -126,6 +129,10 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._next_try = 0.0
             self._lookups_down = False
             self._failed_loads: set[str] = set()
+            # lookups by page keys, each request's computed once and extended as it grows
+            self._keys: dict[str, PromptKeys] = {}
+            self._asking: str | None = None  # the request whose lookup is in progress
+            self._by_keys = True  # False: the sidecar predates lookup_keys
             self.book = StepBook(self.page, self._lookup, async_loads=self.async_loads)
         else:
             self.worker: WorkerSide | None = None
@@ -194,7 +201,9 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                 self._lookup_failed(f"hicache sidecar not reachable, no hits meanwhile: {exc}")
                 return 0, 0
         try:
-            hit = client.lookup(tokens)
+            hit = self._lookup_by_keys(client, tokens) if self._by_keys else None
+            if hit is None:
+                hit = client.lookup(tokens)
         except (HicacheError, OSError) as exc:
             self._lookup_failed(f"hicache lookup failed, no hits meanwhile: {exc}")
             return 0, 0
@@ -202,6 +211,21 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             log.info("hicache lookups answered again")
             self._lookups_down = False
         return int(hit.tokens_l2), int(hit.tokens_total)
+
+    def _lookup_by_keys(self, client: Client, tokens: Sequence[int]) -> Lookup | None:
+        """The lookup by page keys: the request's keys are computed here once and only its
+        new pages hashed at later steps (vLLM asks again at every step a request waits), so
+        the sidecar decodes and hashes no token list. None: the sidecar predates keys."""
+        try:
+            keys = client.page_keys(tokens, extend=self._keys.get(self._asking or ""))
+        except ClientError as exc:
+            if exc.code != ErrorCode.UNKNOWN_OP:
+                raise
+            self._by_keys = False
+            return None
+        if self._asking is not None:
+            self._keys[self._asking] = keys
+        return client.lookup_keys(keys)
 
     def _lookup_failed(self, message: str) -> None:
         if "refused:" in message:  # a wrong token or another model: not an outage, say so
@@ -236,9 +260,13 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._local[request.request_id] = num_computed_tokens
         if request.request_id in self._failed_loads:
             return 0, False  # its load failed once: recompute it (a retry would fail again)
-        hit = self.book.matched(
-            request.request_id, list(request.all_token_ids), num_computed_tokens
-        )
+        self._asking = request.request_id
+        try:
+            hit = self.book.matched(
+                request.request_id, list(request.all_token_ids), num_computed_tokens
+            )
+        finally:
+            self._asking = None
         return hit, self.async_loads and hit > 0
 
     def update_state_after_alloc(
@@ -297,6 +325,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads.discard(req_id)
         self._requests.pop(req_id, None)
         self._local.pop(req_id, None)
+        self._keys.pop(req_id, None)
         self.book.finished(req_id)
 
     # ---- worker side ------------------------------------------------------------------------

@@ -490,6 +490,10 @@ class WorkerSide:
                         staging[binding.group],
                     )
             snapshots = {g: {len(job.tokens): staging[g][0]} for g in state_groups}
+            # No fence: the staging pool is shared host memory, and `to_staging`'s copies are
+            # blocking (`copy_` without non_blocking), so with vLLM's blocks on a GPU they end,
+            # on the host, after vLLM's kernels on the current stream; the pages are written
+            # before the request leaves (the CPU contract of `Client.store`).
             client.store(list(job.tokens), device_pages, snapshots)
             self.counters.stores += 1
             self.counters.pages_stored += sum(len(p) for p in plan.values())

@@ -213,13 +213,15 @@ class Scheduler:
         fence: Fence | None = None,
     ) -> OpHandle:
         """Copy device pages to host pages — the ones the caller reserved in `host_pages`, or
-        newly allocated ones — ordered after the producer's work:
-        after `fence` (made with `backend.producer_fence()` on the thread and stream that wrote
-        the KV), or, without one, after the work queued on this thread's current stream. The
-        result's outcomes name the host pages (owned by the caller once DONE). A caller
-        cancelled while this waits for queue space cancels the op: its pages are freed."""
+        newly allocated ones — ordered after the producer's work: after `fence` (made with
+        `backend.producer_fence(stream)` on the thread, and after the kernels, that wrote the
+        KV; `NO_FENCE` when the producer synchronised; an imported IPC event for another
+        process), or, without one, after the work queued so far on the calling thread's
+        current stream — right only when that is where the pages were written. The result's
+        outcomes name the host pages (owned by the caller once DONE). A caller cancelled
+        while this waits for queue space cancels the op: its pages are freed."""
         if fence is None:
-            fence = self.backend.producer_fence()
+            fence = self.backend.producer_fence()  # now, on the caller's thread
         ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s)
         ops[0].fence = fence
         try:
@@ -410,7 +412,7 @@ class Scheduler:
             op.started_at = now
         if len(batch.ops) > 1:
             self.recorder.merged_walks += 1
-        fence = batch.ops[-1].fence
+        fence = batch.ops[-1].fence  # a backup walk is one op (never merged): its fence
         loop = self.loop
 
         def done(errors: dict[int, BaseException]) -> None:  # backend thread
@@ -500,6 +502,9 @@ class Scheduler:
         self._set_state(op, state)
         if op.deadline_timer is not None:
             op.deadline_timer.cancel()
+        # the walk (if any) enqueued its wait long ago: drop the event now, before the caller
+        # hears, so an IPC-opened one is destroyed before the engine's original can be
+        op.fence = None
         if not op.finished.done():
             op.finished.set_result(result)
         if not op.submitted.done():

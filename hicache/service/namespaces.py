@@ -6,6 +6,10 @@ are the scheduler's device pools) -> its scheduler runs in a task of the service
 an engine attaches (at most one at a time) and detaches (its device pools are dropped once its
 ops have ended; L2 pages and the index stay for the next engine of the namespace) -> `close`
 stops the scheduler after the service drains.
+
+Each namespace copies on its pools' device: a TP rank's engine on GPU 3 gets host pools
+registered and staging allocated by the sidecar's backend for GPU 3 (`for_device`), not the
+one `device.index` names; a later engine of the namespace must bring pools on that device.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import dataclass, field
 
 from hicache.cache import TieredCache
 from hicache.config import Deployment
-from hicache.embedded import EmbeddedCache
+from hicache.embedded import EmbeddedCache, check_pools_device, pools_device
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 from hicache.storage import GuardedStore
@@ -52,6 +56,9 @@ class Namespace:
         tg: asyncio.TaskGroup,
     ) -> Namespace:
         d = deployment
+        # the namespace copies on its pools' device (a TP rank's GPU), whatever device.index
+        # says: the sidecar's backend gives a sibling per device, closed with it
+        backend = backend.for_device(pools_device(device_pools))
         embedded = EmbeddedCache.from_deployment(
             d, layer_map, backend=backend, device_pools=device_pools
         )
@@ -88,6 +95,9 @@ class Namespace:
             await self.cache.drain()
 
     def attach(self, session_id: int, device_pools: dict[str, DevicePool]) -> None:
+        """Serve an engine's pools; refused (ConfigError) when they are on another device
+        than the one this namespace copies on (its host tier and streams stay where they are)."""
+        check_pools_device(device_pools, self.cache.embedded.backend)
         self.cache.embedded.scheduler.attach_device_pools(device_pools)
         self.cache.embedded.device_pools = dict(device_pools)
         self.owner = session_id

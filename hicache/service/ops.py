@@ -1,6 +1,13 @@
-"""`EngineOps`: the engine channel's ops — hello, pool registration, lookup, store, load,
-prefetch, release, stats, heartbeat — each checking its session and arguments and naming what
-is wrong. `EngineServer` (server.py) owns the state they use and dispatches to them."""
+"""`EngineOps`: the engine channel's ops — hello, pool registration, lookup (by tokens, by page
+keys, several in one frame), store, load, prefetch, release, stats, heartbeat — each checking
+its session and arguments and naming what is wrong. `EngineServer` (server.py) owns the state
+they use and dispatches to them.
+
+A lookup by keys (`lookup_keys`, `lookup_many`) is the token lookup without decoding,
+validating and hashing a token list: the blobs are checked (whole keys, the same count in
+every cached group, at most `MAX_TOKENS` tokens' worth, `num_tokens` consistent with them),
+looked up as they are, and the reply is the token lookup's, discovery (asking L3 about pages
+the index does not know) included."""
 
 from __future__ import annotations
 
@@ -13,10 +20,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from hicache.cache.tiered import page_keyers
 from hicache.config import Deployment
 from hicache.config.schema import ServiceSection
 from hicache.errors import HicacheError
-from hicache.index import Hit
+from hicache.index import KEY_BYTES, Hit, PackedKeys
 from hicache.memory import DevicePool, GroupGeometry
 from hicache.model import LayerMap
 from hicache.scheduler import OpResult, OpState
@@ -27,7 +35,7 @@ from hicache.service.sessions import LoadEntry, Session, same_process
 from hicache.service.shm import CounterFile, LoadState, map_pools
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage import GuardedStore
-from hicache.transfer import CopyBackend, LayerFailure
+from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
 
 _FINAL = {
     OpState.DONE: LoadState.DONE,
@@ -53,6 +61,7 @@ class EngineOps:
     geometries: dict[str, GroupGeometry]
     layout: dict[str, Any]
     namespaces: dict[NamespaceKey, Namespace]
+    key_groups: tuple[str, ...]  # the groups the cache keys (the move policy may drop some)
     sessions: dict[int, Session]
     _tg: asyncio.TaskGroup
     _load_ids: itertools.count[int]
@@ -100,6 +109,30 @@ class EngineOps:
             "protocol": p.PROTOCOL_VERSION,
             "heartbeat_timeout_s": self.service.heartbeat_timeout_s,
             "load_slots": self.service.load_slots,
+            "keys": self._key_spec(key),
+        }
+
+    def _key_spec(self, key: NamespaceKey) -> dict[str, Any]:
+        """What an engine needs to compute its namespace's page keys itself (`lookup_keys`):
+        each cached group's keyer root, the page size, the algorithm."""
+        namespace = self.namespaces.get(key)
+        if namespace is not None:
+            roots = namespace.cache.key_roots()
+        else:  # no cache yet: the keyers it will have (Namespace.start builds them alike)
+            keyers = page_keyers(
+                self.geometries,
+                self.layer_map,
+                self.deployment.scheduler.move_policy,
+                model=self.model_name,
+                tenant_salt=f"{self.deployment.cache.tenant_salt}\x00{key.tenant}",
+                tp_rank=key.tp_rank,
+                key_algorithm=self.deployment.cache.key_algorithm,
+            )
+            roots = {group: keyer.root for group, keyer in keyers.items()}
+        return {
+            "algorithm": self.deployment.cache.key_algorithm,
+            "page_size_tokens": self.deployment.model.page_size_tokens,
+            "roots": roots,
         }
 
     async def _register_pools(self, session: Session, args: p.RegisterPools) -> dict[str, Any]:
@@ -336,6 +369,124 @@ class EngineOps:
         await cache.discover(args.tokens)
         return self._lookup_reply(cache.lookup(args.tokens), len(args.tokens))
 
+    def _packed_keys(self, args: p.KeyLookup, where: str) -> tuple[dict[str, PackedKeys], int]:
+        """A key lookup's blobs, checked: every cached group, whole keys, the same count in
+        each, at most MAX_TOKENS tokens' worth; and the prompt's length they imply."""
+        page = self.deployment.model.page_size_tokens
+        missing = sorted(set(self.key_groups) - set(args.keys))
+        unknown = sorted(set(args.keys) - set(self.key_groups))
+        if missing or unknown:
+            what = "; ".join(
+                part
+                for part in (
+                    f"groups {missing} missing" if missing else "",
+                    f"groups {unknown} are not cached here" if unknown else "",
+                )
+                if part
+            )
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{where}.keys: {what}; give the keys of exactly {list(self.key_groups)} "
+                "(hello's keys.roots names them)",
+            )
+        counts = {}
+        for group, blob in args.keys.items():
+            count, rest = divmod(len(blob), KEY_BYTES)
+            if rest:
+                raise p.RequestError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"{where}.keys.{group}: the engine sent {len(blob)} bytes, not a whole number "
+                    f"of {KEY_BYTES}-byte page keys; send the group's keys concatenated",
+                )
+            if count * page > p.MAX_TOKENS:
+                raise p.RequestError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"{where}.keys.{group}: the engine sent {count} keys, {count * page} tokens "
+                    f"at {page} tokens per page; a lookup covers at most {p.MAX_TOKENS} tokens "
+                    f"({p.MAX_TOKENS // page} keys)",
+                )
+            counts[group] = count
+        pages = min(counts.values(), default=0)
+        if any(count != pages for count in counts.values()):
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{where}.keys: the engine sent {counts} keys per group; a prompt has one key "
+                "per full page in every group",
+            )
+        asked = pages * page if args.num_tokens is None else args.num_tokens
+        if asked // page != pages:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{where}.num_tokens: {asked} tokens are {asked // page} full pages of {page} "
+                f"tokens; the engine sent {pages} keys per group",
+            )
+        return {group: PackedKeys(blob) for group, blob in args.keys.items()}, asked
+
+    def _lookup_keys(self, session: Session, args: p.KeyLookup) -> dict[str, Any]:
+        return self._key_lookups(session, [args], "lookup_keys")[0]
+
+    async def _lookup_keys_discovering(self, session: Session, args: p.KeyLookup) -> dict[str, Any]:
+        return (await self._key_lookups_discovering(session, [args], "lookup_keys"))[0]
+
+    def _lookup_many(self, session: Session, args: p.LookupMany) -> dict[str, Any]:
+        return {"results": self._key_lookups(session, args.lookups, "lookup_many")}
+
+    async def _lookup_many_discovering(
+        self, session: Session, args: p.LookupMany
+    ) -> dict[str, Any]:
+        results = await self._key_lookups_discovering(session, args.lookups, "lookup_many")
+        return {"results": results}
+
+    def _checked_lookups(
+        self, session: Session, lookups: Sequence[p.KeyLookup], op: str
+    ) -> tuple[Namespace | None, list[tuple[dict[str, PackedKeys], int]]]:
+        namespace = self._readable(session, op)
+        many = op == "lookup_many"
+        return namespace, [
+            self._packed_keys(args, f"{op}.lookups.{i}" if many else op)
+            for i, args in enumerate(lookups)
+        ]
+
+    def _key_lookups(
+        self, session: Session, lookups: Sequence[p.KeyLookup], op: str
+    ) -> list[dict[str, Any]]:
+        """Inline: the hits, or DeferToAwait when L3 may extend any (then all go through
+        `_key_lookups_discovering`; nothing was counted yet)."""
+        namespace, checked = self._checked_lookups(session, lookups, op)
+        if namespace is None:
+            hits = [self._no_hit()] * len(checked)
+        else:
+            cache = namespace.cache
+            hits = []
+            for keys, _ in checked:
+                hit = cache.lookup_keys(keys)
+                if cache.needs_discovery_keys(keys, hit):
+                    raise DeferToAwait  # ask L3 first
+                hits.append(hit)
+        return [
+            self._lookup_reply(hit, asked) for hit, (_, asked) in zip(hits, checked, strict=True)
+        ]
+
+    async def _key_lookups_discovering(
+        self, session: Session, lookups: Sequence[p.KeyLookup], op: str
+    ) -> list[dict[str, Any]]:
+        namespace, checked = self._checked_lookups(session, lookups, op)
+        replies = []
+        for keys, asked in checked:
+            if namespace is None:
+                hit = self._no_hit()
+            else:
+                cache = namespace.cache
+                hit = cache.lookup_keys(keys)
+                if cache.needs_discovery_keys(keys, hit):
+                    await cache.discover_keys(keys)
+                    hit = cache.lookup_keys(keys)
+            replies.append(self._lookup_reply(hit, asked))
+        return replies
+
+    def _no_hit(self) -> Hit:
+        return Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {})
+
     def _lookup_reply(self, hit: Hit, asked: int) -> dict[str, Any]:
         self.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked)
         return {
@@ -357,11 +508,34 @@ class EngineOps:
                         f"store.snapshots.{group}: two snapshots after {tokens} tokens (slots "
                         f"{given[tokens]} and {slot}); give one per prefix length",
                     )
-        result = await namespace.cache.store(args.tokens, args.device_pages, snapshots=snapshots)
+        fence = self._store_fence(session, namespace, args.fence)
+        result = await namespace.cache.store(
+            args.tokens, args.device_pages, snapshots=snapshots, fence=fence
+        )
+        del fence  # an opened IPC event goes before the reply: the engine may then free its own
         self.metrics.evictions.inc(result.pages_evicted)
         if result.bytes_backed_up:
             self.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
         return asdict(result)
+
+    @staticmethod
+    def _store_fence(session: Session, namespace: Namespace, handle: bytes | None) -> Fence:
+        """What a store's backup waits on: the engine's IPC event (CUDA pools), or nothing
+        (`NO_FENCE`): the engine synchronised, or wrote shared memory on the CPU. Never a
+        fence of the sidecar's own streams, which order nothing of the engine's."""
+        if handle is None:
+            return NO_FENCE
+        backend = namespace.cache.embedded.backend
+        if not backend.pins_host_memory:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                "store.fence: an IPC event handle orders CUDA work; this session's pools are "
+                "shared memory copied on the CPU (send no fence)",
+            )
+        try:
+            return backend.import_fence(handle)
+        except HicacheError as exc:
+            raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"store.fence: {exc}") from None
 
     async def _prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
         namespace = self._readable(session, "prefetch")

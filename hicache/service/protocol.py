@@ -9,6 +9,18 @@ Each op's arguments are a strict pydantic model (no coercion, no unknown fields,
 sizes), so a malformed request is refused at the boundary with a message naming the field, the
 value and what is allowed. A frame over the size limit is answered with an error and the
 connection is closed (its bytes cannot be skipped safely); anything else keeps it open.
+
+Lookups by page keys. `hello`'s reply carries `keys`: the page size, the hash algorithm and
+each cached group's keyer root (`PageKeyer.root` of the session's namespace). With them the
+engine computes a prompt's chained page keys itself, once (`PageKeyer.from_root`), exactly as
+the sidecar's index does, and `lookup_keys` sends them as one blob per group (the 16-byte keys
+concatenated: no token list to decode, validate and hash again) with the prompt's length
+(`num_tokens`; its partial trailing page has no key). The reply is `lookup`'s.
+`lookup_many` carries several such lookups in one frame and answers them in one reply, in
+order. Keys computed under another namespace's root (another tenant, model, rank) are simply
+not in this namespace's index: they never hit. These are new ops: an engine that never sends
+them speaks version 3 as before, and a sidecar without them answers `unknown_op`, so the
+version stays 3.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ from typing import Annotated, Any, Literal
 import msgpack
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from hicache.index import KEY_BYTES
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap
 
@@ -30,6 +43,8 @@ HEADER = struct.Struct("<I")
 MAX_TOKENS = 1 << 20
 TOKEN_ID_MAX = (1 << 32) - 1
 PAGE_ID_MAX = (1 << 31) - 1
+IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+MAX_LOOKUPS = 4096  # lookups in one lookup_many
 
 
 class ErrorCode:
@@ -116,6 +131,21 @@ class Tokens(Msg):
     tokens: TokenIds
 
 
+# one group's page keys, concatenated (checked against the page size in the op)
+KeyBlob = Annotated[bytes, Field(max_length=MAX_TOKENS * KEY_BYTES)]
+
+
+class KeyLookup(Msg):
+    # every cached group's keys of the prompt's full pages (hello's `keys.roots` names them)
+    keys: Annotated[dict[Name, KeyBlob], Field(max_length=64)]
+    # the prompt's length; its partial trailing page has no key (default: the full pages')
+    num_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+
+
+class LookupMany(Msg):
+    lookups: Annotated[list[KeyLookup], Field(max_length=MAX_LOOKUPS)]
+
+
 class PagesRequest(Msg):
     tokens: TokenIds
     device_pages: Annotated[dict[Name, PageIds], Field(max_length=64)]
@@ -137,6 +167,12 @@ class StoreRequest(Msg):
     snapshots: Annotated[
         dict[Name, Annotated[list[Snapshot], Field(max_length=MAX_TOKENS)]], Field(max_length=64)
     ] = {}
+    # CUDA pools: the IPC handle (cudaIpcEventHandle_t, 64 bytes) of an interprocess event the
+    # engine recorded after the kernels that wrote the pages; the backup waits on it. Absent:
+    # the engine synchronised before storing (or its pools are shared memory, written on CPU).
+    fence: bytes | None = Field(
+        default=None, min_length=IPC_EVENT_HANDLE_BYTES, max_length=IPC_EVENT_HANDLE_BYTES
+    )
 
 
 class LoadRequest(PagesRequest):
@@ -164,6 +200,8 @@ ARGS: dict[str, type[Msg]] = {
     "register_pools": RegisterPools,
     "register_cuda_pools": RegisterCudaPools,
     "lookup": Tokens,
+    "lookup_keys": KeyLookup,
+    "lookup_many": LookupMany,
     "store": StoreRequest,
     "load": LoadRequest,
     "prefetch": Tokens,

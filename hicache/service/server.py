@@ -3,7 +3,8 @@
 Lifecycle of a session: connect -> `hello` (version, token, layout and namespace checks) ->
 `register_pools` (the engine's sealed memfds — its pool and its load counters — are taken from
 the socket's peer process and mapped; the pool is attached to its namespace's cache) -> ops in
-order: lookup / store / load / prefetch / release / stats / heartbeat -> the socket closes or
+order: lookup (by tokens; by page keys, `lookup_keys`; several, `lookup_many`) / store / load /
+prefetch / release / stats / heartbeat -> the socket closes or
 heartbeats stop -> `_end_session` cancels and awaits the session's loads (their pins go with
 them), detaches its pools and drops every mapping of the engine's memory; the namespace's L2
 pages and index stay for the next engine.
@@ -27,6 +28,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from hicache.cache.tiered import page_keyers
 from hicache.config import Deployment
 from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
 from hicache.memory import CacheDtypes, GroupGeometry
@@ -98,6 +100,9 @@ class EngineServer(EngineOps):
         page = deployment.model.page_size_tokens
         self.geometries = {g.name: GroupGeometry.of(g, dtypes, page) for g in layer_map.groups}
         self.layout = p.layout_summary(layer_map, self.geometries, page)
+        self.key_groups = tuple(
+            page_keyers(self.geometries, layer_map, deployment.scheduler.move_policy)
+        )
         self.namespaces: dict[NamespaceKey, Namespace] = {}
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)
@@ -115,9 +120,13 @@ class EngineServer(EngineOps):
             "load": self._load,
             "prefetch": self._prefetch,
             "lookup": self._lookup_discovering,  # when the inline lookup defers
+            "lookup_keys": self._lookup_keys_discovering,
+            "lookup_many": self._lookup_many_discovering,
         }
         self._inline: dict[str, InlineHandler] = {
             "lookup": self._lookup,
+            "lookup_keys": self._lookup_keys,
+            "lookup_many": self._lookup_many,
             "release": self._release,
             "stats": self._stats,
             "heartbeat": self._heartbeat,

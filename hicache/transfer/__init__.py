@@ -8,6 +8,7 @@ import os
 
 from hicache.errors import ConfigError
 from hicache.transfer.backend import (
+    NO_FENCE,
     READY,
     CancelToken,
     CopyBackend,
@@ -34,6 +35,7 @@ from hicache.transfer.rows import Rows
 
 __all__ = [
     "NOOP_COUNTER",
+    "NO_FENCE",
     "READY",
     "CancelToken",
     "CopyBackend",

@@ -26,6 +26,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from hicache.errors import TransferError
 from hicache.transfer.rows import Rows
 
 
@@ -170,7 +171,19 @@ READY = ReadyWalk()
 
 class Fence:
     """A point in the producer's work that a backup must be ordered after (a backend's
-    subclass carries what it needs, e.g. a CUDA event)."""
+    subclass carries what it needs, e.g. a CUDA event). A plain `Fence()` (`NO_FENCE`) orders
+    nothing: the producer has finished writing (it synchronised, or it wrote on the CPU).
+
+    The contract (CUDA): the fence is taken where the pages were written — on the producer's
+    thread, on the stream its kernels ran on, before anything else may overwrite them — never
+    on the scheduler's thread later. In-process that is `backend.producer_fence(stream)` (or
+    `TieredCache.store`, which takes it on entry, on the caller's thread); over IPC the engine
+    records an interprocess event and sends its handle with the store, and the sidecar opens
+    it (`import_fence`). The backup stream waits on it (`cudaStreamWaitEvent`: no host sync).
+    """
+
+
+NO_FENCE = Fence()
 
 
 class CopyBackend(abc.ABC):
@@ -188,9 +201,36 @@ class CopyBackend(abc.ABC):
     @abc.abstractmethod
     def index_device(self, side: Literal["device", "host"]) -> torch.device: ...
 
-    def producer_fence(self) -> Fence | None:
-        """Mark the producer's current position (CUDA: an event on the current stream)."""
+    def producer_fence(self, stream: object | None = None) -> Fence | None:
+        """Mark the producer's current position: CUDA, an event recorded on `stream` (default:
+        the calling thread's current stream on this backend's device). Call it on the thread
+        and after the work that wrote the pages. None on CPU (nothing to order)."""
         return None
+
+    def import_fence(self, handle: bytes) -> Fence:
+        """A fence from another process: CUDA, an interprocess event's IPC handle, opened on
+        this backend's device. Refused where fences cannot cross processes (CPU)."""
+        raise TransferError(
+            f"a store's fence (an IPC event handle) needs the CUDA copy backend; this one "
+            f"copies on {self.device}"
+        )
+
+    def serves(self, device: torch.device) -> bool:
+        """Can this backend copy pools on `device`? (Its own device type and index.)"""
+        mine = self.device
+        if device.type != mine.type:
+            return False
+        return device.type == "cpu" or (device.index or 0) == (mine.index or 0)
+
+    def for_device(self, device: torch.device) -> CopyBackend:
+        """The backend that copies pools on `device`: this one, or (CUDA) a sibling bound to
+        that device, created on first use and closed with this one. Refused otherwise."""
+        if self.serves(device):
+            return self
+        raise TransferError(
+            f"pools on {device}, but this copy backend copies on {self.device}; a backend "
+            "serves the pools of its own device only"
+        )
 
     @abc.abstractmethod
     def submit_walk(

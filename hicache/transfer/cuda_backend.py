@@ -1,11 +1,14 @@
 """`CudaCopyBackend`: page copies on dedicated CUDA streams, completion by events.
 
 Lifecycle: created at start with a load stream (higher priority) and a backup stream, one
-device staging buffer per stream, and a completion thread. `submit_walk` enqueues every layer
-on the direction's stream — after the producer's fence for backups — recording an event per
-layer; the consumer's `wait()` makes its current stream wait on that event (no host sync); the
-completion thread waits the events in order and reports `done`. `close` lets the pending walks
-complete, joins the thread, synchronizes the device and unregisters the host buffers.
+device staging buffer per stream, and a completion thread, all on one device (`for_device`
+gives the backend of another device: siblings made on first use and closed with this one, so
+a sidecar serving TP ranks on several GPUs stages each rank's copies on its own GPU).
+`submit_walk` enqueues every layer on the direction's stream — after the producer's fence for
+backups — recording an event per layer; the consumer's `wait()` makes its current stream wait
+on that event (no host sync); the completion thread waits the events in order and reports
+`done`. `close` lets the pending walks complete, joins the thread, synchronizes the device and
+unregisters the host buffers.
 
 The completion thread is a daemon registered with `workers`, so a process that raises before
 `close()` still exits: at exit the backend is closed the same way with the join bounded, and
@@ -14,11 +17,23 @@ to the process's end, never done under a copy in flight (workers.py says why thi
 
 Page-granular moves are batched: a run of host pages is one `cudaMemcpyAsync` into staging,
 and the device side is one gather (`index_select`) or scatter (`index_copy_`) kernel, never
-one memcpy per page per layer.
-page_first host rows are strided: a run of pages is one `cudaMemcpy2DAsync` (`cuda_2d`), or
-one copy per page where the runtime's function cannot be found.
-Host buffers are pinned: small ones by torch's pinned allocator, large ones registered with
-`cudaHostRegister` in chunks of at most `pin_chunk_bytes` (a single 512 GiB registration fails).
+one memcpy per page per layer. A layer larger than the staging buffer goes through it in
+chunks of as many rows as fit (`chunk_runs`), in stream order. page_first host rows are
+strided: a run of pages is one `cudaMemcpy2DAsync` (`cuda_2d`), between host and staging or,
+when both sides are runs, straight between host and device; one copy per page only where the
+runtime's function cannot be found. torch's `copy_` never sees a strided host view (it would
+make a pageable temporary and copy synchronously). Nothing on the submit path waits for the
+device.
+
+Host buffers are allocated at exactly the size asked (an anonymous mapping, page-aligned, not
+torch's pinned allocator, which rounds up to a power of two: a 36 GiB pool would pin 64 GiB),
+prefaulted, then registered with `cudaHostRegister` (portable: pinned for every device) in
+chunks of at most `pin_chunk_bytes` (a single 512 GiB registration fails), and unregistered at
+close.
+
+Device-side index sets are uploaded once per (direction, host index tensor) on the copy
+stream and kept while that index tensor lives (`UploadCache`: weakly keyed, never by a bare
+`id()`, which a new tensor may reuse once the old one is freed).
 
 A layer event means "this layer landed" only for layers before a stop. When enqueuing layer
 k raises (or the walk was cancelled before k), the walk stops at k, as on the CPU: layers
@@ -35,15 +50,19 @@ whole walk failed in `done`'s errors); a consumer already ordered after it learn
 from __future__ import annotations
 
 import logging
+import mmap
 import queue
 import threading
-from collections.abc import Sequence
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
 from hicache.errors import TransferError
+from hicache.memory.hugepages import advise_hugepages
 from hicache.transfer import workers
 from hicache.transfer.backend import (
     CancelToken,
@@ -62,6 +81,126 @@ from hicache.transfer.cuda_2d import Memcpy2D
 from hicache.transfer.rows import Rows, check_row_pair
 
 log = logging.getLogger("hicache.transfer")
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
+_PAGE = mmap.PAGESIZE
+
+Run = tuple[int, int, int]  # (position in the set, first row, length)
+
+
+# ---- pure helpers (no device: unit-tested on the CPU) -----------------------------------------
+
+
+def chunk_runs(runs: Sequence[Run], total: int, limit: int) -> list[tuple[int, int, list[Run]]]:
+    """Positions 0..total split into consecutive chunks of at most `limit`: per chunk its
+    positions [a, b) and the parts of `runs` inside it, with positions relative to a. `runs`
+    cover 0..total in order (what `Rows.runs()` gives)."""
+    if limit < 1:
+        raise ValueError(f"a chunk holds at least one row; limit {limit}")
+    chunks: list[tuple[int, int, list[Run]]] = []
+    pending = list(runs)
+    k = 0
+    for a in range(0, total, limit):
+        b = min(total, a + limit)
+        inside: list[Run] = []
+        while k < len(pending):
+            pos, first, length = pending[k]
+            if pos >= b:
+                break
+            take = min(length, b - pos)
+            inside.append((pos - a, first, take))
+            if take < length:  # the run goes on into the next chunk
+                pending[k] = (pos + take, first + take, length - take)
+                break
+            k += 1
+        chunks.append((a, b, inside))
+    return chunks
+
+
+def map_host_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
+    """A 1-D uint8 tensor of exactly `nbytes` over a fresh anonymous mapping (page-aligned,
+    the mapping rounded up to whole pages only), not yet touched. The tensor holds the
+    mapping; never `close()` it while the tensor may be used."""
+    mapping = mmap.mmap(
+        -1,
+        max(nbytes, 1),
+        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+    )
+    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes), mapping
+
+
+def register_chunks(
+    base: int,
+    nbytes: int,
+    chunk_bytes: int,
+    register: Callable[[int, int], int],
+    registered: list[tuple[int, int]],
+) -> None:
+    """Register [base, base + nbytes) in chunks of at most `chunk_bytes` with `register(ptr,
+    size) -> status`, appending each success to `registered` (so the caller unregisters what
+    was registered even when a later chunk fails, which raises naming the memlock limit)."""
+    for offset in range(0, nbytes, chunk_bytes):
+        size = min(chunk_bytes, nbytes - offset)
+        status = int(register(base + offset, size))
+        if status != 0:
+            raise TransferError(
+                f"cudaHostRegister of {size} bytes at offset {offset} of a {nbytes}-byte host "
+                f"buffer failed with status {status}; check the memlock limit (ulimit -l)"
+            )
+        registered.append((base + offset, size))
+
+
+class UploadCache:
+    """Device copies of host index tensors, per stream key, kept while the host tensor lives.
+
+    An entry is found by identity (`id()` while a weak reference to the tensor is alive, and
+    the reference checked to be that very tensor), and dropped when its host tensor is freed,
+    so a new index tensor that happens to get a freed one's `id()` is never served the old
+    upload. At most `capacity` entries (the oldest go first). Thread-safe: weak-reference
+    callbacks run on whichever thread frees the tensor."""
+
+    def __init__(self, upload: Callable[[torch.Tensor], torch.Tensor], capacity: int = 256):
+        self._upload = upload
+        self.capacity = capacity
+        self._entries: OrderedDict[
+            tuple[str, int], tuple[weakref.ref[torch.Tensor], torch.Tensor]
+        ] = OrderedDict()
+        self._lock = threading.Lock()
+        self.uploads = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, stream_key: str, index: torch.Tensor) -> torch.Tensor:
+        key = (stream_key, id(index))
+        with self._lock:
+            hit = self._entries.get(key)
+            if hit is not None and hit[0]() is index:
+                self._entries.move_to_end(key)
+                return hit[1]
+        uploaded = self._upload(index)
+        self.uploads += 1
+
+        def forget(ref: weakref.ref[torch.Tensor], key: tuple[str, int] = key) -> None:
+            with self._lock:
+                entry = self._entries.get(key)
+                if entry is not None and entry[0] is ref:
+                    del self._entries[key]
+
+        with self._lock:
+            self._entries[key] = (weakref.ref(index, forget), uploaded)
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.capacity:
+                self._entries.popitem(last=False)
+        return uploaded
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+# ---- the backend -------------------------------------------------------------------------------
 
 
 class CudaWalkSignals(WalkSignals):
@@ -113,8 +252,18 @@ class _PendingWalk:
 
 
 class CudaFence(Fence):
+    """An event recorded after the producer's writes (or one opened from the engine's IPC
+    handle); the backup stream waits on it when the walk is submitted."""
+
     def __init__(self, event: torch.cuda.Event):
         self.event = event
+
+
+@dataclass(slots=True)
+class _Registration:
+    ptr: int
+    size: int
+    owner: object  # the mapping: its memory outlives the registration
 
 
 class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
@@ -128,18 +277,30 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
     ):
         if not torch.cuda.is_available():
             raise TransferError("device.kind is cuda but torch sees no CUDA device")
-        self.device = torch.device("cuda", torch.device(device).index or 0)
+        given = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if given.type != "cuda":
+            raise TransferError(f"the CUDA copy backend needs a CUDA device, not {given}")
+        index = given.index if given.index is not None else 0
+        if not 0 <= index < torch.cuda.device_count():
+            raise TransferError(
+                f"CUDA device {index} does not exist; torch sees {torch.cuda.device_count()}"
+            )
+        self.device = torch.device("cuda", index)
+        self.staging_bytes = staging_bytes
         self.pin_chunk_bytes = pin_chunk_bytes
-        # lower numbers are higher priority; out-of-range values clamp to the highest
-        self.load_stream = torch.cuda.Stream(self.device, priority=-1)  # type: ignore[no-untyped-call]
-        self.backup_stream = torch.cuda.Stream(self.device, priority=0)  # type: ignore[no-untyped-call]
-        self._staging = {
-            Direction.LOAD: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device),
-            Direction.BACKUP: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device),
-        }
-        self._registered: list[tuple[int, int]] = []
+        with torch.cuda.device(self.device):
+            # lower numbers are higher priority; out-of-range values clamp to the highest
+            self.load_stream = torch.cuda.Stream(self.device, priority=-1)  # type: ignore[no-untyped-call]
+            self.backup_stream = torch.cuda.Stream(self.device, priority=0)  # type: ignore[no-untyped-call]
+            self._staging = {
+                Direction.LOAD: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device),
+                Direction.BACKUP: torch.empty(staging_bytes, dtype=torch.uint8, device=self.device),
+            }
+        self._registered: list[_Registration] = []
         self._memcpy_2d = Memcpy2D.load()
-        self._uploaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._uploads = UploadCache(self._upload)
+        self._siblings: dict[int, CudaCopyBackend] = {}
+        self._siblings_lock = threading.Lock()
         self._pending: queue.SimpleQueue[_PendingWalk | None] = queue.SimpleQueue()  # None: stop
         self._closed = False
         self._thread = threading.Thread(
@@ -148,27 +309,53 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         self._thread.start()
         workers.register(self)
 
+    # ---- devices ------------------------------------------------------------------------
+
+    def for_device(self, device: torch.device) -> CopyBackend:
+        if self.serves(device):
+            return self
+        if device.type != "cuda":
+            return super().for_device(device)  # refused, naming both devices
+        index = device.index if device.index is not None else 0
+        with self._siblings_lock:
+            if self._closed:
+                raise TransferError("the CUDA copy backend is closed; no new copies are accepted")
+            sibling = self._siblings.get(index)
+            if sibling is None:
+                sibling = CudaCopyBackend(index, self.staging_bytes, self.pin_chunk_bytes)
+                self._siblings[index] = sibling
+        return sibling
+
     # ---- host memory ------------------------------------------------------------------
 
     def alloc_host(self, nbytes: int) -> torch.Tensor:
-        if nbytes <= self.pin_chunk_bytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            buffer.zero_()
-            return buffer
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        """Exactly `nbytes` (page-aligned), prefaulted, registered in chunks (portable)."""
+        buffer, mapping = map_host_buffer(nbytes)
+        advise_hugepages(buffer)  # before the first touch, so the prefault maps huge pages
         buffer.zero_()  # prefault before registering
+        if nbytes == 0:
+            return buffer
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        base = buffer.data_ptr()
-        for offset in range(0, nbytes, self.pin_chunk_bytes):
-            size = min(self.pin_chunk_bytes, nbytes - offset)
-            status = cudart.cudaHostRegister(base + offset, size, 0)
-            if int(status) != 0:
-                raise TransferError(
-                    f"cudaHostRegister of {size} bytes at offset {offset} failed with status "
-                    f"{int(status)}; check the memlock limit (ulimit -l)"
+        done: list[tuple[int, int]] = []
+        try:
+            with torch.cuda.device(self.device):
+                register_chunks(
+                    buffer.data_ptr(),
+                    nbytes,
+                    self.pin_chunk_bytes,
+                    lambda ptr, size: int(
+                        cudart.cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
+                    ),
+                    done,
                 )
-            self._registered.append((base + offset, size))
+        finally:  # what was registered is unregistered at close, the mapping kept until then
+            self._registered.extend(_Registration(ptr, size, mapping) for ptr, size in done)
         return buffer
+
+    @property
+    def registered_bytes(self) -> int:
+        """Host bytes this backend has registered (pinned) now."""
+        return sum(r.size for r in self._registered)
 
     def index_device(self, side: Literal["device", "host"]) -> torch.device:
         # Index sets are built on the CPU; device-side ones are uploaded on the copy stream
@@ -176,21 +363,32 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         # never wait on the engine's stream.
         return torch.device("cpu")
 
-    def _device_index(self, rows: Rows) -> torch.Tensor:
-        assert rows.index is not None
-        key = id(rows.index)
-        hit = self._uploaded.get(key)
-        if hit is not None and hit[0] is rows.index:
-            return hit[1]
-        uploaded = rows.index.pin_memory().to(self.device, non_blocking=True)
-        if len(self._uploaded) >= 256:
-            self._uploaded.pop(next(iter(self._uploaded)))
-        self._uploaded[key] = (rows.index, uploaded)
-        return uploaded
+    def _upload(self, index: torch.Tensor) -> torch.Tensor:
+        """On the current (copy) stream: a pinned staging copy, then an async upload (torch's
+        pinned allocator keeps the staging block until the copy has run)."""
+        return index.pin_memory().to(self.device, non_blocking=True)
 
-    def producer_fence(self) -> Fence:
+    def _device_index(self, rows: Rows, direction: Direction) -> torch.Tensor:
+        assert rows.index is not None
+        return self._uploads.get(direction.value, rows.index)
+
+    def producer_fence(self, stream: object | None = None) -> Fence:
+        """An event recorded now on `stream` (default: this thread's current stream on the
+        backend's device): call it on the producer's thread, after the kernels that wrote the
+        pages were enqueued."""
+        target = torch.cuda.current_stream(self.device) if stream is None else stream
+        if not isinstance(target, (torch.cuda.Stream, torch.Stream)):
+            raise TransferError(f"producer_fence: {target!r} is not a CUDA stream")
         event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(target)  # a stream of another device is refused here, by torch
+        return CudaFence(event)
+
+    def import_fence(self, handle: bytes) -> Fence:
+        """The engine's interprocess event, opened on this backend's device."""
+        try:
+            event = torch.cuda.Event.from_ipc_handle(self.device, handle)  # type: ignore[no-untyped-call]
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise TransferError(f"cannot open the fence's IPC event handle: {exc}") from None
         return CudaFence(event)
 
     # ---- copies -------------------------------------------------------------------------
@@ -226,7 +424,7 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
                 try:
                     if cancel is not None and cancel.cancelled:
                         raise CopyCancelled(f"layer position {position}: walk cancelled")
-                    self._enqueue_layer(direction, parts, staging)
+                    self._enqueue_layer(direction, parts, staging, stream)
                 except Exception as exc:  # reported through `done`, after what was enqueued
                     errors[position] = exc  # has landed: pins must outlive in-flight copies
                     stopped = LayerFailure.of(position, exc)
@@ -242,74 +440,100 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         return signals
 
     def _enqueue_layer(
-        self, direction: Direction, parts: Sequence[LayerPart], staging: torch.Tensor
+        self,
+        direction: Direction,
+        parts: Sequence[LayerPart],
+        staging: torch.Tensor,
+        stream: torch.cuda.Stream,
     ) -> None:
         for source, local_id in parts:
             for pair in source.row_pairs(direction, local_id):
                 if direction is Direction.LOAD:
-                    self._load_rows(pair, staging)
+                    self._load_rows(pair, staging, stream)
                 else:
-                    self._backup_rows(pair, staging)
+                    self._backup_rows(pair, staging, stream)
 
     @staticmethod
-    def _stage_view(staging: torch.Tensor, rows: int, row_bytes: int) -> torch.Tensor:
-        if rows * row_bytes > staging.numel():
+    def _rows_per_chunk(staging: torch.Tensor, row_bytes: int) -> int:
+        rows = staging.numel() // row_bytes
+        if rows < 1:
             raise TransferError(
-                f"one layer's copy of {rows * row_bytes} bytes exceeds the staging buffer "
-                f"({staging.numel()} bytes); submit fewer pages per op"
+                f"one row of {row_bytes} bytes exceeds the staging buffer ({staging.numel()} "
+                "bytes); raise the backend's staging_bytes"
             )
-        return staging[: rows * row_bytes].view(rows, row_bytes)
+        return rows
 
-    def _load_rows(self, pair: RowPair, staging: torch.Tensor) -> None:
-        """host rows -> device rows: runs H2D into staging, then one device scatter."""
+    def _load_rows(self, pair: RowPair, staging: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """host rows -> device rows: runs H2D into staging, then one device scatter, per
+        chunk of as many rows as staging holds."""
         src, src_rows, dst, dst_rows = pair
         if not check_row_pair(src, src_rows, dst, dst_rows):
             return
         n, row = src_rows.count, src.shape[1]
         if src_rows.is_run and dst_rows.is_run:
-            dst_rows.slice(dst).copy_(src_rows.slice(src), non_blocking=True)
+            self._copy_run(dst_rows.slice(dst), src_rows.slice(src), stream)
             return
-        stage = self._stage_view(staging, n, row)
-        self._host_runs(stage, src, src_rows, to_device=True)
-        if dst_rows.is_run:
-            dst_rows.slice(dst).copy_(stage)
-        else:
-            dst.index_copy_(0, self._device_index(dst_rows), stage)
+        index = None if dst_rows.is_run else self._device_index(dst_rows, Direction.LOAD)
+        for a, b, runs in chunk_runs(src_rows.runs(), n, self._rows_per_chunk(staging, row)):
+            stage = staging[: (b - a) * row].view(b - a, row)
+            self._host_runs(stage, src, runs, stream, to_device=True)
+            if index is None:
+                assert dst_rows.start is not None
+                dst[dst_rows.start + a : dst_rows.start + b].copy_(stage)
+            else:
+                dst.index_copy_(0, index[a:b], stage)
 
-    def _backup_rows(self, pair: RowPair, staging: torch.Tensor) -> None:
-        """device rows -> host rows: one device gather into staging, then runs D2H."""
+    def _backup_rows(self, pair: RowPair, staging: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """device rows -> host rows: one device gather into staging, then runs D2H, per
+        chunk of as many rows as staging holds."""
         src, src_rows, dst, dst_rows = pair
         if not check_row_pair(src, src_rows, dst, dst_rows):
             return
         n, row = src_rows.count, src.shape[1]
         if src_rows.is_run and dst_rows.is_run:
-            dst_rows.slice(dst).copy_(src_rows.slice(src), non_blocking=True)
+            self._copy_run(dst_rows.slice(dst), src_rows.slice(src), stream)
             return
-        stage = self._stage_view(staging, n, row)
-        if src_rows.is_run:
-            stage.copy_(src_rows.slice(src))
+        index = None if src_rows.is_run else self._device_index(src_rows, Direction.BACKUP)
+        for a, b, runs in chunk_runs(dst_rows.runs(), n, self._rows_per_chunk(staging, row)):
+            stage = staging[: (b - a) * row].view(b - a, row)
+            if index is None:
+                assert src_rows.start is not None
+                stage.copy_(src[src_rows.start + a : src_rows.start + b])
+            else:
+                torch.index_select(src, 0, index[a:b], out=stage)
+            self._host_runs(stage, dst, runs, stream, to_device=False)
+
+    def _copy_run(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+        """dst[:] = src between a host run and a device run (both `[rows, width]`, device rows
+        packed): one async copy when the host rows are packed, one 2-D copy when strided
+        (page_first), one copy per row only without the 2-D function. Never torch's `copy_`
+        of a strided host view, which stages through pageable memory, synchronously."""
+        host = src if src.device.type == "cpu" else dst
+        if host.shape[0] <= 1 or host.stride(0) == host.shape[1]:
+            dst.copy_(src, non_blocking=True)
+        elif self._memcpy_2d is not None:
+            self._memcpy_2d.copy(dst, src, stream)
         else:
-            torch.index_select(src, 0, self._device_index(src_rows), out=stage)
-        self._host_runs(stage, dst, dst_rows, to_device=False)
+            for k in range(src.shape[0]):
+                dst[k].copy_(src[k], non_blocking=True)
 
     def _host_runs(
-        self, stage: torch.Tensor, host: torch.Tensor, rows: Rows, *, to_device: bool
+        self,
+        stage: torch.Tensor,
+        host: torch.Tensor,
+        runs: Sequence[Run],
+        stream: torch.cuda.Stream,
+        *,
+        to_device: bool,
     ) -> None:
         """Copy between contiguous staging rows and host rows, one async copy per run of
-        pages: a plain copy when the host rows are packed (layer_first), a 2-D copy when they
-        are strided (page_first), one copy per page only without the 2-D function."""
-        packed = host.stride(0) == host.shape[1]
-        stream = torch.cuda.current_stream(self.device)
-        for pos, first, length in rows.runs():
+        pages (`runs`: positions in `stage`, first host row, length)."""
+        for pos, first, length in runs:
             staged, hosted = stage[pos : pos + length], host[first : first + length]
-            dst, src = (staged, hosted) if to_device else (hosted, staged)
-            if packed:
-                dst.copy_(src, non_blocking=True)
-            elif self._memcpy_2d is not None:
-                self._memcpy_2d.copy(dst, src, stream)
+            if to_device:
+                self._copy_run(staged, hosted, stream)
             else:
-                for k in range(length):
-                    dst[k].copy_(src[k], non_blocking=True)
+                self._copy_run(hosted, staged, stream)
 
     def _complete(self) -> None:
         while True:
@@ -350,13 +574,18 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
             self._closed = True
             workers.forget(self)
             self._pending.put(None)  # after every walk already pending
+        with self._siblings_lock:
+            siblings = list(self._siblings.values())
+        for sibling in siblings:
+            sibling._stop(timeout_s)
         if threading.current_thread() is self._thread:
             return
         self._thread.join(timeout_s)
         if self._thread.is_alive():
             return  # a copy may still run: never unregister memory under it
         torch.cuda.synchronize(self.device)
+        self._uploads.clear()
         cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
-        for ptr, _ in self._registered:
-            cudart.cudaHostUnregister(ptr)
-        self._registered.clear()
+        for registration in self._registered:
+            cudart.cudaHostUnregister(registration.ptr)
+        self._registered.clear()  # the mappings live on in whatever tensor still views them

@@ -8,6 +8,13 @@ rebuilds each tensor from its handle and wraps it in a `DevicePool`, which check
 and dtype against the layout. The engine must keep its tensors alive while registered (CUDA
 IPC maps the allocation, not a copy); the sidecar drops its mappings when the session ends.
 
+Stores are ordered by a fence the engine sends (`export_fence`): an interprocess event
+recorded on the engine's stream after the kernels that wrote the pages, whose IPC handle goes
+in the store request; the sidecar opens it (`CudaCopyBackend.import_fence`) and its backup
+stream waits on it, so nothing is read before the engine's writes land, and the engine never
+synchronises. The engine keeps the event alive until the store's reply (the client keeps the
+last few), since operations on an imported event whose exporter destroyed it are undefined.
+
 Per-layer completion crosses the process boundary through the same shared-memory counter as
 on CPU: the sidecar's completion thread waits each layer's event and bumps the counter, and the
 engine's `wait_layer(i)` returns once it sees layer i — before it launches layer i's kernels,
@@ -72,6 +79,31 @@ def export_cuda_pools(pools: Mapping[str, DevicePool]) -> dict[str, Any]:
             for name, pool in pools.items()
         }
     }
+
+
+def pools_device(pools: Mapping[str, DevicePool]) -> torch.device:
+    """The one CUDA device every pool tensor is on (refused when they are not all on one)."""
+    devices = {
+        t.device for pool in pools.values() for layer in pool.tensors for t in layer.values()
+    }
+    if len(devices) != 1 or next(iter(devices)).type != "cuda":
+        raise PoolManifestError(
+            f"the pools are on {sorted(str(d) for d in devices)}; register_cuda_pools needs "
+            "every pool tensor on one CUDA device (one registration per device, i.e. per TP rank)"
+        )
+    return next(iter(devices))
+
+
+def export_fence(
+    device: torch.device, stream: torch.cuda.Stream | None = None
+) -> tuple[torch.cuda.Event, bytes]:
+    """On the engine's thread, after it enqueued the writes: an interprocess event recorded
+    on `stream` (default: this thread's current stream on `device`) and its IPC handle, for a
+    store request's `fence`. Keep the event alive until the store's reply."""
+    target = torch.cuda.current_stream(device) if stream is None else stream
+    event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
+    event.record(target)
+    return event, bytes(event.ipc_handle())  # type: ignore[no-untyped-call]
 
 
 def _rebuild(entry: Mapping[str, Any], where: str) -> torch.Tensor:
