@@ -1,14 +1,15 @@
 """`CpuCopyBackend`: the copy API on one worker thread, so the scheduler's loop never blocks.
 
-Lifecycle: created at start (the worker thread starts, with one torch intra-op thread of its
-own); `submit_walk` puts a whole walk on a FIFO queue in one step and returns its progress;
-the worker runs the layers in order, advancing the progress as each lands, and reports the
-walk once; `close` (the owner's: `EmbeddedCache.close`, the sidecar's shutdown) lets queued
-work finish and joins the thread. The thread is a daemon registered with `workers`: a process
-that raises before `close()`, or never calls it, still exits — at exit the backend is closed
-the same way, queued work included, with the join bounded (workers.py says why this design).
-A callback that raises (`done`, `on_layer`) is logged and the worker goes on with the next
-walk: a dead worker would leave every later walk unreported.
+Lifecycle: created at start (the row-copy kernel is built or loaded, `row_kernel` names it;
+the worker thread starts, with one torch intra-op thread of its own); `submit_walk` puts a
+whole walk on a FIFO queue in one step and returns its progress; the worker runs the layers
+in order, advancing the progress as each lands, and reports the walk once; `close` (the
+owner's: `EmbeddedCache.close`, the sidecar's shutdown) lets queued work finish and joins
+the thread. The thread is a daemon registered with `workers`: a process that raises before
+`close()`, or never calls it, still exits — at exit the backend is closed the same way,
+queued work included, with the join bounded (workers.py says why this design). A callback
+that raises (`done`, `on_layer`) is logged and the worker goes on with the next walk: a dead
+worker would leave every later walk unreported.
 
 A layer that raises (or that the worker reaches after the walk was cancelled) stops the walk
 there: the progress never passes it (`WalkProgress.stop`), the listener hears the stop at
@@ -40,7 +41,7 @@ from hicache.transfer.backend import (
     WalkDone,
     WalkSignals,
 )
-from hicache.transfer.rows import copy_rows_cpu
+from hicache.transfer.rows import STAGING_BLOCK_BYTES, copy_rows_cpu, row_kernel_name
 
 log = logging.getLogger("hicache.transfer")
 
@@ -98,10 +99,16 @@ class WalkProgress(WalkSignals):
 class CpuCopyBackend(workers.WorkerOwner, CopyBackend):
     pins_host_memory = False
 
-    def __init__(self, staging_bytes: int = 64 * 2**20, prefault: bool = True):
+    def __init__(
+        self, staging_bytes: int = STAGING_BLOCK_BYTES, prefault: bool = True, native: bool = True
+    ):
         self.device = torch.device("cpu")
         self.prefault = prefault
-        self._staging = torch.empty(staging_bytes, dtype=torch.uint8)
+        self._native = native  # False: the numpy kernels even where the native one loads
+        # built (or found in the per-user cache) now, not on the first walk; its name is for
+        # the start-up report and stats
+        self.row_kernel = row_kernel_name() if native else "numpy (native kernel not used)"
+        self._staging = torch.empty(staging_bytes, dtype=torch.uint8)  # numpy kernels only
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()  # None: stop
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="hicache-cpu-copy", daemon=True)
@@ -186,10 +193,10 @@ class CpuCopyBackend(workers.WorkerOwner, CopyBackend):
 
     def _run_layer(self, direction: Direction, position: int, parts: Sequence[LayerPart]) -> None:
         """One layer's copies, on the worker thread (the fake backend hooks in here)."""
-        staging = self._staging
+        staging, native = self._staging, self._native
         for source, local_id in parts:
             for src, src_rows, dst, dst_rows in source.row_pairs(direction, local_id):
-                copy_rows_cpu(src, src_rows, dst, dst_rows, staging)
+                copy_rows_cpu(src, src_rows, dst, dst_rows, staging, use_native=native)
 
     def _stop(self, timeout_s: float | None) -> None:
         if not self._closed:

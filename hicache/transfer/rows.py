@@ -1,10 +1,17 @@
 """Page rows and the CPU row-copy kernels.
 
 `Rows` names which rows of a `[pages, row_bytes]` view an op touches: a contiguous run
-(start, count) or an index tensor. Runs matter for speed: a run on the destination is one
-gather, a run on the source is one scatter, and two index sets go through a preallocated
-staging buffer. `copy_rows_cpu` picks the kernel for each case; the measurements behind the
-choice are in docs/design.md ("CPU row kernels").
+(start, count) or an index tensor. `copy_rows_cpu` copies them. Its kernel, when the native
+one is available (`hicache/transfer/native`: a C loop over rows, each copied by an AVX2 loop
+below 16 KiB and memcpy above, built with the system compiler on first use, called through
+ctypes with the GIL released), is that loop for
+every case but a packed run to a packed run (one memcpy): run or index set on either side,
+packed or strided views, no staging. Where it is not (no compiler, a failed build, an unsafe
+cache folder; one warning says which), the numpy kernels: a run on the destination is one
+gather, a run on the source one scatter, and two index sets go through the staging buffer in
+cache-sized blocks (gather a block, scatter it while it is still in cache). The measurements
+behind the choice are in docs/design.md ("CPU row kernels"); `row_kernel_name()` says which
+is in use.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from hicache.transfer import native
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,22 +184,102 @@ def check_row_pair(src: torch.Tensor, src_rows: Rows, dst: torch.Tensor, dst_row
     return True
 
 
+# Blocks of the numpy kernel for two index sets: gather a block into staging, scatter it out
+# while it is still in cache. Churned loads and backups (benchmarks/transfer.py
+# --numpy-kernel, blocks of 256 KiB to 64 MiB) ran fastest with 2-8 MiB blocks, 1.3-1.4x the
+# old single round through a 64 MiB buffer; 256 KiB lost (a Python round trip per block) and
+# 16 MiB or more fall out of this CPU's 32 MiB L3.
+STAGING_BLOCK_BYTES = 4 << 20
+
+
+def row_kernel_name() -> str:
+    """Which kernel `copy_rows_cpu` uses in this process, for the start-up report and stats
+    (builds the native kernel if nothing asked for it yet)."""
+    kernel = native.load()
+    if kernel is not None:
+        return kernel.name
+    return f"numpy (no native kernel: {native.why_not()})"
+
+
 def copy_rows_cpu(
-    src: torch.Tensor, src_rows: Rows, dst: torch.Tensor, dst_rows: Rows, staging: torch.Tensor
+    src: torch.Tensor,
+    src_rows: Rows,
+    dst: torch.Tensor,
+    dst_rows: Rows,
+    staging: torch.Tensor,
+    *,
+    use_native: bool = True,
 ) -> None:
     """dst[dst_rows[i]] = src[src_rows[i]] for every i; views are `[pages, row_bytes]` uint8.
 
-    Which kernel runs (measured on this CPU against a memcpy of the same bytes, and for
-    whether it lets other Python threads run meanwhile; see docs/design.md): a run on both
-    sides is one copy; a run on the destination is one gather (numpy `take` when both views
-    are packed, torch `index_select` into strided rows); a run on the source is one numpy
-    scatter. numpy always works on rows split into enough sub-items that it releases the
-    GIL. None makes a temporary; two index sets go through the staging buffer. Each is
-    one call into C that releases the GIL for the whole copy: the engine's forward pass and
-    the scheduler's loop keep running while pages move.
+    Rows are checked first (`check_row_pair`), before anything is written. A packed run to a
+    packed run is one memcpy; everything else is one call of the native kernel when it is
+    loaded (`use_native=False` forces the numpy kernels: tests, benchmarks), else
+    `copy_rows_numpy`. Each is one call into C that releases the GIL for the whole copy (the
+    numpy kernel for two index sets, one per block): the engine's forward pass and the
+    scheduler's loop keep running while pages move.
     """
     if not check_row_pair(src, src_rows, dst, dst_rows):
         return
+    if src_rows.is_run and dst_rows.is_run and src.is_contiguous() and dst.is_contiguous():
+        _copy_run(src_rows.slice(src), dst_rows.slice(dst))
+        return
+    kernel = native.load() if use_native else None
+    if kernel is None:
+        _copy_rows_numpy(src, src_rows, dst, dst_rows, staging)
+        return
+    dst_index, src_index = _c_index(dst_rows), _c_index(src_rows)  # alive through the call
+    kernel.copy(
+        dst.data_ptr(),
+        dst.stride(0),
+        None if dst_index is None else dst_index.data_ptr(),
+        dst_rows.start or 0,
+        src.data_ptr(),
+        src.stride(0),
+        None if src_index is None else src_index.data_ptr(),
+        src_rows.start or 0,
+        src_rows.count,
+        src.shape[1],
+        0,  # AVX2 loop for rows < 16 KiB, else memcpy (streaming stores measured slower)
+    )
+
+
+def _c_index(rows: Rows) -> torch.Tensor | None:
+    """A set's index as the C loop reads it (packed int64 on the CPU), or None for a run."""
+    index = rows.index
+    if index is None:
+        return None
+    if index.dtype != torch.int64 or index.device.type != "cpu" or not index.is_contiguous():
+        index = index.to("cpu", torch.int64).contiguous()
+    return index
+
+
+def copy_rows_numpy(
+    src: torch.Tensor,
+    src_rows: Rows,
+    dst: torch.Tensor,
+    dst_rows: Rows,
+    staging: torch.Tensor,
+    block_bytes: int = STAGING_BLOCK_BYTES,
+) -> None:
+    """`copy_rows_cpu` without the native kernel (checked the same way)."""
+    if check_row_pair(src, src_rows, dst, dst_rows):
+        _copy_rows_numpy(src, src_rows, dst, dst_rows, staging, block_bytes)
+
+
+def _copy_rows_numpy(
+    src: torch.Tensor,
+    src_rows: Rows,
+    dst: torch.Tensor,
+    dst_rows: Rows,
+    staging: torch.Tensor,
+    block_bytes: int = STAGING_BLOCK_BYTES,
+) -> None:
+    """The numpy kernels (rows already checked): a run on both sides is one copy; a run on the
+    destination is one gather (numpy `take` when both views are packed, torch `index_select`
+    into strided rows); a run on the source is one numpy scatter. numpy always works on rows
+    split into enough sub-items that it releases the GIL. Two index sets gather a block of
+    rows into `staging` and scatter it, block by block."""
     if src_rows.is_run and dst_rows.is_run:  # one contiguous copy
         _copy_run(src_rows.slice(src), dst_rows.slice(dst))
         return
@@ -202,10 +291,9 @@ def copy_rows_cpu(
     if src_rows.is_run:
         _scatter(src_rows.slice(src), dst_rows.index, dst)
         return
-    # two index sets: gather into staging, scatter from it, a staging-full at a time
     assert src_rows.index is not None
     row_bytes = src.shape[1]
-    per_round = staging.numel() // row_bytes
+    per_round = min(staging.numel(), max(block_bytes, row_bytes)) // row_bytes
     if per_round == 0:  # a row larger than the staging buffer: copy row by row
         for s, d in zip(src_rows.index.tolist(), dst_rows.index.tolist(), strict=True):
             dst[d].copy_(src[s])

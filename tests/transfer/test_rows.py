@@ -1,6 +1,8 @@
 """`copy_rows_cpu` kernel by kernel: each case (run to run, packed and strided gathers and
 scatters, scatters of rows split into sub-items, two index sets through staging, rows larger
-than the staging) against a row-by-row reference, and the errors for bad rows."""
+than the staging) against a row-by-row reference, through the native kernel where it is
+loaded and through the numpy kernels (`use_native=False`) everywhere, and the errors for bad
+rows. The native kernel's own tests are in test_native_rows.py."""
 
 from __future__ import annotations
 
@@ -44,9 +46,16 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("use_native", [True, False])
 @pytest.mark.parametrize(("name", "row", "src_strided", "dst_strided", "src_run", "dst_run"), CASES)
 def test_each_kernel_copies_exactly_the_listed_rows(
-    name: str, row: int, src_strided: bool, dst_strided: bool, src_run: bool, dst_run: bool
+    name: str,
+    row: int,
+    src_strided: bool,
+    dst_strided: bool,
+    src_run: bool,
+    dst_run: bool,
+    use_native: bool,
 ) -> None:
     rng = random.Random(name)
     pages, count = 12, 5
@@ -59,7 +68,7 @@ def test_each_kernel_copies_exactly_the_listed_rows(
     src_before, dst_backing_before = src_backing.clone(), dst_backing.clone()
     want = expected_after(src, src_ids, dst, dst_ids)
     staging = torch.empty(3 * row, dtype=torch.uint8)  # smaller than the op: several rounds
-    copy_rows_cpu(src, src_rows, dst, dst_rows, staging)
+    copy_rows_cpu(src, src_rows, dst, dst_rows, staging, use_native=use_native)
     assert torch.equal(dst, want)
     assert torch.equal(src_backing, src_before)  # the source is untouched
     if dst_strided:  # the gaps between strided rows (other layers' data) are untouched
@@ -68,12 +77,18 @@ def test_each_kernel_copies_exactly_the_listed_rows(
         assert torch.equal(dst_backing[gaps], dst_backing_before[gaps])
 
 
-def test_rows_larger_than_the_staging_go_one_by_one() -> None:
+@pytest.mark.parametrize("use_native", [True, False])
+def test_rows_larger_than_the_staging_go_one_by_one(use_native: bool) -> None:
     _, src = random_rows(6, 256, 3)
     _, dst = random_rows(6, 256, 4)
     want = expected_after(src, [5, 0, 3], dst, [1, 4, 2])
     copy_rows_cpu(
-        src, Rows.of([5, 0, 3]), dst, Rows.of([1, 4, 2]), torch.empty(100, dtype=torch.uint8)
+        src,
+        Rows.of([5, 0, 3]),
+        dst,
+        Rows.of([1, 4, 2]),
+        torch.empty(100, dtype=torch.uint8),
+        use_native=use_native,
     )
     assert torch.equal(dst, want)
 
@@ -131,8 +146,11 @@ def test_rows_split_so_numpy_loops_over_more_than_500_items() -> None:
     assert split_for(5, 36) == 1  # a row that does not halve evenly stays whole
 
 
+@pytest.mark.parametrize("use_native", [True, False])
 @pytest.mark.parametrize("strided", [False, True])
-def test_float_wide_items_copy_nan_payloads_and_denormals_bit_exact(strided: bool) -> None:
+def test_float_wide_items_copy_nan_payloads_and_denormals_bit_exact(
+    strided: bool, use_native: bool
+) -> None:
     """Rows move as float64 items where they can: every bit pattern must survive, signalling
     and quiet NaNs with payloads, infinities, denormals and negative zero included."""
     patterns = [
@@ -151,7 +169,12 @@ def test_float_wide_items_copy_nan_payloads_and_denormals_bit_exact(strided: boo
     backing = torch.zeros(8 * 128, dtype=torch.uint8)
     dst = backing.as_strided((8, 64), (128, 1)) if strided else backing[: 8 * 64].view(8, 64)
     copy_rows_cpu(
-        src, Rows.of([4, 1, 0]), dst, Rows.of([2, 3, 4]), torch.empty(0, dtype=torch.uint8)
+        src,
+        Rows.of([4, 1, 0]),
+        dst,
+        Rows.of([2, 3, 4]),
+        torch.empty(0, dtype=torch.uint8),
+        use_native=use_native,
     )
     for d in (2, 3, 4):
         assert dst[d].view(torch.int64).tolist() == signed
