@@ -8,6 +8,7 @@ tests/service/test_cuda_ipc.py."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import threading
 import weakref
@@ -175,9 +176,56 @@ def test_clients_send_a_fence_only_for_cuda_pools() -> None:
     assert store_args([1], {"g": [0]}, None, b"h" * 64)["fence"] == b"h" * 64
     layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
     client = ClientBase(layer_map, "float16", PAGE, 0, "", None, "")
-    assert client._store_fence(None) is None  # shared-memory pools: written before the call
+    assert client._store_fence(None) == (None, None)  # shared-memory pools: written before
     with pytest.raises(ClientError, match="a stream orders CUDA work"):
         client._store_fence(object())
+
+
+@pytest.mark.asyncio
+async def test_every_stores_event_lives_until_its_request_is_answered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """More stores in flight than the client keeps events for afterwards (asyncio.gather on
+    one AsyncClient): each event must still be alive when its request goes out and until
+    its reply (an imported event whose exporter destroyed it is undefined)."""
+    import collections
+    import weakref
+
+    import hicache.client.aio as aio
+    import hicache.transfer.cuda_ipc as cuda_ipc
+
+    class Event:
+        pass
+
+    refs: dict[bytes, weakref.ref[Event]] = {}
+
+    def export_fence(device: object, stream: object = None) -> tuple[Event, bytes]:
+        event = Event()
+        handle = len(refs).to_bytes(2, "little") * 32
+        refs[handle] = weakref.ref(event)
+        return event, handle
+
+    monkeypatch.setattr(cuda_ipc, "export_fence", export_fence)
+    monkeypatch.setattr(aio, "store_args", lambda t, d, s, fence: {"fence": fence})
+    client = aio.AsyncClient.__new__(aio.AsyncClient)
+    client.cuda_device = "cuda:0"  # type: ignore[assignment]
+    client._fences = collections.deque(maxlen=8)
+    lock = asyncio.Lock()
+    alive: list[bool] = []
+
+    async def call(op: str, args: dict[str, bytes]) -> dict[str, int]:
+        async with lock:  # the real call() sends one request at a time
+            for _ in range(3):
+                await asyncio.sleep(0)
+                gc.collect()
+                alive.append(refs[args["fence"]]() is not None)
+            return {}
+
+    client.call = call  # type: ignore[method-assign]
+    await asyncio.gather(*(client.store([1], {"g": [0]}) for _ in range(20)))
+    assert len(alive) == 60
+    assert all(alive)
+    assert len(client._fences) == 8  # and the last few are kept past their replies
 
 
 def test_the_cpu_backends_host_memory_is_unpinned_and_exact() -> None:

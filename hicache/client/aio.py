@@ -163,8 +163,11 @@ class AsyncClient(ClientBase):
         its handle sent with the request, so the engine need not synchronise — but every
         kernel that wrote these pages must be on that stream, or ordered before it (e.g.
         `stream.wait_stream(other)`), at the time of this call."""
-        fence = self._store_fence(stream)  # on the caller's thread, before the request
-        return await self.call("store", store_args(tokens, device_pages, snapshots, fence))
+        event, fence = self._store_fence(stream)  # on the caller's thread, before the request
+        try:
+            return await self.call("store", store_args(tokens, device_pages, snapshots, fence))
+        finally:
+            self._keep_fence(event)  # alive until answered: see _store_fence
 
     async def load(
         self,

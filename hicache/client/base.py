@@ -185,11 +185,14 @@ class ClientBase:
     def _lookup_of(reply: Mapping[str, Any]) -> Lookup:
         return Lookup(reply["page_size_tokens"], reply["tokens_l2"], reply["tokens_total"])
 
-    def _store_fence(self, stream: Any) -> bytes | None:
-        """A store's `fence`: with CUDA pools, the IPC handle of an interprocess event
-        recorded now on `stream` (default: this thread's current stream on the pools'
-        device), so the sidecar's backup runs after the work queued there so far; None with
-        shared-memory pools (written on the CPU before the call)."""
+    def _store_fence(self, stream: Any) -> tuple[Any, bytes | None]:
+        """A store's `fence`: with CUDA pools, an interprocess event recorded now on `stream`
+        (default: this thread's current stream on the pools' device) and its IPC handle, so
+        the sidecar's backup runs after the work queued there so far; (None, None) with
+        shared-memory pools (written on the CPU before the call). The caller holds the event
+        until its request is answered, then hands it to `_keep_fence`: an imported event
+        used after its exporter destroyed it is undefined, so no store's event may die
+        while its request is in flight (however many stores run at once)."""
         if self.cuda_device is None:
             if stream is not None:
                 raise ClientError(
@@ -197,12 +200,17 @@ class ClientBase:
                     "store: a stream orders CUDA work; this client registered shared-memory "
                     "pools (register_cuda_pools gives the sidecar CUDA ones)",
                 )
-            return None
+            return None, None
         from hicache.transfer.cuda_ipc import export_fence  # CUDA only when used
 
         event, handle = export_fence(self.cuda_device, stream)
-        self._fences.append(event)
-        return handle
+        return event, handle
+
+    def _keep_fence(self, event: Any) -> None:
+        """After a store's reply (or its failure): the last few events stay alive a while
+        longer, for a sidecar that may still hold one whose request timed out here."""
+        if event is not None:
+            self._fences.append(event)
 
     def _take_stalls(self) -> list[float]:
         stalls, self.stalls = self.stalls[:4096], self.stalls[4096:]

@@ -164,7 +164,8 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
                 "l3": d.storage.kind,
             }
             gc.freeze()  # start-up objects (torch's among them) leave the collector's scans
-            log.info("serving", extra={"fields": fields})
+            row_kernel = getattr(backend, "row_kernel", None)  # CPU: native C or numpy (why)
+            log.info("serving", extra={"fields": {**fields, "row_kernel": row_kernel}})
             ready = True
             print(
                 "hicache serve: ready "

@@ -132,6 +132,8 @@ class ControlApi:
                 ],
                 "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
                 "l3": store_stats(store),
+                # the CPU backend's row-copy kernel (native C, or numpy and why); None on CUDA
+                "row_kernel": getattr(self.server.backend, "row_kernel", None),
             }
         )
 

@@ -481,8 +481,13 @@ class GuardedStore:
             started.append((self._launch(reader, outstanding), gate, early))
 
         for k, chunk in enumerate(todo):
-            while len(started) < min(k + 2, len(todo)):
-                launch(todo[len(started)])
+            if len(started) == k:
+                launch(chunk)
+            # the next chunk only while the breaker is closed: half-open lets one trial call
+            # through, and a chunk launched beside it would be refused though the trial
+            # succeeds (the first fetch after an outage would lose all but its first chunk)
+            if len(started) == k + 1 < len(todo) and self.breaker.state is BreakerState.CLOSED:
+                launch(todo[k + 1])
             call, gate, early = started[k]
             read: list[int] | None = None
             why: str | None = "open"

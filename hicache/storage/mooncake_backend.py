@@ -15,8 +15,10 @@ registered scratch buffer, and send header and payload from where they are with
 (answer 0), so each chunk's keys are first removed with `batch_remove(force=True)` (which
 also replaces an object someone is reading): between the two the key reads as a miss, and
 of two writers racing on one key the first put wins (both write valid objects). A key whose
-removal is refused, or whose payload is not registered, is copied into registered scratch
-and upserted (`batch_upsert_from`); buffers from nowhere registered fall back to
+removal is refused, whose payload is not registered, or that the store refused as full
+(-200) after its removal, is copied into registered scratch and upserted
+(`batch_upsert_from`); if the header scratch cannot be registered nothing is removed and
+every key goes that way; buffers from nowhere registered fall back to
 `upsert_batch`. Fetches scatter with `batch_get_into_multi_buffers` straight into host
 pages; `get_batch` serves plain `get`s. Throughput against the raw calls:
 benchmarks/storage.py. Registrations are released at `close`.
@@ -176,8 +178,9 @@ class MooncakeBackend(StorageBackend):
         sends header and payload from where they are. That call is a `put`, which keeps an
         existing key's old value (and still answers 0), so the keys are first removed
         (`batch_remove`, forced: an upsert overwrites a leased object too); a key whose
-        removal is refused goes the copying way. Other objects are copied into the
-        registered put scratch and upserted (`batch_upsert_from`)."""
+        removal is refused, or that a full store (-200) refused after its removal, goes
+        the copying way. Other objects are copied into the registered put scratch and
+        upserted (`batch_upsert_from`)."""
         listed = [(k, [memoryview(p).cast("B") for p in parts]) for k, parts in items]
         return await self._run("put_parts", lambda: self._put_parts(listed))
 
@@ -192,21 +195,29 @@ class MooncakeBackend(StorageBackend):
                 direct.append(i)
                 ptrs.append([a for a in addresses if a is not None])
         out = [False] * len(items)
-        copied = [i for i in range(len(items)) if i not in set(direct)]
         if direct:
+            # the header scratch before anything is removed: unregistered (registration
+            # failed), the direct path is not taken at all and nothing is deleted
+            head_bytes = sum(items[i][1][0].nbytes for i in direct)
+            scratch = self._scratch("head", head_bytes)
+            base = self._address(scratch[:1])
+            if base is None:
+                direct, ptrs = [], []
+        in_direct = set(direct)
+        copied = [i for i in range(len(items)) if i not in in_direct]
+        if direct:
+            assert base is not None
             names = self._names([items[i][0] for i in direct])
             removed = self._store.batch_remove(names, True)
             if not isinstance(removed, list):  # a count on older wheels: unknown per key
                 removed = [INTERNAL_ERROR] * len(names)
             keep = [j for j, code in enumerate(removed) if code == 0 or code in ABSENT]
-            copied += [direct[j] for j, code in enumerate(removed) if j not in set(keep)]
-            heads = [items[direct[j]][1][0] for j in keep]
-            scratch = self._scratch("head", sum(h.nbytes for h in heads))
-            base = self._address(scratch[:1]) if heads else None
+            kept = set(keep)
+            copied += [direct[j] for j in range(len(direct)) if j not in kept]
             all_ptrs, all_sizes, offset = [], [], 0
-            for j, head in zip(keep, heads, strict=True):
+            for j in keep:
+                head = items[direct[j]][1][0]
                 scratch[offset : offset + head.nbytes] = head
-                assert base is not None
                 payload = [p for p in items[direct[j]][1][1:] if p.nbytes]
                 all_ptrs.append([base + offset, *ptrs[j]])
                 all_sizes.append([head.nbytes, *(p.nbytes for p in payload)])
@@ -216,8 +227,13 @@ class MooncakeBackend(StorageBackend):
                     [names[j] for j in keep], all_ptrs, all_sizes
                 )
                 for j, code in zip(keep, codes, strict=True):
-                    if code != NO_AVAILABLE_HANDLE:
-                        self._check("put_from_multi_buffers", code)
+                    if code == NO_AVAILABLE_HANDLE:
+                        # the store is full right now, and the old object is already removed:
+                        # one more try the copying way (an upsert), so a full store costs
+                        # this put, not an object another sidecar may count on
+                        copied.append(direct[j])
+                        continue
+                    self._check("put_from_multi_buffers", code)
                     out[direct[j]] = code == 0
         if copied:
             copied.sort()
@@ -234,7 +250,10 @@ class MooncakeBackend(StorageBackend):
         if have is not None:
             self._release(have)
         grown = self.alloc_buffer(max(nbytes, 2 * (have.nbytes if have is not None else 0), 4096))
-        self._scratches[which] = grown
+        if self._address(grown[:1]) is not None:  # unregistered: not kept, tried again next time
+            self._scratches[which] = grown
+        else:
+            self._scratches.pop(which, None)
         return grown
 
     def _release(self, view: memoryview) -> None:

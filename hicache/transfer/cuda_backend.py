@@ -167,29 +167,50 @@ class UploadCache:
             tuple[str, int], tuple[weakref.ref[torch.Tensor], torch.Tensor]
         ] = OrderedDict()
         self._lock = threading.Lock()
+        # keys whose host tensor died, queued by the weak-reference callbacks and dropped at
+        # the next get: a callback can run inside a garbage-collection pass that an
+        # allocation under `_lock` set off, on this very thread, so it must take no lock
+        # (SimpleQueue.put is reentrant) and touch no dict mid-insertion
+        self._dead: queue.SimpleQueue[tuple[tuple[str, int], weakref.ref[torch.Tensor]]] = (
+            queue.SimpleQueue()
+        )
         self.uploads = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        with self._lock:
+            self._drop_dead()
+            return len(self._entries)
+
+    def _drop_dead(self) -> None:
+        """Under `_lock`: forget the entries whose host tensor was freed."""
+        while True:
+            try:
+                key, ref = self._dead.get_nowait()
+            except queue.Empty:
+                return
+            entry = self._entries.get(key)
+            if entry is not None and entry[0] is ref:
+                del self._entries[key]
 
     def get(self, stream_key: str, index: torch.Tensor) -> torch.Tensor:
         key = (stream_key, id(index))
         with self._lock:
+            self._drop_dead()
             hit = self._entries.get(key)
-            if hit is not None and hit[0]() is index:
+            if hit is not None and hit[0]() is index:  # a dead or another tensor's: no hit
                 self._entries.move_to_end(key)
                 return hit[1]
         uploaded = self._upload(index)
         self.uploads += 1
+        dead = self._dead
 
         def forget(ref: weakref.ref[torch.Tensor], key: tuple[str, int] = key) -> None:
-            with self._lock:
-                entry = self._entries.get(key)
-                if entry is not None and entry[0] is ref:
-                    del self._entries[key]
+            dead.put((key, ref))
 
+        ref = weakref.ref(index, forget)
         with self._lock:
-            self._entries[key] = (weakref.ref(index, forget), uploaded)
+            self._drop_dead()
+            self._entries[key] = (ref, uploaded)
             self._entries.move_to_end(key)
             while len(self._entries) > self.capacity:
                 self._entries.popitem(last=False)
@@ -198,6 +219,7 @@ class UploadCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+            self._drop_dead()
 
 
 # ---- the backend -------------------------------------------------------------------------------

@@ -64,6 +64,7 @@ def test_health_ready_metrics_config_stats(tmp_path: Path) -> None:
         assert TOKEN not in json.dumps(config_json)
         stats = proc.get_json("/v1/stats")
         assert stats["l3"]["stored"] > 0
+        assert stats["row_kernel"].startswith(("native C (", "numpy ("))  # CPU: which and why
         assert stats["namespaces"][0]["load"]["ops"] == 2
         # the per-group gauges agree with the index (the scrape came before the stats call,
         # and nothing moved in between); lfm2's full-attention page is 196,608 bytes

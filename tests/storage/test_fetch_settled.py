@@ -191,3 +191,27 @@ async def test_a_timed_out_lazy_put_never_frames_bytes_the_caller_reused(tmp_pat
         except ObjectCorruptError:
             continue
         assert payload != b"\xee" * PAGE, f"{key.hex()} framed the reused page as valid"
+
+
+@pytest.mark.asyncio
+async def test_a_chunked_fetch_in_half_open_serves_every_chunk(tmp_path: Path) -> None:
+    """Half-open lets one trial call through: the next chunk's read must not be started
+    beside it (it would be refused, and the first fetch after an outage would lose every
+    chunk but the first)."""
+    store = GuardedStore(
+        FileBackend(tmp_path, capacity_bytes=1 << 24),
+        chunk_bytes=PAGE,
+        failure_threshold=1,
+        reset_after_s=0.05,
+    )
+    keys = [bytes([i]) * 16 for i in range(6)]
+    assert await store.put([(k, bytes([i]) * PAGE) for i, k in enumerate(keys)]) == [True] * 6
+    store.breaker.failure("test: the backend was down")
+    await asyncio.sleep(0.1)
+    assert store.breaker.state == "half_open"
+    targets = [[memoryview(bytearray(PAGE))] for _ in keys]
+    fetched = await store.fetch_into(keys, targets)
+    assert fetched.ok == [True] * 6
+    assert [bytes(t[0]) for t in targets] == [bytes([i]) * PAGE for i in range(6)]
+    assert store.breaker.state == "closed"
+    assert store.stats.skipped_open == 0

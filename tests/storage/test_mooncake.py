@@ -375,19 +375,96 @@ async def test_zero_copy_parts_put_round_trips_and_upserts(backend: MooncakeBack
 async def test_zero_copy_put_refused_by_a_full_store_is_not_a_failure(
     backend: MooncakeBackend,
 ) -> None:
+    """The zero-copy put removes the key first; when the store is then full (-200) the key
+    gets one more try the copying way, and a store still full is "not stored", not a
+    failure."""
     store = GuardedStore(backend, failure_threshold=1)
     pool = memoryview(bytearray(8192))
     backend.register_memory(pool)
     real = backend._store
+    calls: list[str] = []
 
     class _Full:
         def batch_put_from_multi_buffers(self, names: list[str], *_: object) -> list[int]:
+            calls.append("multi")
             return [-200] * len(names)  # NO_AVAILABLE_HANDLE
+
+        def batch_upsert_from(self, names: list[str], *_: object) -> list[int]:
+            calls.append("upsert")
+            return [-200] * len(names)
 
         def __getattr__(self, name: str) -> object:
             return getattr(real, name)
 
     backend._store = _Full()
     assert await store.put([(b"q" * 16, pool)]) == [False]
+    assert calls == ["multi", "upsert"]
     assert store.breaker.state is BreakerState.CLOSED
     assert not store.stats.failures
+
+
+@pytest.mark.asyncio
+async def test_an_object_removed_for_a_put_the_full_store_refused_is_written_again(
+    backend: MooncakeBackend,
+) -> None:
+    """remove-then-put must not lose the object when the put is refused: the copying upsert
+    writes it (here the store has room again by then)."""
+    store = GuardedStore(backend)
+    pool = memoryview(bytearray(8192))
+    backend.register_memory(pool)
+    pool[:] = b"n" * 8192
+    key = b"r" * 16
+    assert await store.put([(key, pool)]) == [True]
+    real = backend._store
+
+    class _FullOnce:
+        def batch_put_from_multi_buffers(self, names: list[str], *_: object) -> list[int]:
+            return [-200] * len(names)
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    backend._store = _FullOnce()
+    assert await store.put([(key, pool)]) == [True]
+    backend._store = real
+    (value,) = await store.get([key])
+    assert value is not None
+    assert bytes(value) == b"n" * 8192
+
+
+@pytest.mark.asyncio
+async def test_an_unregistered_head_scratch_removes_nothing_and_still_stores(
+    backend: MooncakeBackend,
+) -> None:
+    """When the header scratch cannot be registered, the zero-copy path is not taken: no key
+    is removed first, the object goes the copying way, and the unregistered scratch is not
+    kept (the next put tries to register again)."""
+    store = GuardedStore(backend)
+    pool = memoryview(bytearray(8192))
+    backend.register_memory(pool)
+    pool[:] = b"u" * 8192
+    key = b"s" * 16
+    backend._scratches.pop("head", None)
+    real = backend._store
+    calls: list[str] = []
+
+    class _NoRegister:
+        def register_buffer(self, *_: object) -> int:
+            return -1
+
+        def batch_remove(self, names: list[str], force: bool) -> object:
+            calls.append("remove")
+            return real.batch_remove(names, force)  # type: ignore[attr-defined]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    backend._store = _NoRegister()
+    assert await store.put([(key, pool)]) == [True]
+    assert await store.put([(key, pool)]) == [True]
+    assert "remove" not in calls
+    assert "head" not in backend._scratches
+    backend._store = real
+    (value,) = await store.get([key])
+    assert value is not None
+    assert bytes(value) == b"u" * 8192
