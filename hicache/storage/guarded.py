@@ -397,25 +397,29 @@ class GuardedStore:
     ) -> FetchedInto:
         sizes = [sum(t.nbytes for t in target) for target in targets]
         if not self.backend.vectored_get:  # the backend's bytes, then one copy into place
-            fetched = await self.fetch(keys, sum(sizes))  # copies on the loop: no thread
-            landed: list[bool] = []
-            for value, target, size in zip(fetched.values, targets, sizes, strict=True):
-                if value is None or value.nbytes != size:
-                    landed.append(False)
-                    continue
-                offset = 0
-                for part in target:
-                    part[:] = value[offset : offset + part.nbytes]
-                    offset += part.nbytes
-                landed.append(True)
+            # chunk by chunk (~chunk_bytes each): one pipeline of a whole batch's replies
+            # (256 MiB) made redis-py's reader measure ~3x slower than 16 MiB ones
+            landed: list[bool] = [False] * len(keys)
+            answered = [False] * len(keys)
+            timed_out = False
+            for chunk in runs(sizes, self.chunk_bytes):
+                fetched = await self.fetch(
+                    [keys[i] for i in chunk], sum(sizes[i] for i in chunk)
+                )  # copies on the loop: no thread
+                for i, value in zip(chunk, fetched.values, strict=True):
+                    answered[i] = fetched.answered
+                    if value is None or value.nbytes != sizes[i]:
+                        continue
+                    offset = 0
+                    for part in targets[i]:
+                        part[:] = value[offset : offset + part.nbytes]
+                        offset += part.nbytes
+                    landed[i] = True
+                if not fetched.answered:  # the backend failed: the later chunks are not asked
+                    timed_out = fetched.timed_out
+                    break
             outstanding.close()
-            return FetchedInto(
-                landed,
-                fetched.answered,
-                [fetched.answered] * len(keys),
-                fetched.timed_out,
-                outstanding.settled,
-            )
+            return FetchedInto(landed, all(answered), answered, timed_out, outstanding.settled)
         self.stats.gets += len(keys)
         started = time.perf_counter()
         ok: list[bool] = [False] * len(keys)
