@@ -187,7 +187,9 @@ def main() -> int:
             "kv_space_gib": kv_space_gib,
         }
         results: dict[str, dict[str, Any]] = {}
-        with SidecarProcess(deploy) as sidecar:
+        # admin_without_token: the L3 runs empty L2 through /v1/admin/clear (loopback, no token)
+        env = {"HICACHE_SERVICE__ADMIN_WITHOUT_TOKEN": "true"}
+        with SidecarProcess(deploy, env=env) as sidecar:
             base["http"] = sidecar.http
             for seed, mode in enumerate(("plain", "layerwise", "whole", "async"), start=1):
                 stats = str(work / f"{mode}.counters.json")

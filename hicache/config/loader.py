@@ -1,21 +1,38 @@
 """Load a deployment: YAML file, then `HICACHE_*` environment overrides, then validation.
 
 `HICACHE_SCHEDULER__QUEUE_DEPTH=8` sets `scheduler.queue_depth` (double underscore between
-levels; the value is read as a YAML scalar). Relative paths in the file are resolved against
-the file's directory. The result remembers where each value came from (default, file or
+levels). Each value is read by the type of the schema field it sets, never as YAML:
+
+- text (strings, secrets, paths, named choices): the value verbatim, so a token `null`, `123`
+  or `yes` is that string;
+- integers, numbers: strictly (`8`, `1_000`; `2.5`, `1e-3`), anything else refused;
+- booleans: `true` / `false` / `1` / `0` (any case), anything else refused;
+- sizes: as in the file (`64GiB`, `4096`);
+- a field that may be null (a port, a dtype), and is not text: an empty value or `null`
+  unsets it (a text field keeps an empty value, which its checks then judge: a blank token
+  is refused);
+- lists (`model.layers`): JSON.
+
+A variable naming no key of the schema is refused naming the keys allowed there; one naming a
+section rather than a key is refused too. Relative paths in the file are resolved against the
+file's directory. The result remembers where each value came from (default, file or
 environment) for `hicache config show`.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import types
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from hicache.config.errors import format_validation_error
 from hicache.config.schema import Deployment
@@ -82,8 +99,8 @@ def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return [(prefix, data)]
 
 
-def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
-    """dotted key -> (variable name, parsed value)."""
+def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, str]]:
+    """dotted key -> (variable name, raw value)."""
     out = {}
     for name, raw in sorted(env.items()):
         if not name.startswith(ENV_PREFIX) or name == ENV_PREFIX + "CONFIG":
@@ -94,12 +111,144 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, tuple[str, Any]]:
                 f"environment variable {name}: empty key part; write levels as "
                 "HICACHE_SECTION__KEY, e.g. HICACHE_SCHEDULER__QUEUE_DEPTH=8"
             )
-        try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
-        except yaml.YAMLError:
-            value = raw
-        out[".".join(parts)] = (name, value)
+        out[".".join(parts)] = (name, raw)
     return out
+
+
+_INT = re.compile(r"[+-]?[0-9](?:_?[0-9])*")
+_TRUE, _FALSE = ("true", "1"), ("false", "0")
+_NULL = ("", "null")
+
+
+def _field_annotation(dotted: str, data: Mapping[str, Any], env_kind: str | None) -> Any:
+    """The schema annotation of a dotted key (the storage member its `kind` picks: from the
+    environment, else the file, else file), or None when the schema has no such key."""
+    models: list[type[BaseModel]] = [Deployment]
+    annotation: Any = None
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        if not fields:
+            return None
+        hints = typing.get_type_hints(
+            next(m for m in models if part in m.model_fields), include_extras=True
+        )
+        annotation = hints[part]
+        models = _models_of(annotation)
+        if len(models) > 1 and i == 0 and part == "storage":
+            node = data.get("storage")
+            kind = env_kind or (node.get("kind") if isinstance(node, dict) else None) or "file"
+            tagged = [m for m in models if _kind_of(m) == kind]
+            models = tagged or models
+        if i < len(parts) - 1 and not models:
+            return None
+    return annotation
+
+
+def _models_of(annotation: Any) -> list[type[BaseModel]]:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Annotated:
+        args = args[:1]
+    elif typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return []
+    return [m for a in args for m in _models_of(a)]
+
+
+def _kind_of(model: type[BaseModel]) -> str | None:
+    field = model.model_fields.get("kind")
+    args = typing.get_args(field.annotation) if field is not None else ()
+    return args[0] if len(args) == 1 and isinstance(args[0], str) else None
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _parse(raw: str, annotation: Any) -> Any:
+    """`raw` as a value of `annotation`; `_Refused` saying what is allowed."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        inner, *meta = typing.get_args(annotation)
+        if any("parse_bytes" in repr(m) for m in meta):
+            return raw  # a size: parsed by the schema, as from the file
+        return _parse(raw, inner)
+    if origin in (typing.Union, types.UnionType):
+        members = [a for a in typing.get_args(annotation) if a is not type(None)]
+        nullable = len(members) < len(typing.get_args(annotation))
+        if nullable and not any(_is_text(m) for m in members) and raw.strip().lower() in _NULL:
+            return None
+        allowed = []
+        for member in sorted(members, key=_choices_first):
+            try:
+                return _parse(raw, member)
+            except _Refused as exc:
+                allowed.append(str(exc))
+        if nullable and not any(_is_text(m) for m in members):
+            allowed.append("empty or null to unset it")
+        raise _Refused(", or ".join(allowed))
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if raw in choices:
+            return raw
+        raise _Refused("one of " + ", ".join(map(str, choices)))
+    if annotation is bool:
+        word = raw.strip().lower()
+        if word in _TRUE or word in _FALSE:
+            return word in _TRUE
+        raise _Refused("a boolean: true, false, 1 or 0")
+    if annotation is int:
+        if _INT.fullmatch(raw.strip()):
+            return int(raw.strip())
+        raise _Refused("an integer such as 8")
+    if annotation is float:
+        try:
+            return float(raw)
+        except ValueError:
+            raise _Refused("a number such as 2.5 or 1e-3") from None
+    if origin in (list, dict) or annotation in (list, dict) or _models_of(annotation):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise _Refused(f"JSON ({exc.msg} at character {exc.pos})") from None
+    return raw  # str, SecretStr, Path and anything else: verbatim, the schema checks it
+
+
+def _choices_first(annotation: Any) -> bool:
+    """Sort key of union members: named choices first (`auto` before a number)."""
+    return typing.get_origin(annotation) is not Literal
+
+
+def _is_text(annotation: Any) -> bool:
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    return annotation in (str, SecretStr, Path)
+
+
+def _env_value(dotted: str, var: str, raw: str, annotation: Any) -> Any:
+    if annotation is None:
+        return raw  # no such key: validation names it and the keys allowed beside it
+    sections = _models_of(annotation)
+    if sections:
+        keys = sorted({k for m in sections for k in m.model_fields})
+        raise ConfigError(
+            f"environment variable {var}: {dotted} is a section, not a key; set its keys "
+            f"one variable each ({var}__KEY), allowed keys in {dotted}: {', '.join(keys)}"
+        )
+    if typing.get_origin(annotation) is Literal:
+        return raw  # a choice by name: validation says which names are allowed
+    try:
+        return _parse(raw, annotation)
+    except _Refused as exc:
+        shown = "'**********'" if _holds(annotation, SecretStr) else repr(raw)
+        raise ConfigError(
+            f"environment variable {var}: {shown} is not allowed for {dotted}; allowed: {exc}"
+        ) from None
+
+
+def _holds(annotation: Any, kind: type) -> bool:
+    return annotation is kind or any(_holds(a, kind) for a in typing.get_args(annotation))
 
 
 def _set(data: dict[str, Any], dotted: str, value: Any, var: str) -> None:
@@ -152,7 +301,10 @@ def load_deployment(path: Path | str, env: Mapping[str, str] | None = None) -> L
         raise ConfigError(f"{path}: the top level is {type(data).__name__}; a mapping of sections")
     sources: dict[str, Source] = {key: "file" for key, _ in _leaves(data)}
     env_vars = {}
-    for dotted, (var, value) in _env_overrides(env).items():
+    overrides = _env_overrides(env)
+    env_kind = overrides["storage.kind"][1] if "storage.kind" in overrides else None
+    for dotted, (var, given) in overrides.items():
+        value = _env_value(dotted, var, given, _field_annotation(dotted, data, env_kind))
         _set(data, dotted, value, var)
         sources[dotted] = "environment"
         env_vars[dotted] = var

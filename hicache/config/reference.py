@@ -18,6 +18,7 @@ from hicache.config.schema import (
     DeviceSection,
     FileStorage,
     HostSection,
+    L3Guard,
     ModelSection,
     MooncakeStorage,
     NoStorage,
@@ -31,6 +32,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("model", ModelSection),
     ("device", DeviceSection),
     ("host", HostSection),
+    ("storage (every kind but none)", L3Guard),
     ("storage (kind: file)", FileStorage),
     ("storage (kind: redis)", RedisStorage),
     ("storage (kind: mooncake)", MooncakeStorage),
@@ -92,6 +94,8 @@ def config_reference() -> str:
         lines.append("| key | type | default | meaning |")
         lines.append("|---|---|---|---|")
         for name, field in model.model_fields.items():
+            if model is not L3Guard and issubclass(model, L3Guard) and name in L3Guard.model_fields:
+                continue  # in the table of what every L3 kind shares
             kind = _type(_annotation(model, name), field)
             meaning = (field.description or "").replace("|", "\\|")
             lines.append(f"| `{name}` | {kind} | {_default(name, field)} | {meaning} |")

@@ -130,10 +130,66 @@ class HostSection(Section):
     )
 
 
+class L3Guard(Section):
+    """Every L3 kind but none: call timeouts scaled by bytes, the breaker, the chunk size.
+
+    `GuardedStore` takes these (`hicache.storage.factory.make_store`): each call times out
+    after `base_timeout_s + bytes / min_bandwidth_bytes_per_s`; `breaker_failure_threshold`
+    failures in a row open the breaker, `breaker_reset_after_s` later a trial call may close
+    it; batches are cut into calls of about `chunk_bytes`."""
+
+    base_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=600,
+        allow_inf_nan=False,
+        description="L3 call timeout: this much, plus the call's bytes at "
+        "min_bandwidth_bytes_per_s; a timed-out call is a miss and a breaker failure",
+    )
+    min_bandwidth_bytes_per_s: float = Field(
+        default=50e6,
+        ge=1e4,
+        allow_inf_nan=False,
+        description="L3 call timeout: the slowest transfer rate tolerated, bytes per second "
+        "(50e6: 50 MB/s)",
+    )
+    breaker_failure_threshold: int = Field(
+        default=3,
+        ge=1,
+        le=1000,
+        description="failed L3 calls in a row that open the breaker (L3 then skipped: misses "
+        "at once, loads serve L2 only)",
+    )
+    breaker_reset_after_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        allow_inf_nan=False,
+        description="an open breaker waits this long before a trial call (the sidecar's probe "
+        "makes it) that lets L3 back in",
+    )
+    chunk_bytes: ByteSize = Field(
+        default=parse_bytes("16MiB"),
+        ge=parse_bytes("64KiB"),
+        le=parse_bytes("1GiB"),
+        description="L3 batches are cut into calls of about this many bytes, each one timed",
+    )
+
+    def guard_settings(self) -> dict[str, Any]:
+        """`GuardedStore`'s keyword arguments."""
+        return {
+            "base_timeout_s": self.base_timeout_s,
+            "min_bandwidth_bytes_per_s": self.min_bandwidth_bytes_per_s,
+            "chunk_bytes": self.chunk_bytes,
+            "failure_threshold": self.breaker_failure_threshold,
+            "reset_after_s": self.breaker_reset_after_s,
+        }
+
+
 _L3_DIRECTORY = "a directory, or a path where one can be created, on a real filesystem"
 
 
-class FileStorage(Section):
+class FileStorage(L3Guard):
     """L3 on a local directory: one object per page, atomic writes, survives restarts."""
 
     kind: Literal["file"] = "file"
@@ -187,7 +243,7 @@ class FileStorage(Section):
     )
 
 
-class RedisStorage(Section):
+class RedisStorage(L3Guard):
     """L3 on Redis or Redis Cluster; size is bounded by the server's maxmemory policy."""
 
     kind: Literal["redis"]
@@ -223,7 +279,7 @@ class RedisStorage(Section):
         return value
 
 
-class MooncakeStorage(Section):
+class MooncakeStorage(L3Guard):
     """L3 on a Mooncake Store cluster (TCP, or RDMA with `rdma_devices`)."""
 
     kind: Literal["mooncake"]
@@ -375,6 +431,12 @@ class ServiceSection(Section):
         default=None,
         description="shared secret: required from engines and for admin endpoints; mandatory "
         "when a listener binds beyond loopback",
+    )
+    admin_without_token: bool = Field(
+        default=False,
+        description="with no token, the admin endpoints (clear, L3 detach / attach) are off "
+        "(403); true turns them on for every local user (the HTTP API then listens on "
+        "loopback only). Ignored when a token is set: it is always required",
     )
     heartbeat_timeout_s: float = Field(
         default=30.0,

@@ -14,27 +14,40 @@ dependency, no ASGI layer or second server process; every handler reads snapshot
     POST /v1/admin/l3/detach      stop using L3 (pages stay where they are)
     POST /v1/admin/l3/attach      use the configured L3 again (or a `storage` section as JSON)
 
-Admin endpoints need `Authorization: Bearer <service.token>` when a token is configured.
+Admin endpoints need `Authorization: Bearer <service.token>` when a token is configured
+(401 without it). With no token they are off (403 saying how to turn them on) unless
+`service.admin_without_token: true`, which opens them to every local user (a listener beyond
+loopback requires a token, so that is as far as it reaches). Every admin call is logged
+(`admin` events: the remote address, the action, what was asked, the outcome), refused ones
+as warnings.
 Lifecycle: `start_http(server, ...)` returns the runner; `runner.cleanup()` stops it.
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from typing import Any
 
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from hicache.config.schema import Deployment, StorageSection
+from hicache.config.schema import Deployment, L3Guard, RedisStorage, StorageSection
 from hicache.config.urls import redacted_url
 from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.service.snapshots import namespace_stats, store_stats
-from hicache.storage import GuardedStore
 from hicache.storage.breaker import BreakerState
-from hicache.storage.factory import make_backend
+from hicache.storage.factory import guarded, make_backend
+
+log = logging.getLogger("hicache.service.admin")
+
+ADMIN_OFF = (
+    "admin endpoints are off: no service.token is set; set service.token (or "
+    "HICACHE_SERVICE__TOKEN) and send 'Authorization: Bearer <service.token>', or set "
+    "service.admin_without_token: true to let every local user call them"
+)
 
 
 def redacted_config(deployment: Deployment) -> dict[str, Any]:
@@ -137,52 +150,90 @@ class ControlApi:
             }
         )
 
-    def _authorize(self, request: web.Request) -> None:
+    def _audit(
+        self, request: web.Request, action: str, outcome: str, warn: bool = False, **asked: Any
+    ) -> None:
+        fields = {"remote": request.remote, "action": action, **asked, "outcome": outcome}
+        (log.warning if warn else log.info)("admin", extra={"fields": fields})
+
+    def _authorize(self, request: web.Request, action: str, **asked: Any) -> None:
         token = self.server.service.token
         if token is None:
-            return
+            if self.server.service.admin_without_token:
+                return
+            self._audit(request, action, "refused: admin endpoints off", True, **asked)
+            raise web.HTTPForbidden(text=ADMIN_OFF)
         given = request.headers.get("Authorization", "")
         want = f"Bearer {token.get_secret_value()}"
         if not hmac.compare_digest(given.encode(), want.encode()):
+            why = "no Authorization header" if not given else "wrong token"
+            self._audit(request, action, f"refused: {why}", True, **asked)
             raise web.HTTPUnauthorized(
                 text="admin endpoints need 'Authorization: Bearer <service.token>'"
             )
 
     async def clear(self, request: web.Request) -> web.Response:
-        self._authorize(request)
         tier = request.query.get("tier", "l2")
+        self._authorize(request, "clear", tier=tier)
         if tier == "l2":
             dropped = sum(ns.cache.clear_l2() for ns in self.server.namespaces.values())
+            self._audit(request, "clear", f"{dropped} L2 pages dropped", tier=tier)
             return web.json_response({"tier": "l2", "pages_dropped": dropped})
         if tier == "l3":
             deleted = 0
-            for ns in self.server.namespaces.values():
-                deleted += await ns.cache.clear_l3()
+            try:
+                for ns in self.server.namespaces.values():
+                    deleted += await ns.cache.clear_l3()
+            except Exception as exc:
+                self._audit(request, "clear", f"failed after {deleted}: {exc!r}", True, tier=tier)
+                raise
+            self._audit(request, "clear", f"{deleted} L3 pages deleted", tier=tier)
             return web.json_response({"tier": "l3", "pages_deleted": deleted})
+        self._audit(request, "clear", "refused: unknown tier", True, tier=tier)
         raise web.HTTPBadRequest(text=f"tier {tier!r} is not known; allowed: l2, l3")
 
     async def l3_detach(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        self._authorize(request, "l3_detach")
         old = self.server.set_store(None)
         if old is not None:
             await old.backend.close()
+        self._audit(request, "l3_detach", "detached" if old is not None else "no L3 attached")
         return web.json_response({"l3": "detached"})
 
     async def l3_attach(self, request: web.Request) -> web.Response:
-        self._authorize(request)
+        body = request.can_read_body
+        self._authorize(request, "l3_attach", section="body" if body else "configured")
         section = self.server.deployment.storage
-        if request.can_read_body:
+        if body:
             try:
                 section = TypeAdapter(StorageSection).validate_python(await request.json())
             except ValidationError as exc:
+                problem = "; ".join(
+                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
+                )
+                self._audit(request, "l3_attach", f"refused: {problem}", True, section="body")
+                raise web.HTTPBadRequest(text="storage section: " + problem) from None
+            except ValueError as exc:  # not JSON
+                self._audit(request, "l3_attach", "refused: body is not JSON", True, section="body")
                 raise web.HTTPBadRequest(
-                    text="storage section: "
-                    + "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+                    text=f"storage section: the body is not JSON ({exc}); allowed: a storage "
+                    "section as a JSON object, or no body for the configured one"
                 ) from None
-        backend = make_backend(section)
-        old = self.server.set_store(GuardedStore(backend) if backend is not None else None)
+        asked: dict[str, Any] = {"section": "body" if body else "configured", "kind": section.kind}
+        if isinstance(section, RedisStorage):
+            asked["url"] = redacted_url(section.url)
+        try:
+            backend = make_backend(section)
+        except Exception as exc:
+            self._audit(request, "l3_attach", f"failed: {exc!r}", True, **asked)
+            raise
+        store = None
+        if backend is not None and isinstance(section, L3Guard):
+            store = guarded(backend, section)
+        old = self.server.set_store(store)
         if old is not None:
             await old.backend.close()
+        self._audit(request, "l3_attach", f"attached {section.kind}", **asked)
         return web.json_response({"l3": section.kind})
 
 

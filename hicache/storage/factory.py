@@ -1,10 +1,12 @@
-"""The L3 backend for a deployment's `storage` section (a registry keyed by `kind`)."""
+"""The L3 backend for a deployment's `storage` section (a registry keyed by `kind`), and the
+`GuardedStore` over it with the section's timeouts, breaker thresholds and chunk size."""
 
 from __future__ import annotations
 
-from hicache.config.schema import FileStorage, MooncakeStorage, NoStorage, RedisStorage
+from hicache.config.schema import FileStorage, L3Guard, MooncakeStorage, NoStorage, RedisStorage
 from hicache.storage.backend import StorageBackend
 from hicache.storage.file_backend import FileBackend
+from hicache.storage.guarded import GuardedStore
 
 
 def make_backend(
@@ -36,3 +38,21 @@ def make_backend(
             rdma_devices=section.rdma_devices,
         )
     return None
+
+
+def guarded(backend: StorageBackend, section: L3Guard) -> GuardedStore:
+    """`backend` behind a `GuardedStore` configured by `section` (`storage.base_timeout_s`,
+    `min_bandwidth_bytes_per_s`, `chunk_bytes`, `breaker_failure_threshold`,
+    `breaker_reset_after_s`)."""
+    return GuardedStore(backend, **section.guard_settings())
+
+
+def make_store(
+    section: FileStorage | RedisStorage | MooncakeStorage | NoStorage,
+) -> GuardedStore | None:
+    """The L3 store a `storage` section describes (None for kind none): what the sidecar
+    opens, and what an embedded user passes to `TieredCache.build(store=...)`."""
+    backend = make_backend(section)
+    if backend is None or not isinstance(section, L3Guard):
+        return None
+    return guarded(backend, section)

@@ -139,8 +139,9 @@ def test_secret_token_is_redacted(tmp_path: Path) -> None:
         (
             BASE + "storage:\n  kind: redis\n  uri: redis://x\n",
             {},
-            r"{f}: storage\.uri: unknown key; allowed keys here: key_prefix, kind, "
-            r"max_connections, socket_timeout_s, url$",
+            r"{f}: storage\.uri: unknown key; allowed keys here: base_timeout_s, "
+            r"breaker_failure_threshold, breaker_reset_after_s, chunk_bytes, key_prefix, kind, "
+            r"max_connections, min_bandwidth_bytes_per_s, socket_timeout_s, url$",
         ),
         ("device:\n  kind: cpu\n", {}, r"{f}: model: Field required"),
         (
@@ -227,7 +228,7 @@ def test_unknown_key_from_the_environment_reads_as_the_variable_then_the_keys(
     message = str(caught.value)
     assert message.startswith(
         "HICACHE_SERVICE__COLOUR (environment variable): unknown key service.colour; "
-        "allowed keys in service: drain_timeout_s, "
+        "allowed keys in service: admin_without_token, drain_timeout_s, "
     )
     assert message.endswith(", tcp_port, token")  # the list ends the line, nothing glued on
     with pytest.raises(

@@ -840,7 +840,12 @@ def sidecar_deployment(tm: TinyModel, directory: Path, page: int) -> Path:
         "storage": {"kind": "file", "path": str(directory / "l3")},
         "cache": {"prefetch_policy": "wait_complete"},
         # Unix socket paths are limited to ~108 bytes: the socket lives in the short directory
-        "service": {"socket_path": str(directory / "e.sock"), "http_port": 0},
+        # admin_without_token: the L3 tests empty L2 through /v1/admin/clear (loopback, no token)
+        "service": {
+            "socket_path": str(directory / "e.sock"),
+            "http_port": 0,
+            "admin_without_token": True,
+        },
     }
     path = directory / "deploy.yaml"
     path.write_text(yaml.safe_dump(data))

@@ -211,3 +211,140 @@ def test_exposed_listener_requires_a_token(tmp_path: Path, host: str) -> None:
         ConfigError, match=rf"http_host={host} binds beyond loopback; set service.token"
     ):
         load_deployment(config)
+
+
+class _AdminInputs:
+    """What the admin endpoints read of an `EngineServer`: its deployment and service
+    section, namespaces (none: clears drop nothing) and the store it swaps."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], **service: Any):
+        from hicache.config import load_deployment
+
+        loaded = load_deployment(write_config(tmp_path, **service), env=env)
+        self.deployment = loaded.deployment
+        self.service = loaded.deployment.service
+        self.namespaces: dict[str, object] = {}
+        self.store: GuardedStore | None = None
+
+    def set_store(self, store: GuardedStore | None) -> GuardedStore | None:
+        old, self.store = self.store, store
+        return old
+
+
+async def _admin(
+    inputs: _AdminInputs, path: str, headers: dict[str, str] | None = None, body: Any = None
+) -> tuple[int, str]:
+    api = ControlApi(cast(EngineServer, inputs), ServiceMetrics())
+    async with TestClient(TestServer(api.app)) as client:
+        reply = await client.post(path, headers=headers or {}, json=body)
+        return reply.status, await reply.text()
+
+
+def _admin_events(caplog: pytest.LogCaptureFixture) -> list[tuple[str, dict[str, Any]]]:
+    return [
+        (r.levelname, r.fields)  # type: ignore[attr-defined]
+        for r in caplog.records
+        if r.name == "hicache.service.admin"
+    ]
+
+
+@pytest.mark.asyncio
+async def test_admin_endpoints_are_off_without_a_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from hicache.service.http_api import ADMIN_OFF
+
+    inputs = _AdminInputs(tmp_path, {})
+    caplog.set_level("INFO", logger="hicache.service.admin")
+    for path in ("/v1/admin/clear?tier=l2", "/v1/admin/l3/detach", "/v1/admin/l3/attach"):
+        status, text = await _admin(inputs, path)
+        assert (status, text) == (403, ADMIN_OFF)
+    assert "service.admin_without_token: true" in ADMIN_OFF
+    assert "set service.token" in ADMIN_OFF
+    events = _admin_events(caplog)
+    assert [(level, f["action"], f["outcome"]) for level, f in events] == [
+        ("WARNING", "clear", "refused: admin endpoints off"),
+        ("WARNING", "l3_detach", "refused: admin endpoints off"),
+        ("WARNING", "l3_attach", "refused: admin endpoints off"),
+    ]
+    assert events[0][1]["remote"] == "127.0.0.1"
+    assert events[0][1]["tier"] == "l2"
+
+
+@pytest.mark.asyncio
+async def test_admin_without_token_opens_them_and_logs_each_call(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    inputs = _AdminInputs(tmp_path, {"HICACHE_SERVICE__ADMIN_WITHOUT_TOKEN": "true"})
+    caplog.set_level("INFO", logger="hicache.service.admin")
+    assert await _admin(inputs, "/v1/admin/clear?tier=l2") == (
+        200,
+        '{"tier": "l2", "pages_dropped": 0}',
+    )
+    status, text = await _admin(inputs, "/v1/admin/clear?tier=l9")
+    assert (status, text) == (400, "tier 'l9' is not known; allowed: l2, l3")
+    assert (await _admin(inputs, "/v1/admin/l3/attach"))[0] == 200
+    assert (await _admin(inputs, "/v1/admin/l3/detach"))[0] == 200
+    events = [(level, f) for level, f in _admin_events(caplog)]
+    assert [(level, f["action"], f["outcome"]) for level, f in events] == [
+        ("INFO", "clear", "0 L2 pages dropped"),
+        ("WARNING", "clear", "refused: unknown tier"),
+        ("INFO", "l3_attach", "attached file"),
+        ("INFO", "l3_detach", "detached"),
+    ]
+    assert all(f["remote"] == "127.0.0.1" for _, f in events)
+    assert events[1][1]["tier"] == "l9"
+    assert events[2][1]["section"] == "configured"
+
+
+@pytest.mark.asyncio
+async def test_a_token_is_required_even_with_admin_without_token(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    inputs = _AdminInputs(tmp_path, {}, token=TOKEN, admin_without_token=True)
+    caplog.set_level("INFO", logger="hicache.service.admin")
+    status, text = await _admin(inputs, "/v1/admin/l3/detach")
+    assert (status, text) == (401, "admin endpoints need 'Authorization: Bearer <service.token>'")
+    wrong = {"Authorization": "Bearer nope"}
+    assert (await _admin(inputs, "/v1/admin/l3/detach", wrong))[0] == 401
+    right = {"Authorization": f"Bearer {TOKEN}"}
+    assert (await _admin(inputs, "/v1/admin/l3/detach", right))[0] == 200
+    outcomes = [f["outcome"] for _, f in _admin_events(caplog)]
+    assert outcomes == [
+        "refused: no Authorization header",
+        "refused: wrong token",
+        "no L3 attached",
+    ]
+    assert TOKEN not in caplog.text
+
+
+@pytest.mark.asyncio
+async def test_attach_builds_the_store_with_the_sections_timeouts_and_breaker(
+    tmp_path: Path,
+) -> None:
+    inputs = _AdminInputs(
+        tmp_path,
+        {"HICACHE_STORAGE__BASE_TIMEOUT_S": "0.25", "HICACHE_STORAGE__CHUNK_BYTES": "1MiB"},
+        admin_without_token=True,
+    )
+    assert (await _admin(inputs, "/v1/admin/l3/attach"))[0] == 200
+    store = inputs.store
+    assert store is not None
+    assert (store.base_timeout_s, store.chunk_bytes) == (0.25, 1 << 20)
+    body = {
+        "kind": "file",
+        "path": str(tmp_path / "other"),
+        "min_bandwidth_bytes_per_s": 1e6,
+        "breaker_failure_threshold": 7,
+        "breaker_reset_after_s": 0.5,
+    }
+    assert (await _admin(inputs, "/v1/admin/l3/attach", body=body))[0] == 200
+    store = inputs.store
+    assert store is not None
+    assert (store.base_timeout_s, store.min_bandwidth, store.chunk_bytes) == (1.0, 1e6, 16 << 20)
+    assert (store.breaker.failure_threshold, store.breaker.reset_after_s) == (7, 0.5)
+    status, text = await _admin(
+        inputs, "/v1/admin/l3/attach", body={"kind": "file", "breaker_failure_threshold": 0}
+    )
+    assert status == 400
+    assert "breaker_failure_threshold: Input should be greater than or equal to 1" in text
