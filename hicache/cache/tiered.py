@@ -30,7 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -68,6 +68,16 @@ log = logging.getLogger("hicache.cache")
 
 class CacheNotRunningError(HicacheError, RuntimeError):
     """An op was asked of a cache outside `async with cache.running()`."""
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    """What a bounded flush did: pages written, and the pages (and their bytes) L3 still
+    lacked when it ended (0 when it finished, or when there is no L3)."""
+
+    written: int
+    left_pages: int
+    left_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +153,7 @@ class TieredCache:
         self.attach_l3(store)
         self._tg: asyncio.TaskGroup | None = None
         self._fetches: set[asyncio.Task[Any]] = set()
+        self._writes: set[asyncio.Future[tuple[int, int]]] = set()  # L2 -> L3 in flight
         # groups the move policy leaves to the engine (full_attention_only): not cached
         self._recomputed = {g.name for g in embedded.layer_map.groups} - set(index.rules)
 
@@ -422,20 +433,78 @@ class TieredCache:
     # ---- L2 -> L3 ---------------------------------------------------------------------------
 
     async def _write(self, records: Mapping[str, Sequence[PageRecord]]) -> tuple[int, int]:
-        """The persist worker's writer (and write-back victims', and the flush's)."""
-        return await self.io.write(self.l3, records)
+        """The persist worker's writer (and write-back victims', and the flush's). A write
+        abandoned at the drain's deadline (`flush_within`) returns (0, 0): nothing written."""
+        write = asyncio.ensure_future(self.io.write(self.l3, records))
+        self._writes.add(write)
+        try:
+            return await write
+        except asyncio.CancelledError:
+            caller = asyncio.current_task()
+            if caller is not None and caller.cancelling():
+                raise  # the caller was cancelled (the write with it)
+            return 0, 0
+        finally:
+            self._writes.discard(write)
 
     async def flush(self) -> int:
         """Persist every L2 page L3 lacks (what write-back owes at shutdown); returns how many
         were written."""
-        if self._tg is not None:
-            await self.persist.idle()
-        owed = {
+        return (await self.flush_within(None)).written
+
+    async def flush_within(self, timeout_s: float | None) -> Flushed:
+        """`flush` within `timeout_s` (None: however long it takes; the shutdown drain gives
+        what is left of `service.drain_timeout_s`). First the persist queue empties, then the
+        pages still owed are written `persist.batch_pages` at a time. At the deadline the
+        write in flight is cancelled (an L3 object is whole or absent: writes are atomic and
+        read back verified), and so is the persist worker's batch in flight; the pages still
+        queued are dropped (`persist.detach`: counted as detached); what L3 still lacks is
+        counted in the result."""
+        deadline = None
+        if timeout_s is not None:
+            deadline = asyncio.get_running_loop().time() + max(0.0, timeout_s)
+        written = 0
+        try:
+            async with asyncio.timeout_at(deadline):
+                if self._tg is not None:
+                    await self.persist.idle()
+                for batch in self._owed_batches():
+                    done, _ = await self._write(batch)
+                    written += done
+        except TimeoutError:
+            if self._tg is not None:
+                self.persist.detach()  # nobody writes them now: counted below as left
+            writes = list(self._writes)  # the persist worker's batch: abandoned too
+            for write in writes:
+                write.cancel()
+            if writes:
+                await asyncio.wait(writes)
+        left_pages = left_bytes = 0
+        if self.l3 is not None:
+            for group, records in self._owed().items():
+                left_pages += len(records)
+                left_bytes += len(records) * self.io.host_tier.pool(group).geometry.page_bytes
+        return Flushed(written, left_pages, left_bytes)
+
+    def _owed(self) -> dict[str, list[PageRecord]]:
+        """Every L2 page L3 lacks, by group."""
+        return {
             group: [r for r in self.index.l2_records(group) if not r.in_l3]
             for group in self.index.rules
         }
-        written, _ = await self._write(owed)
-        return written
+
+    def _owed_batches(self) -> Iterator[dict[str, list[PageRecord]]]:
+        batch: dict[str, list[PageRecord]] = {}
+        size = 0
+        for group, records in self._owed().items():
+            for record in records:
+                batch.setdefault(group, []).append(record)
+                size += 1
+                if size >= self.persist.batch_pages:
+                    yield batch
+                    batch, size = {}, 0
+        if batch:
+            yield batch
 
     # ---- load: (L3 ->) L2 -> L1 -------------------------------------------------------------
 

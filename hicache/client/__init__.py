@@ -4,7 +4,14 @@ sidecar's keyers (`keys`); what both share (`base`)."""
 
 from hicache.client.aio import AsyncClient, connect_async
 from hicache.client.engine import Client, connect
-from hicache.client.handle import ClientError, LoadFailedError, LoadHandle, LoadLostError, Lookup
+from hicache.client.handle import (
+    ClientError,
+    LoadFailedError,
+    LoadHandle,
+    LoadLostError,
+    Lookup,
+    SidecarUnreachableError,
+)
 from hicache.client.keys import KeySpec, PromptKeys
 from hicache.service.shm import SharedPools
 
@@ -19,6 +26,7 @@ __all__ = [
     "Lookup",
     "PromptKeys",
     "SharedPools",
+    "SidecarUnreachableError",
     "connect",
     "connect_async",
 ]

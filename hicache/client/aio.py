@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.client.base import ClientBase, page_lists, parse_address, store_args
+from hicache.client.base import ClientBase, page_lists, parse_address, store_args, unreachable
 from hicache.client.handle import ClientError, LoadHandle, Lookup
 from hicache.client.keys import PromptKeys
 from hicache.memory import DevicePool
@@ -49,10 +49,14 @@ class AsyncClient(ClientBase):
 
     async def _connect(self) -> None:
         family, addr = parse_address(self.address)
-        if family == socket.AF_UNIX:
-            self._reader, self._writer = await asyncio.open_unix_connection(addr)
-        else:
-            self._reader, self._writer = await asyncio.open_connection(*addr)
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                if family == socket.AF_UNIX:
+                    self._reader, self._writer = await asyncio.open_unix_connection(addr)
+                else:
+                    self._reader, self._writer = await asyncio.open_connection(*addr)
+        except OSError as exc:  # TimeoutError among them
+            raise unreachable(family, addr, exc, self.timeout_s) from exc
         try:
             self.session = await self._exchange("hello", self._hello)
             if self._registration is not None:

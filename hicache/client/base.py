@@ -13,20 +13,94 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.client.handle import ClientError, LoadHandle, Lookup
+from hicache.client.handle import ClientError, LoadHandle, Lookup, SidecarUnreachableError
 from hicache.client.keys import KeySpec, PromptKeys
+from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
 from hicache.service import protocol as p
 from hicache.service.shm import CounterFile, SharedPools
 
+_HOW = (
+    "write a Unix socket as a path (/run/hicache/engine.sock, ./engine.sock) and TCP as "
+    "tcp://host:port (or host:port; IPv6 as [::1]:port)"
+)
+
 
 def parse_address(address: str | Path) -> tuple[int, Any]:
+    """Where `connect` goes, as (socket family, address). A `Path`, or a string with a '/' or
+    with neither '/' nor ':' (`engine.sock`), or `unix://PATH`, is a Unix socket path;
+    `tcp://host:port`, or `host:port` (a ':' and no '/'), is TCP (`[v6]:port` for IPv6; no
+    host: 127.0.0.1). Anything else (`host:notaport`, another scheme, an empty string) is
+    refused (ConfigError) saying how to write each."""
+    if isinstance(address, Path):
+        return socket.AF_UNIX, str(address)
     text = str(address)
+    if text.startswith("unix://") and len(text) > len("unix://"):
+        return socket.AF_UNIX, text[len("unix://") :]
     if text.startswith("tcp://"):
-        host, _, port = text[len("tcp://") :].rpartition(":")
-        return socket.AF_INET, (host or "127.0.0.1", int(port))
-    return socket.AF_UNIX, text
+        return _host_port(text, text[len("tcp://") :])
+    if not text or "://" in text:
+        raise ConfigError(f"sidecar address {text!r} is not one; {_HOW}")
+    if "/" in text or ":" not in text:
+        return socket.AF_UNIX, text
+    return _host_port(text, text)
+
+
+def _host_port(text: str, rest: str) -> tuple[int, Any]:
+    if rest.startswith("["):
+        host, close, port = rest[1:].partition("]")
+        if not close or not port.startswith(":"):
+            raise ConfigError(f"sidecar address {text!r}: an IPv6 host is [addr]:port; {_HOW}")
+        family, port = socket.AF_INET6, port[1:]
+    else:
+        host, _, port = rest.rpartition(":")
+        family = socket.AF_INET
+        if ":" in host:
+            raise ConfigError(f"sidecar address {text!r}: put an IPv6 host in [ ]; {_HOW}")
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(
+            f"sidecar address {text!r}: {port!r} is not a TCP port (1-65535), and a Unix "
+            f"socket path needs a '/'; {_HOW}"
+        )
+    return family, (host or "127.0.0.1", int(port))
+
+
+def describe_address(family: int, addr: Any) -> str:
+    if family == socket.AF_UNIX:
+        return f"Unix socket {addr!r}"
+    host, port = addr
+    return f"tcp://[{host}]:{port}" if family == socket.AF_INET6 else f"tcp://{host}:{port}"
+
+
+def unreachable(
+    family: int, addr: Any, exc: BaseException, timeout_s: float
+) -> SidecarUnreachableError:
+    """A failed connect as the engine should read it: the address tried and why."""
+    unix = family == socket.AF_UNIX
+    if isinstance(exc, FileNotFoundError):
+        why = "no such file (is hicache serve running? the path is its service.socket_path)"
+    elif isinstance(exc, ConnectionRefusedError):
+        why = (
+            "connection refused (the socket file is there but nothing listens: a stopped "
+            "hicache serve)"
+            if unix
+            else "connection refused (nothing listens there: is service.tcp_port set?)"
+        )
+    elif isinstance(exc, PermissionError):
+        why = (
+            "permission denied (the socket is its owner's only: run the engine as the "
+            "sidecar's user)"
+        )
+    elif isinstance(exc, TimeoutError):
+        why = f"timed out after {timeout_s:g} s"
+    elif isinstance(exc, socket.gaierror):
+        why = f"cannot resolve the host ({exc.strerror or exc})"
+    else:
+        why = (exc.strerror if isinstance(exc, OSError) else None) or f"{type(exc).__name__}: {exc}"
+    return SidecarUnreachableError(
+        f"cannot connect to the sidecar at {describe_address(family, addr)}: {why}"
+    )
 
 
 class ClientBase:

@@ -3,7 +3,7 @@
 
 Lifecycle:
     client = connect(".hicache/engine.sock", layer_map, dtype="bfloat16", page_size_tokens=16)
-    pools = client.create_pools(num_pages=64)    # KV pool in /dev/shm; compute with
+    pools = client.create_pools(num_pages=64)    # KV pool in a sealed memfd; compute with
     client.register_pools(pools)                 # pools.device_pools()[group].tensors
     hit = client.lookup(tokens)
     keys = client.page_keys(tokens)              # or: keyed once here, as the sidecar keys
@@ -12,14 +12,21 @@ Lifecycle:
     handle = client.load(tokens, device_pages)   # None when nothing hits
     for layer_id in layers: handle.wait_layer(layer_id); ...   # reads shared memory
     handle.done()                                # final state; frees the load's slot
-    client.close()                               # also removes the pool file
+    client.close()                               # also closes the pool's memfd
+
+`address` is a Unix socket path (a `Path`, or a string with a '/', or with neither '/' nor
+':'), or TCP as `tcp://host:port` or `host:port`; anything else is refused (`ConfigError`)
+saying how to write each (`parse_address`). No sidecar there: `SidecarUnreachableError`
+(a `ConnectionError`) naming the address tried and why (no such file, connection refused,
+permission denied, timed out).
 
 A heartbeat thread (task, for the async client) keeps the session alive and carries the
 engine's per-layer stall times to the sidecar's metrics. It is a daemon (`hicache-heartbeat`)
 and holds nothing that must be finished, so an engine that raises before `close()` still
-exits; the sidecar then sees the session end (or its heartbeats stop) and removes the pool
-file once the process is gone. `close()` stops it and joins it. The async client's task is
-cancelled with its loop (`asyncio.run` cancels what is left).
+exits; the sidecar then sees the session end (or its heartbeats stop) and drops its mappings
+of the pool (a memfd: its memory goes with the last descriptor and mapping, no file is left).
+`close()` stops it and joins it. The async client's task is cancelled with its loop
+(`asyncio.run` cancels what is left).
 
 When the connection drops, the next call reconnects once, says hello and re-registers the
 same pools (loads in flight on the old connection fail with `LoadLostError`), then retries
@@ -34,7 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hicache.client.base import ClientBase, page_lists, parse_address, store_args
+from hicache.client.base import ClientBase, page_lists, parse_address, store_args, unreachable
 from hicache.client.handle import ClientError, LoadHandle, Lookup
 from hicache.client.keys import PromptKeys
 from hicache.memory import DevicePool
@@ -96,10 +103,13 @@ class Client(ClientBase):
         family, addr = parse_address(self.address)
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.settimeout(self.timeout_s)
-        if family == socket.AF_INET:
+        if family != socket.AF_UNIX:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            sock.connect(addr)
+            try:
+                sock.connect(addr)
+            except OSError as exc:
+                raise unreachable(family, addr, exc, self.timeout_s) from exc
             self._sock = sock
             self.session = self._exchange("hello", self._hello)
             if self._registration is not None:
@@ -284,5 +294,7 @@ class Client(ClientBase):
 
 
 def connect(address: str | Path, layer_map: LayerMap, **kwargs: Any) -> Client:
-    """A blocking client; `address` is a Unix socket path or `tcp://host:port`."""
+    """A blocking client; `address` is a Unix socket path, or `tcp://host:port` (or
+    `host:port`) for TCP (`parse_address`). No sidecar there: `SidecarUnreachableError`
+    naming the address and why."""
     return Client(address, layer_map, **kwargs)

@@ -32,6 +32,11 @@ class ClientError(HicacheError):
         self.message = message
 
 
+class SidecarUnreachableError(HicacheError, ConnectionError):
+    """`connect` (or a reconnect) found no sidecar: the message names the address tried and
+    why (no such file, connection refused, permission denied, timed out)."""
+
+
 class LoadFailedError(HicacheError):
     """A layer did not land, or a load did not end, within the caller's timeout. (A layer
     that will never land raises `LayerLoadError`.)"""

@@ -3,10 +3,12 @@
 Lifecycle: load the deployment -> check what needs the layout (the L2 budget holds a page of
 every group) -> copy backend and L3 store -> one TaskGroup owns the engine server (and, per
 engine namespace, a scheduler task), the HTTP control API and the L3 probe -> print one
-`ready` line (socket, HTTP port) -> run until SIGTERM or SIGINT -> drain: stop listening, let
-in-flight loads finish within `service.drain_timeout_s` (cancel the rest; both counted in the
-log), close sessions, flush what the write policy owes to L3 -> close the store and the
-backend -> exit 0.
+`ready` line (socket, HTTP port) -> run until SIGTERM or SIGINT -> drain, all of it within
+`service.drain_timeout_s`: stop listening, let in-flight loads finish (cancel those still
+running at the deadline), close sessions, flush what the write policy owes to L3 in the time
+left (what is still unwritten at the deadline is counted, not written) -> the `stopped` line
+(loads finished and cancelled, pages flushed, pages and bytes unflushed) -> close the store and
+the backend -> exit 0.
 
 A failure before `ready` closes what was started so far (listeners, store, backend and its
 worker thread) and reaches the CLI as one `HicacheError` naming the key at fault — a
@@ -27,6 +29,8 @@ from collections.abc import Iterator
 from aiohttp import web
 
 from hicache.config import LoadedConfig, format_bytes
+from hicache.config.capacity import warn_capacity
+from hicache.config.schema import L3Guard
 from hicache.config.urls import redacted_url
 from hicache.errors import ConfigError, HicacheError, ServiceStartError
 from hicache.memory import CacheDtypes, GroupGeometry
@@ -37,6 +41,7 @@ from hicache.service.logs import configure
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.storage import GuardedStore
+from hicache.storage.factory import guarded
 from hicache.storage.factory import make_backend as make_store
 from hicache.transfer import CopyBackend, make_backend
 
@@ -47,18 +52,23 @@ def host_pages(loaded: LoadedConfig, layer_map: LayerMap) -> dict[str, int]:
     """The L2 pages per group `host.capacity_bytes` buys (`host_tier.budget_pages`, what
     each engine namespace allocates at `register_pools`); a budget that holds no page of a
     group is refused here, at start-up and by `hicache config validate`, naming the file (or
-    variable), the size given and what one page needs."""
+    variable), the size given and what one page needs. A tier too small for one long prompt
+    is a warning (`hicache.config.capacity`), logged."""
     d = loaded.deployment
     dtypes = CacheDtypes.of_model(d.model)
     page = d.model.page_size_tokens
     geometries = [GroupGeometry.of(g, dtypes, page) for g in layer_map.groups]
     try:
-        return budget_pages(geometries, d.host.capacity_bytes, d.host.state_fraction)
+        counts = budget_pages(geometries, d.host.capacity_bytes, d.host.state_fraction)
     except ConfigError as exc:
         pages = ", ".join(f"{g.name} {format_bytes(g.page_bytes)}" for g in geometries)
         raise ConfigError(
             f"{loaded.source_of('host.capacity_bytes')}: {exc}; one page of each group: {pages}"
         ) from None
+    tokens = {g.name: g.page_bytes for g in geometries if g.group.kind.is_token_cache}
+    states = {g.name: g.page_bytes for g in geometries if g.name not in tokens}
+    warn_capacity(loaded, tokens, states, counts)  # a tier too small for one long prompt
+    return counts
 
 
 def _cause(exc: BaseException) -> str:
@@ -80,7 +90,8 @@ def _starting(loaded: LoadedConfig, key: str, what: str) -> Iterator[None]:
 
 
 def _open_store(loaded: LoadedConfig) -> GuardedStore | None:
-    """The L3 store of `storage`, or None; its backend's errors named by the key at fault."""
+    """The L3 store of `storage`, or None; its backend's errors named by the key at fault,
+    behind a `GuardedStore` with the section's timeouts, breaker thresholds and chunk size."""
     section = loaded.deployment.storage
     if section.kind == "file":
         key, what = "storage.path", f"cannot use {str(section.path)!r} as the L3 directory"
@@ -101,7 +112,9 @@ def _open_store(loaded: LoadedConfig) -> GuardedStore | None:
                 f"{_cause(exc.__cause__)}"
             ) from exc.__cause__
         raise
-    return GuardedStore(backend) if backend is not None else None
+    if backend is None or not isinstance(section, L3Guard):
+        return None
+    return guarded(backend, section)
 
 
 async def _probe_l3(server: EngineServer) -> None:
@@ -173,7 +186,15 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
                 flush=True,
             )
             await stop.wait()
-            log.info("draining", extra={"fields": {"sessions": len(server.sessions)}})
+            log.info(
+                "draining",
+                extra={
+                    "fields": {
+                        "sessions": len(server.sessions),
+                        "drain_timeout_s": d.service.drain_timeout_s,
+                    }
+                },
+            )
             report = await server.drain()
             probe.cancel()
             if runner is not None:
@@ -185,6 +206,8 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
                     "loads_finished": report.loads_finished,
                     "loads_cancelled": report.loads_cancelled,
                     "pages_flushed": report.pages_flushed,
+                    "pages_unflushed": report.pages_unflushed,
+                    "bytes_unflushed": report.bytes_unflushed,
                 }
             },
         )

@@ -2,6 +2,14 @@
 
 Events pass their fields as `log.info("session ended", extra={"fields": {...}})`; the formatter
 puts them after the message (text) or beside it (JSON). Nothing on the per-page hot path logs.
+
+The sidecar's events: `serving` (socket, ports, model, L3), `session started` (session, pid,
+tp_rank, tenant, role, engine, transport) and `session ended` (the same ids, the reason, loads
+cancelled); `refused` (warning: session, pid, op, code, reason — once per refused hello or pool
+registration, or any request before hello, or any `refused` reply; never the token) and
+`connection refused` (draining, or at `service.max_sessions`); `engine missed heartbeats`;
+`draining` and `stopped` (loads finished and cancelled, pages flushed to L3, pages and bytes
+still unflushed when `service.drain_timeout_s` ran out).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import hmac
 import itertools
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
@@ -36,6 +37,8 @@ from hicache.service.shm import CounterFile, LoadState, map_pools
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage import GuardedStore
 from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
+
+log = logging.getLogger("hicache.service")
 
 _FINAL = {
     OpState.DONE: LoadState.DONE,
@@ -104,6 +107,20 @@ class EngineOps:
                 )
         session.key, session.engine, session.pid = key, args.engine, args.pid
         session.lookup_only = args.role == "lookup"
+        log.info(
+            "session started",
+            extra={
+                "fields": {
+                    "session": session.id,
+                    "pid": session.peer_pid or args.pid or None,
+                    "tp_rank": args.tp_rank,
+                    "tenant": args.tenant,
+                    "role": args.role,
+                    "engine": args.engine or None,
+                    "transport": "unix" if session.unix else "tcp",
+                }
+            },
+        )
         return {
             "session": session.id,
             "protocol": p.PROTOCOL_VERSION,

@@ -26,7 +26,7 @@ version stays 3.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgpack
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hicache.index import KEY_BYTES
 from hicache.memory import GroupGeometry
-from hicache.model import LayerMap
+from hicache.model import CacheKind, CacheSpec, LayerMap
 
 # 2: stores say each snapshot's length, and which pages are held; 3: pools and counters are
 # sealed memfds named by descriptor number (no paths)
@@ -316,26 +316,114 @@ def layout_summary(
     layer_map: LayerMap, geometries: Mapping[str, GroupGeometry], page_size_tokens: int
 ) -> dict[str, Any]:
     """What an engine and the sidecar must agree on before sharing pages: compared key by key
-    (and group by group) in `hello`, so a refusal names exactly what differs."""
+    (and group by group) in `hello`, so a refusal names exactly what differs. A group is its
+    cache spec's fields (`CacheSpec.to_json`, plus any other field set) and its layers."""
     return {
         "model_type": layer_map.model_type,
         "start_layer": layer_map.start_layer,
         "end_layer": layer_map.end_layer,
         "dtypes": {name: geom.dtype_signature for name, geom in geometries.items()},
         "page_size_tokens": page_size_tokens,
-        "groups": {g.name: f"{g.spec!r} layers={list(g.layer_ids)}" for g in layer_map.groups},
+        "groups": {g.name: _group_summary(g.spec, g.layer_ids) for g in layer_map.groups},
     }
 
 
+def _group_summary(spec: CacheSpec, layer_ids: Sequence[int]) -> dict[str, Any]:
+    out: dict[str, Any] = dict(spec.to_json())
+    if not spec.kind.is_token_cache:  # fields `to_json` leaves out of a state cache, if set
+        for key, value in (
+            ("kv_format", spec.kv_format.value if spec.kv_format else None),
+            ("kv_heads", spec.num_kv_heads),
+            ("head_dim", spec.head_dim),
+            ("v_head_dim", spec.v_head_dim),
+        ):
+            if value is not None:
+                out[key] = value
+    out["layers"] = list(layer_ids)
+    return out
+
+
 def layout_differences(engine: dict[str, Any], ours: dict[str, Any], at: str = "") -> list[str]:
-    """Each differing entry as `key: engine X, sidecar Y`, nested keys dotted."""
+    """Each differing entry as `key: engine X, sidecar Y`, nested keys dotted; a differing
+    group in words: `group 'full': engine has ...; sidecar has ...`."""
     diffs = []
     for key in sorted(set(engine) | set(ours), key=str):
         theirs, mine = engine.get(key), ours.get(key)
         if theirs == mine:
             continue
-        if isinstance(theirs, dict) and isinstance(mine, dict):
+        if not at and key == "groups" and isinstance(theirs, dict) and isinstance(mine, dict):
+            for name in sorted(set(theirs) | set(mine), key=str):
+                if theirs.get(name) != mine.get(name):
+                    diffs.append(
+                        f"group {name!r}: engine has {describe_group(theirs.get(name))}; "
+                        f"sidecar has {describe_group(mine.get(name))}"
+                    )
+        elif isinstance(theirs, dict) and isinstance(mine, dict):
             diffs.extend(layout_differences(theirs, mine, f"{at}{key}."))
         else:
             diffs.append(f"{at}{key}: engine {theirs!r}, sidecar {mine!r}")
     return diffs
+
+
+_KIND_WORDS = {kind.value: kind.description for kind in CacheKind}
+
+
+def describe_group(group: Any) -> str:
+    """A group of a layout summary in words: 'sliding-window (window 128), 8 KV heads x 64,
+    24 layers (0-23)'; 'no such group' when absent."""
+    if group is None:
+        return "no such group"
+    if not isinstance(group, dict):
+        return str(group)  # a summary from another version: shown as it came
+    g = dict(group)
+    kind = g.pop("kind", None)
+    words = [_KIND_WORDS.get(str(kind), str(kind))]
+    if "window_tokens" in g:
+        words[0] += f" (window {g.pop('window_tokens')})"
+    if "chunk_tokens" in g:
+        words[0] += f" (chunk {g.pop('chunk_tokens')})"
+    kv_format = g.pop("kv_format", None)
+    heads, head_dim, v_dim = (
+        g.pop("kv_heads", None),
+        g.pop("head_dim", None),
+        g.pop("v_head_dim", None),
+    )
+    if kv_format == "mla":
+        words.append(f"MLA latent {head_dim}")
+    elif heads is not None or head_dim is not None:
+        kv = f"{heads} KV heads x {head_dim}"
+        if v_dim is None:
+            kv += " (K only)"
+        elif v_dim != head_dim:
+            kv += f" (V x {v_dim})"
+        words.append(kv)
+    index = g.pop("index", None)
+    if isinstance(index, dict):
+        words.append(f"indexer {'K+V' if index.get('has_v') else 'K'} x {index.get('head_dim')}")
+    shapes = g.pop("state_shapes", None)
+    if isinstance(shapes, dict):
+        words.append(
+            "state "
+            + ", ".join(f"{name} {'x'.join(map(str, shape))}" for name, shape in shapes.items())
+        )
+    layers = g.pop("layers", None)
+    words += [f"{key} {value}" for key, value in g.items()]  # anything newer, as it is
+    if isinstance(layers, list):
+        words.append(f"{len(layers)} layers ({_ranges(layers)})")
+    return ", ".join(words)
+
+
+def _ranges(ids: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out: list[str] = []
+    run: list[int] = []
+    for i in ids:
+        if run and isinstance(i, int) and i == run[-1] + 1:
+            run.append(i)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [i]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)

@@ -11,7 +11,9 @@ pages and index stay for the next engine.
 
 A request that fails validation, names a page outside the pool, or hits any error gets an
 error reply naming what is wrong; the connection and every other session carry on. Only an
-oversized frame closes its connection (its bytes cannot be skipped safely).
+oversized frame closes its connection (its bytes cannot be skipped safely). Sessions log their
+start and end; a refused hello or pool registration logs its reason once (`_refused`; never
+the token).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from hicache.transfer import CopyBackend
 
 log = logging.getLogger("hicache.service")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_SETUP_OPS = frozenset({"hello", "register_pools", "register_cuda_pools"})
 
 
 def _answers(path: Path) -> bool:
@@ -200,6 +203,7 @@ class EngineServer(EngineOps):
     def _open(self, connection: EngineConnection) -> Session | None:
         if self._draining or len(self.sessions) >= self.service.max_sessions:
             reason = "draining" if self._draining else f"{len(self.sessions)} sessions (max)"
+            log.warning("connection refused", extra={"fields": {"reason": reason}})
             connection.transport.write(
                 p.error(0, p.ErrorCode.BUSY, f"sidecar refuses connections: {reason}")
             )
@@ -218,6 +222,7 @@ class EngineServer(EngineOps):
             request_id, op, args = p.parse_request(payload)
         except p.RequestError as exc:
             self.metrics.errors.labels(exc.code).inc()
+            self._refused(session, "?", exc.code, exc.message)
             return p.error(0, exc.code, exc.message)
         handler = self._inline.get(op)
         if handler is None or session.key is None:
@@ -255,6 +260,28 @@ class EngineServer(EngineOps):
         self.metrics.request(op, time.perf_counter() - started)
         return reply
 
+    def _refused(self, session: Session, op: str, code: str, message: str) -> None:
+        """One log line per refusal of a session's setup (hello, pool registration, anything
+        before hello) or per REFUSED reply: the reason as the engine reads it, the token
+        never (a reason that would quote it has it masked)."""
+        if not (session.key is None or op in _SETUP_OPS or code == p.ErrorCode.REFUSED):
+            return
+        secret = self.service.token
+        if secret is not None and secret.get_secret_value():
+            message = message.replace(secret.get_secret_value(), "***")
+        log.warning(
+            "refused",
+            extra={
+                "fields": {
+                    "session": session.id,
+                    "pid": session.peer_pid or session.pid or None,
+                    "op": op,
+                    "code": code,
+                    "reason": message[:500],
+                }
+            },
+        )
+
     def _error_reply(self, session: Session, request_id: int, op: str, exc: Exception) -> bytes:
         if isinstance(exc, p.RequestError):
             code, message = exc.code, exc.message
@@ -269,6 +296,8 @@ class EngineServer(EngineOps):
         else:  # the server stays up; the engine learns what happened
             log.exception("request failed", extra={"fields": {"op": op, "session": session.id}})
             code, message = p.ErrorCode.INTERNAL, f"{op}: {type(exc).__name__}: {exc}"
+        if code != p.ErrorCode.INTERNAL and session is not None:  # INTERNAL: logged above
+            self._refused(session, op, code, message)
         self.metrics.errors.labels(code).inc()
         return p.error(request_id, code, message)
 
@@ -295,6 +324,9 @@ class EngineServer(EngineOps):
             extra={
                 "fields": {
                     "session": session.id,
+                    "pid": session.peer_pid or session.pid or None,
+                    "tp_rank": session.key.tp_rank if session.key is not None else None,
+                    "tenant": session.key.tenant if session.key is not None else None,
                     "reason": reason,
                     "loads_cancelled": len(running),
                 }
@@ -317,8 +349,12 @@ class EngineServer(EngineOps):
     # ---- drain ----------------------------------------------------------------------------------
 
     async def drain(self) -> DrainReport:
-        """Stop listening; let in-flight loads finish within service.drain_timeout_s (then
-        cancel them); close sessions; persist what the write policy owes to L3."""
+        """Stop listening; within `service.drain_timeout_s` for the whole drain: in-flight
+        loads finish (those still running at the deadline are cancelled), sessions close,
+        then what the write policy owes to L3 is flushed in the time left; pages L3 still
+        lacks at the deadline are counted in the report, not written."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.service.drain_timeout_s
         self._draining = True
         for server in self._servers:
             server.close()
@@ -330,7 +366,7 @@ class EngineServer(EngineOps):
         if pending:
             _done, late = await asyncio.wait(
                 [asyncio.ensure_future(h.done()) for h in pending],
-                timeout=self.service.drain_timeout_s,
+                timeout=max(0.0, deadline - loop.time()),
             )
             for handle in pending:
                 if handle.result is None:
@@ -343,11 +379,14 @@ class EngineServer(EngineOps):
         ending = [c.ended for c in self._connections if c.ended is not None]
         if ending:
             await asyncio.gather(*ending, return_exceptions=True)
-        flushed = 0
+        flushed = left_pages = left_bytes = 0
         for namespace in self.namespaces.values():
-            flushed += await namespace.cache.flush()
+            result = await namespace.cache.flush_within(max(0.0, deadline - loop.time()))
+            flushed += result.written
+            left_pages += result.left_pages
+            left_bytes += result.left_bytes
             await namespace.close()
         if self._bound:  # never another server's socket (a second serve that failed to start)
             with contextlib.suppress(OSError):
                 self.service.socket_path.unlink()
-        return DrainReport(len(pending) - cancelled, cancelled, flushed)
+        return DrainReport(len(pending) - cancelled, cancelled, flushed, left_pages, left_bytes)

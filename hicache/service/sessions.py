@@ -53,6 +53,8 @@ class DrainReport:
     loads_finished: int
     loads_cancelled: int
     pages_flushed: int
+    pages_unflushed: int = 0  # owed to L3, still unwritten at the drain's deadline
+    bytes_unflushed: int = 0
 
 
 def process_start(pid: int) -> int | None:
