@@ -122,7 +122,7 @@ def test_demo_prints_layout_config_and_summary() -> None:
     assert "pattern: (S F)×12" in result.stdout
     assert "host.capacity_bytes" in result.stdout
     assert "hit rate L1 / L2 / L3" in result.stdout
-    assert result.stdout.rstrip().endswith("mismatches: 0")
+    assert any(line.endswith("mismatches: 0") for line in result.stdout.splitlines())
 
 
 def test_layout_says_what_l2_holds_per_group() -> None:
@@ -137,6 +137,150 @@ def test_layout_says_what_l2_holds_per_group() -> None:
     assert rows["linear"]["per_gib"] == 2**30 // rows["linear"]["bytes_per_page"]
     deploy = hicache("layout", str(CONFIGS / "qwen3-next-80b.yaml"))
     assert deploy.returncode == 0, deploy.stderr
-    assert "sizing: (host.capacity_bytes 96GiB)" in deploy.stdout
-    assert "snapshots per GiB of L2; L2 holds 652 snapshots" in deploy.stdout
-    assert "tokens per GiB of L2; L2 holds 3,145,728 tokens" in deploy.stdout
+    assert "groups: (bfloat16, 64-token pages; host.capacity_bytes 96GiB)" in deploy.stdout
+    table = deploy.stdout.split("groups: ", 1)[1].splitlines()
+    assert table[1].split() == (
+        [
+            "group",
+            "kind",
+            "layers",
+            "page",
+            "bytes",
+            "per",
+            "GiB",
+            "of",
+            "L2",
+            "L2",
+            "holds",
+            "geometry",
+        ]
+    )
+    linear = next(line for line in table if line.split()[0] == "linear")
+    full = next(line for line in table if line.split()[0] == "full")
+    assert "27 snapshots" in linear
+    assert "652 snapshots" in linear
+    assert "43,648 tokens" in full
+    assert "3,145,728 tokens" in full
+
+
+def test_layout_groups_table_page_bytes_and_stage_range() -> None:
+    """The groups as a table (page bytes, tokens or snapshots per GiB; no Python reprs) and
+    the stage in the flags' convention: --start-layer inclusive, --end-layer exclusive."""
+    result = hicache("layout", str(CONFIGS / "models" / "gpt-oss-20b.json"), "--end-layer", "6")
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.splitlines()[0].endswith("stage: layers 0..5 (end exclusive: 6)")
+    assert "{" not in out
+    assert "[" not in out
+    assert "groups: (bfloat16, 16-token pages)" in out
+    sliding = next(line for line in out.splitlines() if line.startswith("  sliding "))
+    # the stage's 3 sliding layers: 3 x 16 tokens x K+V x 8 heads x 64 x 2 bytes = 96 KiB
+    assert sliding.split()[:6] == ["sliding", "sliding", "3", "96", "KiB", "174,752"]
+    assert "window_tokens=128" in sliding
+    assert "full_attention_layer_ids: 1, 3, 5" in out
+
+
+def group_json(*args: str) -> dict[str, dict[str, object]]:
+    result = hicache("layout", *args, "--json")
+    assert result.returncode == 0, result.stderr
+    return {g["name"]: g for g in json.loads(result.stdout)["groups"]}
+
+
+def test_layout_page_size_and_dtype_flags(tmp_path: Path) -> None:
+    model = str(shared_model("qwen3_next_80b.json"))
+    base = group_json(model)
+    assert base["full"]["page_bytes"] == 12 * 16 * 2 * 2 * 256 * 2  # layers, tokens, K+V, heads
+    assert base["full"]["page_size_tokens"] == 16
+    assert base["full"]["tokens_per_gib"] == 2**30 // base["full"]["page_bytes"] * 16
+    assert base["full"]["snapshots_per_gib"] is None
+    assert base["linear"]["tokens_per_gib"] is None
+    assert base["linear"]["snapshots_per_gib"] == 2**30 // base["linear"]["page_bytes"]
+    assert {"name", "kind", "layer_ids", "kv_heads"} <= set(base["full"])  # the old keys stay
+    bigger = group_json(model, "--page-size", "32", "--dtype", "float32")
+    assert bigger["full"]["page_bytes"] == 4 * base["full"]["page_bytes"]
+    assert bigger["linear"]["page_bytes"] == 2 * base["linear"]["page_bytes"]  # no tokens
+    # a config.json's torch_dtype is the default dtype
+    data = json.loads(Path(model).read_text())
+    data["torch_dtype"] = "float32"
+    f32 = tmp_path / "config.json"
+    f32.write_text(json.dumps(data))
+    assert group_json(str(f32))["full"]["page_bytes"] == 2 * base["full"]["page_bytes"]
+    bad = hicache("layout", model, "--page-size", "0")
+    assert bad.returncode == 2
+    assert bad.stderr == "hicache: error: --page-size 0: allowed: a positive token count\n"
+
+
+def test_version() -> None:
+    import tomllib
+
+    import hicache as package
+
+    result = hicache("--version")
+    assert result.returncode == 0
+    assert result.stdout == f"hicache {package.__version__}\n"
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert package.__version__ == project["version"]
+
+
+def test_every_command_and_flag_has_help() -> None:
+    import argparse
+
+    from hicache.cli.main import _parser
+
+    missing: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, where: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helps = {a.dest: a.help for a in action._choices_actions}
+                for name, sub in action.choices.items():
+                    if not helps.get(name):
+                        missing.append(f"{where} {name}")
+                    walk(sub, f"{where} {name}")
+            elif not action.help:
+                missing.append(f"{where} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(_parser(), "hicache")
+    assert missing == []
+
+
+def test_a_command_without_its_subcommand_prints_its_help() -> None:
+    result = hicache("config")
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("usage: hicache config ")
+    assert "validate" in result.stderr
+    assert "reference" in result.stderr
+    last = result.stderr.splitlines()[-1]
+    assert last == "hicache config: error: name a subcommand (validate, show, schema, reference)"
+    bare = hicache()
+    assert bare.returncode == 2
+    assert bare.stderr.splitlines()[-1].startswith("hicache: error: name a command (")
+
+
+def test_a_closed_stdout_ends_quietly() -> None:
+    """`hicache ... | head -1`: the reader is gone before (or while) the command writes; no
+    BrokenPipeError traceback, a quiet exit."""
+    import os
+
+    for args in (
+        ("config", "show", str(CONFIGS / "default.yaml"), "--json"),
+        ("config", "schema"),
+        ("layout", str(shared_model("gemma3n_e4b.json")), "--json"),
+        ("--help",),
+    ):
+        read, write = os.pipe()
+        os.close(read)  # the reader went away first: every write gets EPIPE
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-m", "hicache", *args],
+                stdout=write,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                timeout=60,
+            )
+        finally:
+            os.close(write)
+        assert proc.stderr == "", (args, proc.stderr)
+        assert proc.returncode in (0, 141), (args, proc.returncode)

@@ -1,48 +1,116 @@
 """`hicache` command line: argument parsing and dispatch only; each command's work lives in
-the package it belongs to. Errors from hicache print as one clear message and exit 2."""
+the package it belongs to. Errors from hicache print as one clear message and exit 2; a
+closed stdout (`hicache ... | head -1`) ends the command quietly."""
 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from hicache import __version__
+from hicache.defaults import default_config_path
 from hicache.errors import HicacheError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = REPO_ROOT / "configs" / "default.yaml"
+# the deployment shipped inside the package (the same as the repository's configs/default.yaml,
+# state under ~/.cache/hicache): a wheel or an image runs a bare `hicache serve`
+DEFAULT_CONFIG = default_config_path()
+EXIT_EPIPE = 141  # 128 + SIGPIPE, what a shell shows for a writer whose reader went away
+_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+_TRACE_HELP = {
+    "conversations": "chat conversations in the trace",
+    "turns": "turns per conversation (each extends the previous prompt)",
+    "system_prompts": "distinct system prompts the conversations share",
+    "system_tokens": "tokens per system prompt",
+    "turn_tokens": "tokens each turn adds (reply plus the next user message)",
+    "cold_requests": "requests with nothing cached, among the conversations",
+    "cold_tokens": "tokens per cold request",
+    "seed": "random seed of the trace",
+    "vocab": "token ids are drawn from range(vocab)",
+}
+_CONFIG_HELP = f"deployment YAML (default: the packaged default, {DEFAULT_CONFIG})"
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hicache", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument(
+        "--version", action="version", version=f"hicache {__version__}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    layout = sub.add_parser("layout", help="print a model's cache layout")
+    layout = sub.add_parser(
+        "layout",
+        help="print a model's cache layout, page bytes and what a GiB of L2 holds",
+        description="A model's cache layout: layers, cache groups, bytes per page and tokens "
+        "(state groups: snapshots) per GiB of L2. Stages: --start-layer inclusive, "
+        "--end-layer exclusive.",
+    )
     layout.add_argument("path", type=Path, help="config.json, or a YAML layer list or deployment")
     layout.add_argument("--json", action="store_true", help="one JSON object (a stable contract)")
-    layout.add_argument("--start-layer", type=int, default=None)
-    layout.add_argument("--end-layer", type=int, default=None)
+    layout.add_argument(
+        "--start-layer",
+        type=int,
+        default=None,
+        help="first layer of the pipeline stage, inclusive (default: a deployment's "
+        "model.start_layer, else 0)",
+    )
+    layout.add_argument(
+        "--end-layer",
+        type=int,
+        default=None,
+        help="layer the stage ends before, exclusive (default: a deployment's model.end_layer, "
+        "else the model's layer count)",
+    )
+    layout.add_argument(
+        "--page-size",
+        type=int,
+        default=None,
+        metavar="TOKENS",
+        help="tokens per page for the page bytes (default: a deployment's "
+        "model.page_size_tokens, else 16)",
+    )
+    layout.add_argument(
+        "--dtype",
+        choices=_DTYPES,
+        default=None,
+        help="cache dtype for the page bytes (default: a deployment's model dtypes, else the "
+        "config.json's torch_dtype, else bfloat16)",
+    )
 
-    config = sub.add_parser("config", help="validate, show or describe deployment files")
-    config_sub = config.add_subparsers(dest="config_command", required=True)
-    validate = config_sub.add_parser("validate", help="check a deployment file")
-    validate.add_argument("file", type=Path)
+    config = sub.add_parser(
+        "config",
+        help="validate, show or describe deployment files",
+        description="Validate, show or describe deployment files.",
+    )
+    config_sub = config.add_subparsers(dest="config_command", metavar="SUBCOMMAND")
+    validate = config_sub.add_parser(
+        "validate", help="check a deployment file (as `hicache serve` would before starting)"
+    )
+    validate.add_argument("file", type=Path, help="deployment YAML")
     show = config_sub.add_parser("show", help="the effective config with each value's source")
-    show.add_argument("file", type=Path)
-    show.add_argument("--json", action="store_true")
+    show.add_argument("file", type=Path, help="deployment YAML")
+    show.add_argument(
+        "--json", action="store_true", help="a JSON list of {key, value, source} objects"
+    )
     config_sub.add_parser("schema", help="the deployment JSON Schema")
     config_sub.add_parser("reference", help="the configuration reference (Markdown)")
+    parser.set_defaults(subparsers={"config": config})
 
     serve = sub.add_parser("serve", help="run the sidecar until SIGTERM/SIGINT")
-    serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    serve.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=_CONFIG_HELP)
+
+    from hicache.cli.stats import add_stats_parser
+
+    add_stats_parser(sub, DEFAULT_CONFIG)
 
     demo = sub.add_parser(
         "demo", help="the main job: a sidecar and a synthetic engine replaying a chat trace"
     )
-    demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG)
+    demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=_CONFIG_HELP)
     demo.add_argument("--model", type=Path, help="a config.json to use instead of the config's")
     demo.add_argument("--json", action="store_true", help="end with one JSON line of figures")
     demo.add_argument(
@@ -52,11 +120,28 @@ def _parser() -> argparse.ArgumentParser:
         "plus a few state snapshots)",
     )
     demo.add_argument("--device-pages", type=int, default=64, help="the engine's pool per group")
-    demo.add_argument("--prefill-tokens-per-s", type=float, default=50_000.0)
+    demo.add_argument(
+        "--prefill-tokens-per-s",
+        type=float,
+        default=50_000.0,
+        help="the simulated engine's prefill speed for tokens not cached (default: 50000)",
+    )
     demo.add_argument("--keep", action="store_true", help="keep the run directory")
+    demo.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        metavar="PATH",
+        help="also write the per-layer load timeline to PATH, as .html and .png (kept)",
+    )
     trace = demo.add_argument_group("trace")
     for name, value in _trace_defaults():
-        trace.add_argument(f"--{name.replace('_', '-')}", type=int, default=value)
+        trace.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=int,
+            default=value,
+            help=f"{_TRACE_HELP.get(name, name.replace('_', ' '))} (default: {value})",
+        )
     return parser
 
 
@@ -69,18 +154,62 @@ def _trace_defaults() -> list[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
     try:
-        if args.command == "layout":
-            return cmd_layout(args)
-        if args.command == "config":
-            return cmd_config(args)
-        if args.command == "serve":
-            return cmd_serve(args)
-        return cmd_demo(args)
+        args = parser.parse_args(argv)  # --help and --version print here
+        code = _dispatch(parser, args)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _stdout_gone()
+    except OSError as exc:
+        if exc.errno == errno.EPIPE:
+            return _stdout_gone()
+        raise
     except HicacheError as exc:
         print(f"hicache: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _stdout_gone() -> int:
+    """The reader of stdout went away (`| head`): point stdout at /dev/null so the flush at
+    exit cannot raise again, and end quietly."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
+    return EXIT_EPIPE
+
+
+def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        print(
+            "hicache: error: name a command (layout, config, serve, stats, demo)", file=sys.stderr
+        )
+        return 2
+    if args.command == "layout":
+        return cmd_layout(args)
+    if args.command == "config":
+        if args.config_command is None:
+            args.subparsers["config"].print_help(sys.stderr)
+            print(
+                "hicache config: error: name a subcommand (validate, show, schema, reference)",
+                file=sys.stderr,
+            )
+            return 2
+        return cmd_config(args)
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "stats":
+        from hicache.cli.stats import cmd_stats
+
+        return cmd_stats(args)
+    return cmd_demo(args)
 
 
 def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ignore[no-untyped-def]
@@ -112,29 +241,55 @@ def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ign
     return LayerMap(layout, start or 0, end), model_identity(path, layout), None
 
 
+def _config_torch_dtype(path: Path) -> str | None:
+    """A config.json's `torch_dtype` (or `dtype`, or its text config's), when it names a cache
+    dtype hicache knows."""
+    if path.suffix != ".json":
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    for node in (data, data.get("text_config") if isinstance(data, dict) else None):
+        if isinstance(node, dict):
+            for key in ("torch_dtype", "dtype"):
+                if node.get(key) in _DTYPES:
+                    return str(node[key])
+    return None
+
+
 def cmd_layout(args: argparse.Namespace) -> int:
     from hicache.config.sizes import format_bytes
     from hicache.memory import CacheDtypes, GroupGeometry
-    from hicache.memory.sizing import sizing, sizing_lines
+    from hicache.memory.sizing import sizing
     from hicache.model.render import layout_json, layout_table
 
+    if args.page_size is not None and args.page_size < 1:
+        raise HicacheError(f"--page-size {args.page_size}: allowed: a positive token count")
     layer_map, name, deployment = _layer_map_for(args.path, args.start_layer, args.end_layer)
     if deployment is not None:
-        dtypes, page = CacheDtypes.of_model(deployment.model), deployment.model.page_size_tokens
+        model = deployment.model
+        dtypes = (
+            CacheDtypes.of_model(model)
+            if args.dtype is None
+            else CacheDtypes.from_names(args.dtype, model.state_dtype, model.ssm_state_dtype)
+        )
+        page = model.page_size_tokens if args.page_size is None else args.page_size
         capacity, fraction = deployment.host.capacity_bytes, deployment.host.state_fraction
+        dtype_label = str(dtypes.kv).removeprefix("torch.")
     else:  # a bare config: the defaults a deployment would start from
-        dtypes, page, capacity, fraction = CacheDtypes.from_names("bfloat16"), 16, None, 0.25
+        dtype = args.dtype or _config_torch_dtype(args.path) or "bfloat16"
+        dtypes, capacity, fraction = CacheDtypes.from_names(dtype), None, 0.25
+        page, dtype_label = args.page_size or 16, dtype
     geometries = [GroupGeometry.of(g, dtypes, page) for g in layer_map.groups]
     rows = sizing(geometries, capacity, fraction)
     if args.json:
-        print(json.dumps({**layout_json(layer_map, name), "sizing": rows}))
+        print(json.dumps({**layout_json(layer_map, name, rows, page), "sizing": rows}))
         return 0
-    print(layout_table(layer_map, name))
-    label = format_bytes(capacity) if capacity else None
-    extra = "" if deployment is not None else " (bfloat16, 16-token pages)"
-    lines = sizing_lines(rows, label)
-    lines[0] += extra
-    print("\n".join(lines))
+    note = f"({dtype_label}, {page}-token pages"
+    note += f"; host.capacity_bytes {format_bytes(capacity)})" if capacity else ")"
+    holds = {g: f"{r['l2_' + r['unit']]:,} {r['unit']}" for g, r in rows.items() if "l2_pages" in r}
+    print(layout_table(layer_map, name, rows, page, note, holds))
     return 0
 
 
@@ -195,38 +350,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if args.model is not None:
         env["HICACHE_MODEL__CONFIG_PATH"] = str(args.model.resolve())
     loaded = load_deployment(args.config, env=env)
-    if not args.json:
-        print(f"== deployment {args.config}")
-        print(format_effective(loaded.effective()))
-        print()
+    if not args.json:  # the deployment itself: the demo prints what its sidecar runs
         print("== layout")
         print(layout_table(loaded.layer_map()))
     trace = TraceOptions(**{name: getattr(args, name) for name, _ in _trace_defaults()})
-    host_bytes, state_fraction = args.host_capacity, None
-    if host_bytes is None:  # sized from the layout: a large hybrid's snapshot is tens of MiB
-        from hicache.demo import host_plan
-        from hicache.memory import CacheDtypes, GroupGeometry
-
-        d = loaded.deployment
-        dtypes = CacheDtypes.of_model(d.model)
-        plan = host_plan(
-            [
-                GroupGeometry.of(g, dtypes, d.model.page_size_tokens)
-                for g in loaded.layer_map().groups
-            ]
-        )
-        host_bytes, state_fraction = str(plan.capacity_bytes), plan.state_fraction
-        if not args.json:
-            print(plan.line())
     return run_demo(
         args.config,
         storage_kind=loaded.deployment.storage.kind,
         model=args.model,
         trace=trace,
-        host_bytes=host_bytes,
-        state_fraction=state_fraction,
+        host_bytes=args.host_capacity,  # None: sized from the layout by the demo
         device_pages=args.device_pages,
         prefill_tokens_per_s=args.prefill_tokens_per_s,
         as_json=args.json,
         keep=args.keep,
+        timeline=args.timeline,
     )

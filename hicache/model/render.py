@@ -6,14 +6,22 @@ JSON contract (outside tools depend on it; fields may be added, never renamed):
      "layers": [{"id", "kinds", "group", "local_id", "reuses", ...}],
      "full_attention_layer_ids",
      "rule",        # how the layout was derived, e.g. "family rule 'gemma3'" (added)
-     "model_name"}  # the name page keys are seeded with, or null if not given (added)
+     "model_name",  # the name page keys are seeded with, or null if not given (added)
+     "start_layer", "end_layer",  # the stage: start inclusive, end exclusive
+     "groups": [{"name", "kind", "layer_ids", <the spec's fields>,
+                 # with `sizing` (added): "page_bytes", "page_size_tokens", "unit",
+                 # "tokens_per_gib" (token groups, else null), "snapshots_per_gib" (state
+                 # groups, else null)
+                }]}
 
-The caller passes `model_name` (see `identity.model_identity` for the default); the table
-shows it and the rule on their own lines.
+The caller passes `model_name` (see `identity.model_identity` for the default) and, to show
+what a page costs, `sizing` (`memory.sizing.sizing`: this package has no torch to compute it);
+the table shows the name and the rule on their own lines and the groups as a table.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from hicache.model.layer_map import LayerMap
@@ -42,7 +50,27 @@ def _primary_slot_index(layer: LayerSpec) -> int:
     return 0
 
 
-def layout_json(layer_map: LayerMap, model_name: str | None = None) -> dict[str, Any]:
+def _group_sizing(row: Mapping[str, Any] | None, page_size_tokens: int | None) -> dict[str, Any]:
+    if row is None:
+        return {}
+    token_group = row["unit"] == "tokens"
+    return {
+        "page_bytes": row["bytes_per_page"],
+        "page_size_tokens": page_size_tokens if token_group else None,
+        "unit": row["unit"],
+        "tokens_per_gib": row["per_gib"] if token_group else None,
+        "snapshots_per_gib": None if token_group else row["per_gib"],
+    }
+
+
+def layout_json(
+    layer_map: LayerMap,
+    model_name: str | None = None,
+    sizing: Mapping[str, Mapping[str, Any]] | None = None,
+    page_size_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The JSON contract (module docstring); `sizing` adds each group's page bytes and what a
+    GiB of L2 holds, `page_size_tokens` the page size that sizing assumed."""
     layout = layer_map.layout
     layers = []
     for layer_id in layer_map.stage_layer_ids:
@@ -78,6 +106,7 @@ def layout_json(layer_map: LayerMap, model_name: str | None = None) -> dict[str,
                 "kind": g.kind.value,
                 "layer_ids": list(g.layer_ids),
                 **g.spec.to_json(),
+                **_group_sizing((sizing or {}).get(g.name), page_size_tokens),
             }
             for g in layer_map.groups
         ],
@@ -121,11 +150,89 @@ def pattern_line(layers: list[LayerSpec]) -> str:
     return _runs(symbols)
 
 
-def layout_table(layer_map: LayerMap, model_name: str | None = None) -> str:
-    data = layout_json(layer_map, model_name)
+def stage_line(start_layer: int, end_layer: int) -> str:
+    """The stage as `--start-layer` / `--end-layer` take it: start inclusive, end exclusive."""
+    if end_layer <= start_layer:
+        return f"stage: no layers (start {start_layer}, end {end_layer} exclusive)"
+    return f"stage: layers {start_layer}..{end_layer - 1} (end exclusive: {end_layer})"
+
+
+def _shape(value: object) -> str:
+    if isinstance(value, list):
+        return "×".join(str(v) for v in value)
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{_shape(v)}" for k, v in value.items())
+    return str(value)
+
+
+def geometry_text(spec_json: Mapping[str, Any]) -> str:
+    """A cache spec's fields as `name=value` words (no Python reprs)."""
+    parts = []
+    for key, value in spec_json.items():
+        if key == "kind" or value is None:
+            continue
+        parts.append(f"{key}={_shape(value)}")
+    return " ".join(parts)
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            shown = n / size
+            return f"{shown:.0f} {unit}" if shown == int(shown) else f"{shown:.1f} {unit}"
+    return f"{n} B"
+
+
+def groups_table(
+    groups: list[dict[str, Any]], l2_holds: Mapping[str, str] | None = None
+) -> list[str]:
+    """The groups as aligned columns: name, kind, layers, page bytes, what a GiB of L2 holds
+    (when sized), the geometry; `l2_holds` adds what a deployment's L2 budget holds."""
+    sized = any("page_bytes" in g for g in groups)
+    head = ["group", "kind", "layers"]
+    if sized:
+        head += ["page bytes", "per GiB of L2"]
+    if l2_holds:
+        head += ["L2 holds"]
+    head += ["geometry"]
+    rows = [head]
+    for g in groups:
+        row = [g["name"], g["kind"], str(len(g["layer_ids"]))]
+        if sized:
+            per_gib = g["tokens_per_gib"] if g["unit"] == "tokens" else g["snapshots_per_gib"]
+            row += [_bytes(g["page_bytes"]), f"{per_gib:,} {g['unit']}"]
+        if l2_holds:
+            row += [l2_holds.get(g["name"], "-")]
+        extra = {"kind", "layer_ids", "name", "page_bytes", "page_size_tokens", "unit"}
+        extra |= {"tokens_per_gib", "snapshots_per_gib"}
+        row += [geometry_text({k: v for k, v in g.items() if k not in extra})]
+        rows.append(row)
+    numeric = {"layers", "page bytes", "per GiB of L2", "L2 holds"}
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    out = []
+    for r in rows:
+        cells = [
+            cell.rjust(w) if name in numeric else cell.ljust(w)
+            for cell, w, name in zip(r, widths, head, strict=True)
+        ]
+        out.append(("  " + "  ".join(cells)).rstrip())
+    return out
+
+
+def layout_table(
+    layer_map: LayerMap,
+    model_name: str | None = None,
+    sizing: Mapping[str, Mapping[str, Any]] | None = None,
+    page_size_tokens: int | None = None,
+    sizing_note: str = "",
+    l2_holds: Mapping[str, str] | None = None,
+) -> str:
+    """The text form: header lines, one row per layer, then the groups table (with page bytes
+    and what a GiB of L2 holds when `sizing` is given; `sizing_note` heads it)."""
+    data = layout_json(layer_map, model_name, sizing, page_size_tokens)
     lines = [
         f"model_type: {data['model_type']}    layers: {data['num_layers']}"
-        f"    stage: {data['start_layer']}..{data['end_layer'] - 1}"
+        f"    {stage_line(data['start_layer'], data['end_layer'])}"
     ]
     if model_name is not None:
         lines.append(f"model_name: {model_name}")
@@ -143,9 +250,8 @@ def layout_table(layer_map: LayerMap, model_name: str | None = None) -> str:
         kinds = "+".join(row["kinds"]) or "-"
         lines.append(f"{row['id']:>4}  {kinds:<14} {row['group'] or '-':<12} {local:>5}  {detail}")
     lines.append("")
-    lines.append("groups:")
-    for g in data["groups"]:
-        geometry = {k: v for k, v in g.items() if k not in {"name", "kind", "layer_ids"}}
-        lines.append(f"  {g['name']:<12} {len(g['layer_ids']):>3} layers  {geometry}")
-    lines.append(f"full_attention_layer_ids: {data['full_attention_layer_ids']}")
+    lines.append("groups:" + (f" {sizing_note}" if sizing_note else ""))
+    lines += groups_table(data["groups"], l2_holds)
+    ids = ", ".join(str(i) for i in data["full_attention_layer_ids"]) or "none"
+    lines.append(f"full_attention_layer_ids: {ids}")
     return "\n".join(lines)
