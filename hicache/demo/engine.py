@@ -183,11 +183,15 @@ class SyntheticEngine:
         hit_pages = l1_pages
         from_l2 = from_l3 = 0
         stall: list[float] = []
+        timeline: list[list[float]] = []
         if hit.tokens_total // self.page > l1_pages:
+            issued = time.perf_counter()
             handle = self.client.load(tokens, pages, skip_pages=l1_pages)
             if handle is not None:
                 hit_pages = handle.tokens // self.page
-                self._forward_overlapped(handle, len(tokens) - hit_pages * self.page, stall)
+                self._forward_overlapped(
+                    handle, len(tokens) - hit_pages * self.page, stall, timeline, issued
+                )
                 t.loads += 1
                 t.load_failed_pages += sum(len(v) for v in handle.failed.values())
                 self._verify(tokens, pages, hit_pages, l1_pages)
@@ -206,7 +210,11 @@ class SyntheticEngine:
         t.tokens_l3 += from_l3 * self.page
         t.tokens_computed += miss_tokens
         t.stall_s += stall
+        extra_fields: dict[str, Any] = {}
+        if timeline:
+            extra_fields["timeline"] = {"layers": self.layer_ids, "spans": timeline}
         return {
+            **extra_fields,
             "tokens": len(tokens),
             "l1": l1_pages * self.page,
             "l2": from_l2 * self.page,
@@ -235,15 +243,29 @@ class SyntheticEngine:
         self.totals.compute_s += seconds
         time.sleep(seconds)
 
-    def _forward_overlapped(self, handle: LoadHandle, miss_tokens: int, stall: list[float]) -> None:
-        """The forward over the new tokens, layer by layer, each layer after its KV landed."""
+    def _forward_overlapped(
+        self,
+        handle: LoadHandle,
+        miss_tokens: int,
+        stall: list[float],
+        timeline: list[list[float]],
+        issued: float,
+    ) -> None:
+        """The forward over the new tokens, layer by layer, each layer after its KV landed.
+        `timeline` gets per layer, in seconds since the load was issued: when the wait began,
+        when the layer was seen landed, when its simulated compute ended."""
         per_layer = miss_tokens / self.rate / len(self.layer_ids)
         for layer_id in self.layer_ids:
             started = time.perf_counter()
             handle.wait_layer(layer_id)
-            stall.append(time.perf_counter() - started)
+            ready = time.perf_counter()
+            stall.append(ready - started)
             if per_layer:
                 time.sleep(per_layer)
+            ended = time.perf_counter()
+            timeline.append(
+                [round(started - issued, 7), round(ready - issued, 7), round(ended - issued, 7)]
+            )
         self.totals.compute_s += per_layer * len(self.layer_ids)
         state = handle.done()
         if state != "done":
