@@ -52,34 +52,58 @@ def test_exposed_deployment_without_token_is_refused() -> None:
         load_deployment(CONFIGS / "gpt-oss-120b.yaml", env={})
 
 
-def test_compose_references_existing_files_and_a_valid_config() -> None:
-    compose_path = REPO / "docker" / "compose.yaml"
-    compose = yaml.safe_load(compose_path.read_text())
-    services = compose["services"]
-    assert {"hicache", "redis", "mooncake-master"} <= set(services)
+@pytest.mark.parametrize(
+    ("files", "storage"),
+    [(["compose.yaml"], "redis"), (["compose.yaml", "compose.mooncake.yaml"], "mooncake")],
+)
+def test_compose_references_existing_files_and_a_valid_config(
+    files: list[str], storage: str
+) -> None:
+    class Loader(yaml.SafeLoader):  # Compose's `!override` merge tag, as a plain mapping
+        pass
+
+    def override(loader: yaml.SafeLoader, node: yaml.Node) -> object:
+        assert isinstance(node, yaml.MappingNode)
+        return loader.construct_mapping(node, deep=True)
+
+    Loader.add_constructor("!override", override)
+    services: dict[str, dict[str, object]] = {}
+    mounts: dict[str, Path] = {}
+    environment: dict[str, str] = {}
+    for name_of_file in files:
+        compose_path = REPO / "docker" / name_of_file
+        compose = yaml.load(compose_path.read_text(), Loader=Loader)  # a SafeLoader
+        for name, service in compose["services"].items():
+            services.setdefault(name, {}).update(service)
+            build = service.get("build")
+            if build:
+                context = (compose_path.parent / build["context"]).resolve()
+                assert (context / build["dockerfile"]).exists(), name
+            if name != "hicache":
+                continue
+            environment.update(service.get("environment", {}))
+            for volume in service.get("volumes", []):
+                if isinstance(volume, str):
+                    source, target, *_ = volume.split(":")
+                else:
+                    source, target = volume["source"], volume["target"]
+                if source.startswith("."):  # paths relative to the first file's folder
+                    path = (REPO / "docker" / source).resolve()
+                    assert path.exists(), f"compose mounts {source}, which does not exist"
+                    mounts[target] = path
+    assert {"hicache", "redis"} <= set(services)
     for name, service in services.items():
-        build = service.get("build")
-        if build:
-            context = (compose_path.parent / build["context"]).resolve()
-            assert (context / build["dockerfile"]).exists(), name
-        assert "healthcheck" in service, f"{name} has no healthcheck"
-    hicache = services["hicache"]
-    assert "/healthz" in " ".join(hicache["healthcheck"]["test"])
-    mounts = {}
-    for volume in hicache["volumes"]:
-        source, target, *_ = volume.split(":")
-        if source.startswith("."):
-            path = (compose_path.parent / source).resolve()
-            assert path.exists(), f"compose mounts {source}, which does not exist"
-            mounts[target] = path
+        if not service.get("profiles"):
+            assert "healthcheck" in service, f"{name} has no healthcheck"
+    assert "/healthz" in (REPO / "docker" / "healthcheck.py").read_text()
     config = mounts["/etc/hicache/deploy.yaml"]
     env = {
-        k: str(v).replace("${HICACHE_TOKEN:?set HICACHE_TOKEN}", "t")
-        for k, v in hicache["environment"].items()
+        k: str(v).replace("${SIDECAR_TOKEN:?set SIDECAR_TOKEN}", "t")
+        for k, v in environment.items()
     }
     loaded = load_deployment(config, env=env)
     assert loaded.deployment.service.http_host == "0.0.0.0"
-    assert loaded.deployment.storage.kind == "redis"
+    assert loaded.deployment.storage.kind == storage
     # the config's model path, resolved inside the container, is a mounted file
     container_model = Path("/etc/hicache") / "models" / "gpt-oss-20b.json"
     assert container_model.parent.as_posix() in mounts
@@ -90,6 +114,6 @@ def test_dockerfiles_serve_with_a_healthcheck_as_non_root() -> None:
     for dockerfile in sorted((REPO / "docker").glob("Dockerfile*")):
         text = dockerfile.read_text()
         assert "HEALTHCHECK" in text
-        assert "/healthz" in text
+        assert "docker/healthcheck.py" in text  # GET /healthz on the config's port
         assert '"serve"' in text
         assert "USER hicache" in text

@@ -52,15 +52,19 @@ def test_docker_copies_only_existing_paths() -> None:
                 assert line.split()[1] not in ("root", "0")
 
 
-def test_readme_client_example_runs_against_a_real_sidecar(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_readme_client_example_runs_twice_against_one_sidecar(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from hicache.service.process import SidecarProcess
 
     # the README's server command, on the default config (its socket), L3 and HTTP moved aside
     env = {"HICACHE_STORAGE__PATH": str(tmp_path / "l3"), "HICACHE_SERVICE__HTTP_PORT": "0"}
     with SidecarProcess(REPO / "configs" / "default.yaml", env=env, log_path=tmp_path / "s.log"):
-        result = run_readme_example("client")
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1] == "done 64 tokens loaded"
+        first = run_readme_example("client")
+        second = run_readme_example("client")  # a user runs it again: the first run's pages hit
+    for result in (first, second):
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip().splitlines()[-1] == "done 64 tokens loaded"
+    assert "tokens_total=0" in first.stdout.splitlines()[0]
+    assert "tokens_total=64" in second.stdout.splitlines()[0]
 
 
 def test_readme_generated_references_are_current() -> None:
