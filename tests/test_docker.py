@@ -236,6 +236,9 @@ def test_the_sidecar_sees_engine_pids() -> None:
     text = BASE.read_text()
     assert 'pid: "service:hicache"' in text  # the documented containerised-only alternative
     assert "/proc/<engine pid>/fd" in text
+    # what pid: host and an unconfined AppArmor profile leave: no capability, no setuid gain
+    assert hicache["cap_drop"] == ["ALL"]
+    assert "no-new-privileges:true" in hicache["security_opt"]
 
 
 def test_no_shared_memory_sizing_is_left() -> None:

@@ -457,9 +457,10 @@ class TieredCache:
         what is left of `service.drain_timeout_s`). First the persist queue empties, then the
         pages still owed are written `persist.batch_pages` at a time. At the deadline the
         write in flight is cancelled (an L3 object is whole or absent: writes are atomic and
-        read back verified), and so is the persist worker's batch in flight; the pages still
-        queued are dropped (`persist.detach`: counted as detached); what L3 still lacks is
-        counted in the result."""
+        read back verified), and so is the persist worker's batch in flight, and the backend
+        is told to stop writing (`stop_writes`: a thread already writing finishes that one
+        object, which may still land); the pages still queued are dropped (`persist.detach`:
+        counted as detached); what L3 lacks at the deadline is counted in the result."""
         deadline = None
         if timeout_s is not None:
             deadline = asyncio.get_running_loop().time() + max(0.0, timeout_s)
@@ -472,6 +473,8 @@ class TieredCache:
                     done, _ = await self._write(batch)
                     written += done
         except TimeoutError:
+            if self.l3 is not None:  # puts on backend threads end after their current object
+                self.l3.backend.stop_writes()
             if self._tg is not None:
                 self.persist.detach()  # nobody writes them now: counted below as left
             writes = list(self._writes)  # the persist worker's batch: abandoned too

@@ -4,8 +4,9 @@ queue depth, layer-stall percentiles and the L3 breaker, redrawn in place every 
 seconds until Ctrl-C; `--once` prints one frame, `--json` one JSON object.
 
 The address is `--url`, or `service.http_host` / `http_port` of `--config` (the packaged
-default when neither is given). `--token` (or `--config`'s `service.token`) is sent as a
-bearer token when given; no environment variable is read for it.
+default when neither is given). `--token` (or `--config`'s `service.token`, which its
+`HICACHE_SERVICE__TOKEN` override sets like any other; prefer it to `--token`, which `ps`
+shows) is sent as a bearer token when given.
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ _HOW = (
 def parse_address(address: str | Path) -> tuple[int, Any]:
     """Where `connect` goes, as (socket family, address). A `Path`, or a string with a '/' or
     with neither '/' nor ':' (`engine.sock`), or `unix://PATH`, is a Unix socket path;
-    `tcp://host:port`, or `host:port` (a ':' and no '/'), is TCP (`[v6]:port` for IPv6; no
-    host: 127.0.0.1). Anything else (`host:notaport`, another scheme, an empty string) is
-    refused (ConfigError) saying how to write each."""
+    `tcp://host:port` is TCP, and so is a bare `host:port` whose host is an IPv4 address,
+    `[v6]`, `localhost` or empty (127.0.0.1). Anything else (`name:9400`, which could name
+    either, `host:notaport`, another scheme, an empty string) is refused (ConfigError)
+    saying how to write each."""
     if isinstance(address, Path):
         return socket.AF_UNIX, str(address)
     text = str(address)
@@ -44,7 +45,19 @@ def parse_address(address: str | Path) -> tuple[int, Any]:
         raise ConfigError(f"sidecar address {text!r} is not one; {_HOW}")
     if "/" in text or ":" not in text:
         return socket.AF_UNIX, text
+    host = text.rpartition(":")[0]
+    if not (host in ("", "localhost") or host.startswith("[") or _is_ipv4(host)):
+        # `name:9400` is a file of that name as much as a host: the writer must say which
+        raise ConfigError(
+            f"sidecar address {text!r} is ambiguous: write tcp://{text} for TCP to host "
+            f"{host!r}, or ./{text} for a Unix socket file of that name; {_HOW}"
+        )
     return _host_port(text, text)
+
+
+def _is_ipv4(host: str) -> bool:
+    parts = host.split(".")
+    return len(parts) == 4 and all(p.isdigit() and int(p) < 256 for p in parts)
 
 
 def _host_port(text: str, rest: str) -> tuple[int, Any]:

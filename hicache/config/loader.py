@@ -265,7 +265,9 @@ def _set(data: dict[str, Any], dotted: str, value: Any, var: str) -> None:
     node[parts[-1]] = value
 
 
-def _resolve_paths(data: dict[str, Any], base: Path) -> None:
+def _resolve_paths(
+    data: dict[str, Any], base: Path, where: Path, env_vars: Mapping[str, str]
+) -> None:
     for section, key in (
         ("model", "config_path"),
         ("storage", "path"),
@@ -273,6 +275,13 @@ def _resolve_paths(data: dict[str, Any], base: Path) -> None:
     ):
         node = data.get(section)
         if isinstance(node, dict) and isinstance(node.get(key), str):
+            if not node[key].strip():  # "" would resolve to the config file's own directory
+                dotted = f"{section}.{key}"
+                source = f"environment variable {env_vars[dotted]}" if dotted in env_vars else where
+                raise ConfigError(
+                    f"{source}: {dotted} is empty; allowed: a path (relative paths are "
+                    "relative to the config file's directory)"
+                )
             path = Path(node[key]).expanduser()
             node[key] = os.path.normpath(path if path.is_absolute() else base / path)
 
@@ -308,7 +317,7 @@ def load_deployment(path: Path | str, env: Mapping[str, str] | None = None) -> L
         _set(data, dotted, value, var)
         sources[dotted] = "environment"
         env_vars[dotted] = var
-    _resolve_paths(data, path.parent.resolve())
+    _resolve_paths(data, path.parent.resolve(), path, env_vars)
     try:
         deployment = Deployment.model_validate(data)
     except ValidationError as exc:

@@ -441,6 +441,7 @@ class ServiceSection(Section):
     heartbeat_timeout_s: float = Field(
         default=30.0,
         gt=0,
+        allow_inf_nan=False,
         description="an engine silent this long is dropped: its loads cancelled, pins released",
     )
     max_frame_bytes: ByteSize = Field(
@@ -463,11 +464,16 @@ class ServiceSection(Section):
     slow_reader_timeout_s: float = Field(
         default=30.0,
         gt=0,
+        allow_inf_nan=False,
         description="a connection paused for back-pressure this long is dropped (counted in "
         "hicache_connections_dropped_total)",
     )
     drain_timeout_s: float = Field(
-        default=10.0, gt=0, description="on SIGTERM, in-flight loads get this long to finish"
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="on SIGTERM, the whole drain fits in this: in-flight loads, then the flush "
+        "of what L3 is owed (the rest is counted, not written)",
     )
     log_format: Literal["text", "json"] = Field(
         default="text", description="one line per event: key=value text or JSON"
@@ -481,6 +487,12 @@ class ServiceSection(Section):
                 "a blank token is no secret; allowed: a non-blank string engines and admins "
                 "present, or no token at all (leave service.token out) on loopback-only "
                 "listeners"
+            )
+        if value is not None and value.get_secret_value() != value.get_secret_value().strip():
+            # a secret file's trailing newline, kept, would fail every engine's hello
+            raise ValueError(
+                "the token starts or ends with whitespace (a secret file's trailing newline?); "
+                "allowed: a token without leading or trailing whitespace"
             )
         return value
 

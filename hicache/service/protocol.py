@@ -223,9 +223,13 @@ def describe(exc: ValidationError, op: str) -> str:
     lines = []
     for err in exc.errors()[:5]:
         where = ".".join(str(p) for p in err["loc"]) or "args"
-        value = repr(err.get("input"))
-        if len(value) > 60:
-            value = value[:57] + "..."
+        if any("token" in str(part) for part in err["loc"]):
+            # a secret, right or wrong: never echoed (a cut-off copy would escape masking)
+            value = f"a {type(err.get('input')).__name__}, not shown"
+        else:
+            value = repr(err.get("input"))
+            if len(value) > 60:
+                value = value[:57] + "..."
         lines.append(f"{op}.{where}: {err['msg']} (got {value})")
     more = len(exc.errors()) - len(lines)
     if more > 0:

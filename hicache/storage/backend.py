@@ -39,6 +39,13 @@ class StorageBackend(abc.ABC):
     @abc.abstractmethod
     async def delete_many(self, keys: Sequence[bytes]) -> None: ...
 
+    def stop_writes(self) -> None:
+        """The shutdown drain's deadline passed: puts still running on a backend thread stop
+        after the object they are writing (a cancelled await does not stop a thread, and the
+        process would wait for it at exit). For good: only the drain calls it. Backends that
+        write object by object on a thread of theirs override it."""
+        return None
+
     # ---- zero-copy (optional): backends that move bytes to and from registered buffers ----
 
     vectored_put: bool = False  # put_parts_many is implemented

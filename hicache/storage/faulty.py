@@ -54,6 +54,9 @@ class FaultyBackend(StorageBackend):
         self.scatter_landed = 0
         self._rng = random.Random(seed)
 
+    def stop_writes(self) -> None:
+        self.inner.stop_writes()
+
     async def _enter(self, nbytes: int) -> None:
         self.calls += 1
         if self.down or (self.fail_after is not None and self.calls > self.fail_after):

@@ -111,6 +111,7 @@ class FileBackend(StorageBackend):
         fsync: bool = False,
         stale_tmp_after_s: float = STALE_TMP_AFTER_S,
     ):
+        self._stopped = threading.Event()  # stop_writes: puts on threads end after this object
         if not (isinstance(stale_tmp_after_s, int | float) and math.isfinite(stale_tmp_after_s)):
             raise ValueError(
                 f"FileBackend stale_tmp_after_s={stale_tmp_after_s!r}: must be a finite number "
@@ -132,7 +133,8 @@ class FileBackend(StorageBackend):
         self.adopted = 0  # objects found on disk that the catalogue did not list
         self.objects_damaged = 0  # non-regular files met where an object (or shard) should be
         self.removed_temporaries = 0
-        self.root.mkdir(parents=True, exist_ok=True)
+        # 0700 / 0600: KV pages are as private as the engine's memory (the socket is 0600)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._rebuild()
 
     # ---- layout ---------------------------------------------------------------------------
@@ -218,14 +220,15 @@ class FileBackend(StorageBackend):
         path = self._path(key)
         if path.parent not in self._dirs:
             try:
-                path.parent.mkdir(exist_ok=True)
+                path.parent.mkdir(mode=0o700, exist_ok=True)
             except FileExistsError:  # a file (or a dangling link) where the shard goes
                 self._not_regular(key)
                 return False
             self._dirs.add(path.parent)
         tmp = path.parent / temporary_name()
         try:
-            with open(tmp, "wb", buffering=0) as f:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            with open(fd, "wb", buffering=0) as f:
                 for part in parts:  # unbuffered: each part goes to the kernel from where it is
                     view = memoryview(part)
                     written = 0
@@ -405,7 +408,17 @@ class FileBackend(StorageBackend):
     # ---- async interface ------------------------------------------------------------------
 
     async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
-        return await asyncio.to_thread(lambda: [self._put(k, [d]) for k, d in items])
+        return await asyncio.to_thread(self._put_all, ((k, [d]) for k, d in items))
+
+    def _put_all(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
+        """On a worker thread: object by object, until `stop_writes` (then not stored)."""
+        out = []
+        for key, parts in items:
+            out.append(not self._stopped.is_set() and self._put(key, list(parts)))
+        return out
+
+    def stop_writes(self) -> None:
+        self._stopped.set()
 
     async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         return await asyncio.to_thread(self._gets, keys)
@@ -425,7 +438,7 @@ class FileBackend(StorageBackend):
         return await asyncio.to_thread(self._gets_parts, keys, targets, landed)
 
     async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
-        return await asyncio.to_thread(lambda: [self._put(k, list(p)) for k, p in items])
+        return await asyncio.to_thread(self._put_all, items)
 
     async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
         """The catalogue's answer, and for keys it lacks the filesystem's (one `os.stat`

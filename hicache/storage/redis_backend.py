@@ -22,6 +22,7 @@ reply still fails the call.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterable, Sequence
 
 import redis
@@ -46,6 +47,7 @@ class RedisBackend(StorageBackend):
     ):
         self.url = url
         self.where = redacted_url(url)  # what messages show: never the password
+        self._stopped = threading.Event()  # stop_writes: puts on threads send no more objects
         self.key_prefix = key_prefix
         self._pool = aioredis.ConnectionPool.from_url(
             url,
@@ -100,21 +102,27 @@ class RedisBackend(StorageBackend):
 
     vectored_put = True
 
+    def stop_writes(self) -> None:
+        self._stopped.set()
+
     async def put_parts_many(self, items: Iterable[tuple[bytes, Sequence[Buffer]]]) -> list[bool]:
         def send() -> list[bool]:
             pool = self._sync.connection_pool
             conn = pool.get_connection()
             try:
-                sent = 0
+                sent = skipped = 0
                 # object by object, as the items are produced (a lazy producer computes each
                 # header here, while redis-server drains the previous object from the socket)
                 for key, parts in items:
+                    if self._stopped.is_set():  # stop_writes: the rest are not stored
+                        skipped += 1
+                        continue
                     name = self._name(key).encode()
                     total = sum(memoryview(part).nbytes for part in parts)
                     head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, total)
                     conn.send_packed_command([head, *parts, b"\r\n"])  # type: ignore[no-untyped-call]
                     sent += 1
-                return [conn.read_response() == b"OK" for _ in range(sent)]
+                return [conn.read_response() == b"OK" for _ in range(sent)] + [False] * skipped
             except (RedisError, OSError) as exc:
                 conn.disconnect()  # type: ignore[no-untyped-call]  # replies may be unread
                 raise TierUnavailableError(

@@ -14,6 +14,7 @@ from hicache.config.capacity import LONG_PROMPT_TOKENS, TOO_SMALL, capacity_warn
 from hicache.errors import ConfigError
 from hicache.service.app import _open_store, host_pages
 from hicache.storage.factory import make_store
+from tests.conftest import REPO
 
 
 def write(tmp_path: Path, text: str = "", **model: object) -> Path:
@@ -246,3 +247,19 @@ def test_capacity_warnings_count_the_token_share_of_l2(tmp_path: Path) -> None:
     (line,) = capacity_warnings(loaded, {"full": 1024}, {"linear": 4096}, {"full": 10})
     assert "set host.capacity_bytes to at least 4MiB" in line
     assert capacity_warnings(loaded, {}, {"linear": 4096}, {"linear": 1}) == []
+
+
+def test_review_refusals_name_the_variable(tmp_path: Path) -> None:
+    """An empty path would resolve to the config file's own directory, a token with a
+    trailing newline (a secret file's) would fail every engine, an infinite timeout would
+    never fire: each is refused naming where it came from."""
+    config = tmp_path / "d.yaml"
+    config.write_text(
+        (REPO / "configs" / "default.yaml").read_text().replace("../", str(REPO) + "/")
+    )
+    with pytest.raises(ConfigError, match=r"HICACHE_STORAGE__PATH: storage.path is empty"):
+        load_deployment(config, env={"HICACHE_STORAGE__PATH": ""})
+    with pytest.raises(ConfigError, match=r"leading or trailing whitespace"):
+        load_deployment(config, env={"HICACHE_SERVICE__TOKEN": "s3cret\n"})
+    with pytest.raises(ConfigError, match=r"HICACHE_SERVICE__DRAIN_TIMEOUT_S"):
+        load_deployment(config, env={"HICACHE_SERVICE__DRAIN_TIMEOUT_S": "inf"})

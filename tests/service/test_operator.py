@@ -168,6 +168,24 @@ def test_sessions_and_every_refusal_are_logged_once_without_the_token(tmp_path: 
     assert (ended["pid"], ended["tenant"]) == (str(os.getpid()), "acme")
 
 
+def test_a_token_of_the_wrong_type_or_length_is_never_logged(tmp_path: Path) -> None:
+    """A hello whose token fails validation (bytes, or over the length limit) is refused with
+    a reason that never quotes it: a cut-off quote of a long token escaped the masking of
+    the configured one."""
+    secret = "a3f1" * 16  # 64 characters, as `openssl rand -hex 32` gives
+    config = write_config(tmp_path, token=secret)
+    with SidecarProcess(config) as proc:
+        for token in (secret.encode(), secret * 70, secret[:40] + "x" * 30):
+            with raw(proc) as s:
+                hello = {"protocol": 3, "layout": {}, "token": token}
+                _code, message = error_of(ask(s, {"op": "hello", "id": 1, "args": hello}))
+                assert secret[:16] not in message
+        time.sleep(0.3)
+    log = proc.log_path.read_text()
+    assert secret[:16] not in log
+    assert " refused " in log
+
+
 def test_connect_names_the_address_and_why(tmp_path: Path) -> None:
     layer_map = load_deployment(write_config(tmp_path)).layer_map()
     missing = tmp_path / "nobody.sock"
@@ -211,9 +229,14 @@ def test_addresses_are_unix_paths_or_tcp_never_a_guess() -> None:
     assert parse_address("./a:9") == (socket.AF_UNIX, "./a:9")
     assert parse_address("unix://a:9") == (socket.AF_UNIX, "a:9")
     assert parse_address(Path("a:9")) == (socket.AF_UNIX, "a:9")
-    for bad in ("", "::1:9", "http://host:9", "host:0", "host:"):
+    assert parse_address("localhost:9") == (socket.AF_INET, ("localhost", 9))
+    assert parse_address("tcp://hicache:9400") == (socket.AF_INET, ("hicache", 9400))
+    for bad in ("", "::1:9", "http://host:9", "host:0", "host:", "127.0.0.1:0"):
         with pytest.raises(ConfigError, match="write a Unix socket as a path"):
             parse_address(bad)
+    # a name:port could be a host or a file of that name (compose names hosts like files)
+    with pytest.raises(ConfigError, match=r"ambiguous: write tcp://hicache:9400 .* \./hicache"):
+        parse_address("hicache:9400")
 
 
 def test_layout_mismatches_read_as_words(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from hicache.storage import (
     FileBackend,
     GuardedStore,
 )
+from hicache.storage.backend import Buffer
 from hicache.storage.object_format import HEADER_BYTES, decode, encode
 
 
@@ -154,7 +155,7 @@ def test_file_backend_never_blocks_the_loop(tmp_path: Path) -> None:
 async def test_arena_survives_a_timed_out_put_still_running(tmp_path: Path) -> None:
     import threading
 
-    from hicache.storage.backend import Buffer, StorageBackend
+    from hicache.storage.backend import StorageBackend
 
     gate = threading.Event()
 
@@ -234,3 +235,43 @@ async def test_file_fetch_into_verifies_each_object_as_it_lands(tmp_path: Path) 
     assert [bytes(p[0]) for p in pages[:2]] == [d for _, d in items[:2]]
     assert store.stats.corrupt_dropped == 1
     assert not path.exists()
+
+
+@pytest.mark.asyncio
+async def test_stop_writes_ends_a_put_thread_after_its_current_object(tmp_path: Path) -> None:
+    """A cancelled await does not stop the thread writing a batch (the process waits for it
+    at exit); `stop_writes` (the drain's deadline) ends it after the object in hand."""
+
+    class SlowDisk(FileBackend):
+        def _put(self, key: bytes, parts: Sequence[Buffer]) -> bool:
+            time.sleep(0.2)  # a slow or hung disk, in the backend's thread
+            return super()._put(key, parts)
+
+    backend = SlowDisk(tmp_path, capacity_bytes=1 << 24)
+    items = [(bytes([i]) * 16, [b"x" * 100]) for i in range(20)]
+    task = asyncio.ensure_future(backend.put_parts_many(items))
+    await asyncio.sleep(0.3)
+    started = time.monotonic()
+    backend.stop_writes()
+    stored = await asyncio.wait_for(task, 5)
+    assert time.monotonic() - started < 0.5  # one object's write, not the 17 left
+    assert len(stored) == 20
+    assert 1 <= sum(stored) <= 3
+    assert sum(await backend.exists_many([k for k, _ in items])) == sum(stored)
+
+
+@pytest.mark.asyncio
+async def test_l3_files_are_private_to_their_user(tmp_path: Path) -> None:
+    """KV pages are as private as the engine's memory: directories 0700, objects 0600,
+    whatever the umask."""
+    old = os.umask(0o022)
+    try:
+        backend = FileBackend(tmp_path / "l3", capacity_bytes=1 << 20)
+        assert await backend.put_many([(b"p" * 16, b"kv")]) == [True]
+    finally:
+        os.umask(old)
+    files = [p for p in (tmp_path / "l3").rglob("*") if p.is_file()]
+    dirs = [tmp_path / "l3", *(p for p in (tmp_path / "l3").rglob("*") if p.is_dir())]
+    assert files
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in files), files
+    assert all(p.stat().st_mode & 0o777 == 0o700 for p in dirs), dirs
