@@ -301,7 +301,7 @@ def test_a_cache_folder_writable_by_others_is_refused(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     pretend_compiler(monkeypatch)
-    folder = tmp_path / "shared"
+    folder = tmp_path / "open_to_all"
     folder.mkdir()
     folder.chmod(0o777)
     kernel, why = native.try_load(folder)
