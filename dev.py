@@ -4,7 +4,7 @@
     python3 dev.py demo [ARGS]   the main job on the embedded defaults (`hicache demo`)
     python3 dev.py test [ARGS]   the test suite (pytest)
     python3 dev.py lint          ruff and mypy, as CI runs them
-    python3 dev.py docs          regenerate the README's configuration and metrics references
+    python3 dev.py docs          regenerate docs/reference.md's configuration and metrics tables
     python3 dev.py setup [--torch-index URL]   only the set-up below
 
 Set-up is idempotent: a virtual environment in `.venv/`, torch (`pip install torch==2.13.0`),

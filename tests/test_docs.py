@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -67,11 +68,61 @@ def test_readme_client_example_runs_twice_against_one_sidecar(tmp_path) -> None:
     assert "tokens_total=64" in second.stdout.splitlines()[0]
 
 
-def test_readme_generated_references_are_current() -> None:
-    from hicache.cli.docs import SECTIONS, generated, section_pattern
+def test_generated_references_are_current() -> None:
+    from hicache.cli.docs import REFERENCE, SECTIONS, generated, section_pattern
 
-    text = (REPO / "README.md").read_text()
+    assert REFERENCE == REPO / "docs" / "reference.md"
+    text = REFERENCE.read_text()
     for name in SECTIONS:
         match = section_pattern(name).search(text)
-        assert match, f"README lost its {name} reference"
+        assert match, f"docs/reference.md lost its {name} reference"
         assert match.group(2) == generated(name), f"run `python3 dev.py docs` ({name})"
+
+
+def github_anchor(heading: str) -> str:
+    """The fragment GitHub gives a Markdown heading: lower case, punctuation dropped, spaces
+    to hyphens."""
+    words = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return words.replace(" ", "-")
+
+
+def markdown_links(path: Path) -> list[tuple[str, str]]:
+    """(target path, fragment) of every relative link and image in a Markdown file."""
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)  # code blocks hold no links
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target or target.startswith("mailto:"):
+            continue
+        file, _, fragment = target.partition("#")
+        out.append((file, fragment))
+    return out
+
+
+def test_every_relative_link_in_the_docs_resolves() -> None:
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    checked = 0
+    for page in pages:
+        for file, fragment in markdown_links(page):
+            target = (page.parent / file).resolve() if file else page
+            assert target.exists(), f"{page.relative_to(REPO)}: link to missing {file}"
+            if fragment:
+                headings = re.findall(r"^#+ (.+)$", target.read_text(), re.M)
+                anchors = {github_anchor(h) for h in headings}
+                assert fragment in anchors, (
+                    f"{page.relative_to(REPO)}: #{fragment} is no heading of "
+                    f"{target.relative_to(REPO)}; headings: {sorted(anchors)}"
+                )
+            checked += 1
+    assert checked >= 10  # the README links its docs and images
+
+
+def test_readme_is_a_tutorial_with_the_reference_in_docs() -> None:
+    text = (REPO / "README.md").read_text()
+    headings = re.findall(r"^## (.+)$", text, re.M)
+    assert headings[:2] == ["Quick start", "Tutorial"]
+    assert len(text.splitlines()) < 320  # reference tables and benchmark logs live in docs/
+    assert "<!-- reference:" not in text
+    assert "| `hicache_" not in text
+    for page in ("engines.md", "reference.md", "deployment.md", "benchmarks.md"):
+        assert f"(docs/{page}" in text, f"README does not link docs/{page}"
+    assert "](docs/images/timeline.png)" in text

@@ -1,6 +1,6 @@
-"""Keep the README's generated sections current: the configuration reference (from the
-schema) and the metrics reference (from a sidecar's registry). `python3 dev.py docs` rewrites
-them; a test fails when the README and the generators disagree."""
+"""Keep the generated sections of `docs/reference.md` current: the configuration reference
+(from the schema) and the metrics reference (from a sidecar's registry). `python3 dev.py docs`
+rewrites them; a test fails when the file and the generators disagree."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 from hicache.config.reference import config_reference
 from hicache.service.metrics import metrics_reference
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+REFERENCE = Path(__file__).resolve().parents[2] / "docs" / "reference.md"
 SECTIONS = {"config": config_reference, "metrics": metrics_reference}
 
 
@@ -22,7 +22,7 @@ def generated(name: str) -> str:
     return SECTIONS[name]()
 
 
-def refresh_readme(path: Path = README) -> bool:
+def refresh_reference(path: Path = REFERENCE) -> bool:
     """Rewrite the generated sections; True when something changed."""
     text = path.read_text()
     new = text
@@ -39,4 +39,4 @@ def refresh_readme(path: Path = README) -> bool:
 
 
 if __name__ == "__main__":
-    print("README updated" if refresh_readme() else "README already current")
+    print(f"{REFERENCE} updated" if refresh_reference() else f"{REFERENCE} already current")

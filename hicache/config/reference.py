@@ -1,5 +1,5 @@
 """The configuration reference, generated from the schema (`hicache config reference`): one
-Markdown table per section, every key with its type, default and description. The README's
+Markdown table per section, every key with its type, default and description. docs/reference.md's
 reference is this output; a test keeps them equal."""
 
 from __future__ import annotations
