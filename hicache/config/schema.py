@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -244,25 +244,67 @@ class FileStorage(L3Guard):
 
 
 class RedisStorage(L3Guard):
-    """L3 on Redis or Redis Cluster; size is bounded by the server's maxmemory policy."""
+    """L3 on one Redis server, or on a Redis Cluster (`cluster: true` or a `redis+cluster://`
+    URL, whose netloc may list several seed nodes); size is bounded by the servers'
+    maxmemory policy."""
 
     kind: Literal["redis"]
-    url: str = Field(default="redis://127.0.0.1:6379/0", description="redis:// or rediss:// URL")
+    url: str = Field(
+        default="redis://127.0.0.1:6379/0",
+        description="redis://, rediss:// (TLS), unix:// or, for a cluster, "
+        "redis+cluster://host:port[,host:port...]",
+    )
+    cluster: bool = Field(
+        default=False,
+        description="a Redis Cluster (implied by a +cluster URL): keys go to their slot's node",
+    )
     key_prefix: str = Field(default="hicache:", description="prefix of every key")
     max_connections: int = Field(default=16, ge=1, description="connection pool size")
     socket_timeout_s: float = Field(default=2.0, gt=0, description="per socket operation")
+
+    ALLOWED_URLS: ClassVar[str] = (
+        "allowed: redis://[user:password@]host[:port][/db], rediss://... (TLS), "
+        "unix:///path/to/redis.sock, or for a cluster (db 0 only) "
+        "redis+cluster://[user:password@]host[:port][,host[:port]...][/0] or "
+        "rediss+cluster://..."
+    )
+
+    @staticmethod
+    def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
+        """A cluster URL as redis-py takes it: (the URL of the first seed alone, with the
+        scheme's `+cluster` dropped and the user, password, path and query kept; every seed's
+        (host, port), port 6379 where none is given). Raises ValueError naming the bad part."""
+        parts = urlsplit(url)
+        scheme = parts.scheme.removesuffix("+cluster")
+        userinfo, _, hosts = parts.netloc.rpartition("@")
+        seeds = []
+        for entry in hosts.split(","):
+            one = urlsplit(f"//{entry}")
+            if not one.hostname:
+                raise ValueError(f"seed {entry!r} names no host")
+            try:
+                port = one.port
+            except ValueError as exc:
+                raise ValueError(f"seed {entry!r}: {exc}") from None
+            seeds.append((one.hostname, 6379 if port is None else port))
+        first = hosts.split(",")[0]
+        netloc = f"{userinfo}@{first}" if userinfo else first
+        single = parts._replace(scheme=scheme, netloc=netloc).geturl()
+        return single, seeds
+
+    @property
+    def is_cluster(self) -> bool:
+        return self.cluster or self.url.split("://", 1)[0].endswith("+cluster")
 
     @field_validator("url")
     @classmethod
     def _a_redis_url(cls, value: str) -> str:
         """The URL's form, as redis-py reads it (whether the server is there is for start-up
         and the breaker to find out)."""
-        allowed = (
-            "allowed: redis://[user:password@]host[:port][/db], rediss://... (TLS) or "
-            "unix:///path/to/redis.sock"
-        )
+        allowed = cls.ALLOWED_URLS
         parts = urlsplit(value)
-        if parts.scheme not in ("redis", "rediss", "unix"):
+        schemes = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster")
+        if parts.scheme not in schemes:
             scheme = f"scheme {parts.scheme!r}" if parts.scheme else "no scheme"
             raise ValueError(f"{redacted_url(value)!r} is not a Redis URL ({scheme}); {allowed}")
         if parts.scheme == "unix":
@@ -270,13 +312,45 @@ class RedisStorage(L3Guard):
                 raise ValueError(f"{redacted_url(value)!r} names no socket path; {allowed}")
             return value
         try:
-            _ = parts.port  # parsing it is the check
+            if parts.scheme.endswith("+cluster") or "," in parts.netloc:
+                cls.cluster_seeds(value)  # each seed has a host and a valid port
+            else:
+                _ = parts.port  # parsing it is the check
         except ValueError as exc:
             raise ValueError(f"{redacted_url(value)!r}: {exc}; {allowed}") from None
         db = parts.path.strip("/")
         if db and not db.isdigit():
             raise ValueError(f"{redacted_url(value)!r}: database {db!r} is not a number; {allowed}")
         return value
+
+    @model_validator(mode="after")
+    def _cluster_consistent(self) -> RedisStorage:
+        where = redacted_url(self.url)
+        scheme = self.url.split("://", 1)[0]
+        if scheme.endswith("+cluster") and "cluster" in self.model_fields_set and not self.cluster:
+            raise ValueError(
+                f"url {where!r} names a cluster ({scheme}://) but cluster is false; drop "
+                "cluster: false, or use a redis:// or rediss:// URL for a single server"
+            )
+        parts = urlsplit(self.url)
+        if self.is_cluster:
+            if scheme == "unix":
+                raise ValueError(
+                    f"url {where!r}: a Redis Cluster is reached over TCP, not a unix socket; "
+                    f"{self.ALLOWED_URLS}"
+                )
+            db = parts.path.strip("/")
+            if db and int(db) != 0:
+                raise ValueError(
+                    f"url {where!r}: database {db} with cluster: a Redis Cluster has only "
+                    "database 0; use /0 or no path"
+                )
+        elif "," in parts.netloc:
+            raise ValueError(
+                f"url {where!r} lists several hosts, which only a cluster takes; set "
+                "cluster: true or use a redis+cluster:// URL"
+            )
+        return self
 
 
 class MooncakeStorage(L3Guard):

@@ -15,6 +15,15 @@ def make_backend(
     if isinstance(section, FileStorage):
         root = section.path / section.key_prefix if section.key_prefix else section.path
         return FileBackend(root, section.capacity_bytes)
+    if isinstance(section, RedisStorage) and section.is_cluster:
+        from hicache.storage.redis_cluster_backend import RedisClusterBackend  # optional extra
+
+        return RedisClusterBackend(
+            section.url,
+            key_prefix=section.key_prefix,
+            max_connections=section.max_connections,
+            socket_timeout_s=section.socket_timeout_s,
+        )
     if isinstance(section, RedisStorage):
         from hicache.storage.redis_backend import RedisBackend  # redis is an optional extra
 

@@ -1,10 +1,11 @@
-"""`RedisBackend`: L3 on a Redis server or Redis Cluster (redis-py's asyncio client).
+"""`RedisBackend`: L3 on one Redis server (redis-py's asyncio client); a Redis Cluster is
+`redis_cluster_backend`'s, with the key names, SET framing and error mapping of `redis_wire`.
 
 Batches are pipelined (no transaction) over a connection pool. Keys are hash-tagged —
-`<prefix>{<page key hex>}` — so a page's objects land on one shard of a cluster; pipelines of
-single-key commands (not MGET) keep batches valid across slots. Short socket timeouts make a
-dead server fail fast; redis-py's errors are mapped to `TierUnavailableError` here, and
-`GuardedStore` turns them into misses. Server-side eviction (maxmemory-policy) bounds size.
+`<prefix>{<page key hex>}` — so a page's objects land on one shard of a cluster. Short
+socket timeouts make a dead server fail fast; redis-py's errors are mapped to
+`TierUnavailableError` here, and `GuardedStore` turns them into misses. Server-side eviction
+(maxmemory-policy) bounds size.
 
 Puts are vectored: each SET is framed by hand (RESP) around the object's parts — header, then
 the payload straight from the caller's memory — and sent on one pooled connection of redis-py's
@@ -27,11 +28,17 @@ from collections.abc import Iterable, Sequence
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import ResponseError
 
 from hicache.config.urls import redacted_url
-from hicache.errors import TierUnavailableError
 from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.redis_wire import (
+    REDIS_FAILURES,
+    is_wrongtype,
+    object_name,
+    set_head,
+    unavailable,
+)
 
 
 class RedisBackend(StorageBackend):
@@ -66,7 +73,7 @@ class RedisBackend(StorageBackend):
         )
 
     def _name(self, key: bytes) -> str:
-        return f"{self.key_prefix}{{{key.hex()}}}"
+        return object_name(self.key_prefix, key)
 
     async def _pipeline(
         self, commands: Sequence[tuple[str, tuple[object, ...]]], *, per_reply: bool = False
@@ -78,10 +85,8 @@ class RedisBackend(StorageBackend):
                 for command, args in commands:
                     getattr(pipe, command)(*args)
                 return list(await pipe.execute(raise_on_error=not per_reply))
-        except (RedisError, OSError) as exc:
-            raise TierUnavailableError(
-                f"redis at {self.where}: {type(exc).__name__}: {exc}"
-            ) from exc
+        except REDIS_FAILURES as exc:
+            raise unavailable(self.where, exc) from exc
 
     async def put_many(self, items: Sequence[tuple[bytes, Buffer]]) -> list[bool]:
         names = [self._name(k) for k, _ in items]
@@ -92,10 +97,8 @@ class RedisBackend(StorageBackend):
                 for name, (_, data) in zip(names, items, strict=True):
                     pipe.set(name, data)
                 return list(pipe.execute())
-            except (RedisError, OSError) as exc:
-                raise TierUnavailableError(
-                    f"redis at {self.where}: {type(exc).__name__}: {exc}"
-                ) from exc
+            except REDIS_FAILURES as exc:
+                raise unavailable(self.where, exc) from exc
 
         replies = await asyncio.to_thread(send)
         return [bool(r) for r in replies]
@@ -119,15 +122,13 @@ class RedisBackend(StorageBackend):
                         continue
                     name = self._name(key).encode()
                     total = sum(memoryview(part).nbytes for part in parts)
-                    head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, total)
+                    head = set_head(name, total)
                     conn.send_packed_command([head, *parts, b"\r\n"])  # type: ignore[no-untyped-call]
                     sent += 1
                 return [conn.read_response() == b"OK" for _ in range(sent)] + [False] * skipped
-            except (RedisError, OSError) as exc:
+            except REDIS_FAILURES as exc:
                 conn.disconnect()  # type: ignore[no-untyped-call]  # replies may be unread
-                raise TierUnavailableError(
-                    f"redis at {self.where}: {type(exc).__name__}: {exc}"
-                ) from exc
+                raise unavailable(self.where, exc) from exc
             finally:
                 pool.release(conn)
 
@@ -140,10 +141,8 @@ class RedisBackend(StorageBackend):
         damaged = []
         for name, reply in zip(names, replies, strict=True):
             if isinstance(reply, ResponseError):
-                if not str(reply).startswith("WRONGTYPE"):
-                    raise TierUnavailableError(
-                        f"redis at {self.where}: GET {name}: {type(reply).__name__}: {reply}"
-                    )
+                if not is_wrongtype(reply):
+                    raise unavailable(self.where, reply, f"GET {name}")
                 damaged.append(name)  # not a string: no object of ours, a miss
                 out.append(None)
             else:

@@ -25,6 +25,14 @@ def RedisServer(workdir: Path) -> local_servers.RedisServer:
         raise
 
 
+def RedisClusterServers(workdir: Path) -> local_servers.RedisClusterServers:
+    try:
+        return local_servers.RedisClusterServers(workdir)
+    except FileNotFoundError as exc:
+        _unavailable(str(exc).split()[0])  # redis-server or redis-cli
+        raise
+
+
 def MooncakeMaster() -> local_servers.MooncakeMaster:
     try:
         return local_servers.MooncakeMaster()

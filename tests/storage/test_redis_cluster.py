@@ -1,0 +1,398 @@
+"""The redis backend against a real Redis Cluster on loopback (3 masters, a replica each, one
+module-scoped cluster): a batch's keys spread over every master, byte-exact round trips
+through the backend, a `GuardedStore` and a `TieredCache`, WRONGTYPE as a counted miss, the
+config's cluster forms and their errors, and a master SIGKILLed while a writer / reader loop
+and an engine run: every load is the exact bytes or a miss, nothing raises, and once the
+replica is promoted stores and loads succeed again. The kill runs last (it leaves one master
+without a replica)."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import redis
+import torch
+from pydantic import ValidationError
+from redis.crc import key_slot
+
+from hicache.cache import TieredCache
+from hicache.config import load_deployment
+from hicache.config.schema import RedisStorage
+from hicache.demo.content import check_page, fill_page, prefix_seed
+from hicache.embedded import EmbeddedCache
+from hicache.errors import ConfigError, TierUnavailableError
+from hicache.memory import GroupGeometry
+from hicache.model import LayerMap, load_layout
+from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
+from hicache.storage.factory import make_backend
+from hicache.storage.local_servers import RedisClusterServers as ClusterType
+from hicache.storage.redis_cluster_backend import RedisClusterBackend
+from tests.config.test_config import BASE, write
+from tests.conftest import shared_model
+from tests.storage.servers import RedisClusterServers
+
+PAGE = 16
+PROMPT_PAGES = 4
+PROMPTS = [[p * 10_000 + t for t in range(PROMPT_PAGES * PAGE)] for p in range(8)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterType]:
+    servers = RedisClusterServers(tmp_path_factory.mktemp("cluster"))
+    servers.start()
+    try:
+        yield servers
+    finally:
+        servers.stop()
+
+
+@pytest_asyncio.fixture
+async def backend(cluster: ClusterType) -> AsyncIterator[RedisClusterBackend]:
+    b = RedisClusterBackend(cluster.seed_url, socket_timeout_s=0.5)
+    yield b
+    await b.close()
+
+
+def _raw(cluster: ClusterType, port: int) -> redis.Redis:
+    return redis.Redis(host=cluster.host, port=port)
+
+
+def _slot_owner(cluster: ClusterType) -> dict[int, int]:
+    """slot -> the port of the master serving it, as the cluster itself says."""
+    owner: dict[int, int] = {}
+    slots = _raw(cluster, cluster.master_ports()[0]).execute_command(  # type: ignore[no-untyped-call]
+        "CLUSTER", "SLOTS"
+    )
+    for start, end, master, *_ in slots:
+        for slot in range(start, end + 1):
+            owner[slot] = int(master[1])
+    return owner
+
+
+def _items(tag: bytes, n: int, size: int = 4096) -> list[tuple[bytes, bytes]]:
+    return [((tag + bytes([i])).ljust(16, b"."), bytes([i]) * size + tag) for i in range(n)]
+
+
+@pytest.mark.asyncio
+async def test_a_batch_lands_on_every_master_by_its_slot(
+    cluster: ClusterType, backend: RedisClusterBackend
+) -> None:
+    items = _items(b"spread", 48)
+    parts = iter([(k, [d[:7], d[7:]]) for k, d in items])  # lazy, in parts: the vectored path
+    assert await backend.put_parts_many(parts) == [True] * 48
+    owner = _slot_owner(cluster)
+    on_master: dict[int, set[str]] = {}
+    for port in cluster.master_ports():
+        names = _raw(cluster, port).keys("hicache:{*")
+        on_master[port] = {n.decode() if isinstance(n, bytes) else n for n in names}
+    wanted = {f"hicache:{{{k.hex()}}}" for k, _ in items}
+    assert all(on_master[port] & wanted for port in on_master), "a master got none"
+    for name in wanted:
+        server_slot = _raw(cluster, owner[key_slot(name.encode())]).cluster("keyslot", name)
+        assert server_slot == key_slot(name.encode())
+        holders = [port for port, names in on_master.items() if name in names]
+        assert holders == [owner[key_slot(name.encode())]]  # on its slot's master only
+    got = await backend.get_many([k for k, _ in items])
+    assert got == [d for _, d in items]
+
+
+@pytest.mark.asyncio
+async def test_round_trip_through_a_guarded_store_from_several_seeds(
+    cluster: ClusterType,
+) -> None:
+    backend = make_backend(RedisStorage(kind="redis", url=cluster.seeds_url))
+    assert isinstance(backend, RedisClusterBackend)
+    assert len(backend.seeds) == len(cluster.ports)
+    store = GuardedStore(backend)
+    try:
+        items = _items(b"guard", 32, size=1 << 16)
+        assert await store.put(items) == [True] * 32
+        got = await store.get([k for k, _ in items] + [b"\xff" * 16])
+        assert [bytes(v) if v is not None else None for v in got] == [d for _, d in items] + [None]
+        assert await store.exists([items[0][0], b"\xee" * 16]) == [True, False]
+        await backend.delete_many([items[0][0]])
+        assert await store.exists([items[0][0]]) == [False]
+        assert store.breaker.state is BreakerState.CLOSED
+    finally:
+        await store.backend.close()
+
+
+@pytest.mark.asyncio
+async def test_a_plain_url_with_cluster_true_is_a_cluster(cluster: ClusterType) -> None:
+    url = cluster.seed_url.replace("redis+cluster://", "redis://") + "/0"
+    section = RedisStorage(kind="redis", url=url, cluster=True)
+    backend = make_backend(section)
+    assert isinstance(backend, RedisClusterBackend)
+    try:
+        items = _items(b"plain", 12)
+        assert await backend.put_many(items) == [True] * 12
+        assert await backend.get_many([k for k, _ in items]) == [d for _, d in items]
+    finally:
+        await backend.close()
+
+
+@pytest.mark.asyncio
+async def test_a_wrong_type_under_a_key_is_a_counted_miss(
+    cluster: ClusterType, backend: RedisClusterBackend
+) -> None:
+    store = GuardedStore(backend)
+    good, bad = _items(b"wrongtype", 2)
+    assert await store.put([good]) == [True]
+    name = f"hicache:{{{bad[0].hex()}}}"
+    raw = _raw(cluster, _slot_owner(cluster)[key_slot(name.encode())])
+    raw.rpush(name, b"someone else's list")
+    got = await store.get([bad[0], good[0]])
+    assert got[0] is None
+    assert got[1] is not None
+    assert bytes(got[1]) == good[1]
+    assert backend.objects_damaged == 1
+    assert raw.exists(name) == 0  # unlinked: a key under our prefix is ours
+    assert store.breaker.state is BreakerState.CLOSED
+
+
+@pytest.mark.asyncio
+async def test_an_unreachable_cluster_fails_calls_not_construction() -> None:
+    backend = RedisClusterBackend(
+        "redis+cluster://admin:hunter2@127.0.0.1:9,127.0.0.1:10", socket_timeout_s=0.5
+    )
+    assert backend.where == "redis+cluster://admin:***@127.0.0.1:9,127.0.0.1:10"
+    try:
+        with pytest.raises(TierUnavailableError) as put_error:
+            await backend.put_many([(b"k" * 16, b"v")])
+        with pytest.raises(TierUnavailableError) as get_error:
+            await backend.get_many([b"k" * 16])
+        for error in (put_error.value, get_error.value):
+            assert str(error).startswith("redis at redis+cluster://admin:***@127.0.0.1:9,")
+            assert "hunter2" not in str(error)
+        store = GuardedStore(backend)
+        assert await store.get([b"k" * 16]) == [None]  # a miss at the store, never an error
+    finally:
+        await backend.close()
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        (
+            {"url": "redis://127.0.0.1:7000/2", "cluster": True},
+            r"url 'redis://127\.0\.0\.1:7000/2': database 2 with cluster: a Redis Cluster "
+            r"has only database 0; use /0 or no path",
+        ),
+        (
+            {"url": "redis+cluster://h:7000", "cluster": False},
+            r"url 'redis\+cluster://h:7000' names a cluster \(redis\+cluster://\) but "
+            r"cluster is false; drop cluster: false",
+        ),
+        (
+            {"url": "redis://a:7000,b:7001"},
+            r"url 'redis://a:7000,b:7001' lists several hosts, which only a cluster takes; "
+            r"set cluster: true or use a redis\+cluster:// URL",
+        ),
+        (
+            {"url": "unix:///run/redis.sock", "cluster": True},
+            r"url 'unix:///run/redis\.sock': a Redis Cluster is reached over TCP, not a unix "
+            r"socket; allowed: ",
+        ),
+        (
+            {"url": "redis+cluster://u:secret@a:7000,b:x"},
+            r"'redis\+cluster://u:\*\*\*@a:7000,b:x': seed 'b:x': Port could not be cast "
+            r"to integer value as 'x'; allowed: .*redis\+cluster://\[user:password@\]host"
+            r"\[:port\]\[,host\[:port\]\.\.\.\]\[/0\] or rediss\+cluster://",
+        ),
+        (
+            {"url": "redis+cluster://a:7000,,b:7001"},
+            r"seed '' names no host",
+        ),
+    ],
+)
+def test_cluster_config_errors_name_the_url_and_what_is_allowed(
+    fields: dict[str, object], problem: str
+) -> None:
+    with pytest.raises(ValidationError) as info:
+        RedisStorage(kind="redis", **fields)
+    (error,) = info.value.errors()
+    assert re.search(problem, error["msg"]), error["msg"]
+    assert "secret" not in error["msg"]
+
+
+def test_cluster_urls_and_their_seeds() -> None:
+    section = RedisStorage(kind="redis", url="rediss+cluster://u:p@h1:7000,[::1]:7001,h3/0")
+    assert section.is_cluster  # the scheme implies it
+    assert not section.cluster
+    assert RedisStorage.cluster_seeds(section.url) == (
+        "rediss://u:p@h1:7000/0",
+        [("h1", 7000), ("::1", 7001), ("h3", 6379)],
+    )
+    assert RedisStorage(kind="redis", url="redis+cluster://h:1", cluster=True).is_cluster
+    assert not RedisStorage(kind="redis", url="redis://h:1/3").is_cluster
+
+
+# ---- an engine over a TieredCache, and a master killed under it ----------------------------
+
+
+def _cache(store: GuardedStore) -> TieredCache:
+    layer_map = LayerMap(load_layout(shared_model("qwen2_7b.json")))
+    geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
+    embedded = EmbeddedCache.build(
+        layer_map,
+        dtype=torch.float16,
+        page_size_tokens=PAGE,
+        host_capacity_bytes=2 * PROMPT_PAGES * sum(g.page_bytes for g in geoms),
+        device_pages={g.name: 2 * PROMPT_PAGES for g in geoms},
+    )
+    return TieredCache.build(embedded, store=store, prefetch_policy="wait_complete")
+
+
+class Engine:
+    """Stores a prompt from device pages 0.., loads it (L2 cleared: from L3) into pages
+    PROMPT_PAGES.. and checks every loaded page's bytes."""
+
+    def __init__(self, cache: TieredCache):
+        self.cache = cache
+        (self.group,) = cache.index.rules
+        self.pool = cache.embedded.device_pools[self.group]
+
+    async def store(self, tokens: list[int]) -> None:
+        pages = list(range(PROMPT_PAGES))
+        for i, page in enumerate(pages):
+            fill_page(self.pool, page, prefix_seed(tokens, (i + 1) * PAGE, self.group))
+        await self.cache.store(tokens, {self.group: pages})
+
+    async def load(self, tokens: list[int]) -> int:
+        """Pages loaded (all verified)."""
+        pages = list(range(PROMPT_PAGES, 2 * PROMPT_PAGES))
+        for page in pages:  # poison: a page not loaded fails its check
+            fill_page(self.pool, page, 0xDEAD)
+        hit = self.cache.lookup(tokens)
+        if self.cache.needs_discovery(tokens, hit):
+            await self.cache.discover(tokens)
+        handle, hit = await self.cache.load(tokens, {self.group: pages})
+        if handle is None:
+            return 0
+        assert (await handle.done()).ok
+        for i, _ in hit.needed[self.group]:
+            seed = prefix_seed(tokens, (i + 1) * PAGE, self.group)
+            assert check_page(self.pool, pages[i], seed), (tokens[0], i)  # never wrong bytes
+        return len(hit.needed[self.group])
+
+    async def round(self) -> float:
+        """Load every prompt from L3, then store it again; the hit rate."""
+        self.cache.clear_l2()
+        loaded = 0
+        for tokens in PROMPTS:
+            loaded += await self.load(tokens)
+            await self.store(tokens)
+        await self.cache.persist.idle()
+        return loaded / (len(PROMPTS) * PROMPT_PAGES)
+
+
+@pytest.mark.asyncio
+async def test_store_and_load_through_a_tiered_cache(cluster: ClusterType) -> None:
+    store = GuardedStore(RedisClusterBackend(cluster.seed_url, key_prefix="tiered:"))
+    cache = _cache(store)
+    engine = Engine(cache)
+    async with cache.running():
+        for tokens in PROMPTS:
+            await engine.store(tokens)
+        await cache.persist.idle()
+        assert await engine.round() == 1.0
+    await store.backend.close()
+
+
+@pytest.mark.asyncio
+async def test_a_master_killed_mid_run_gives_misses_then_the_replica_serves(
+    cluster: ClusterType,
+) -> None:
+    # the loop's store: a breaker that opens after 2 failures and tries again 0.2 s later
+    loop_store = GuardedStore(
+        RedisClusterBackend(cluster.seed_url, key_prefix="loop:", socket_timeout_s=0.5),
+        breaker=CircuitBreaker(2, reset_after_s=0.2),
+        base_timeout_s=1.0,
+    )
+    engine_store = GuardedStore(
+        RedisClusterBackend(cluster.seed_url, key_prefix="engine:", socket_timeout_s=0.5),
+        reset_after_s=0.2,
+        base_timeout_s=1.0,
+    )
+    cache = _cache(engine_store)
+    engine = Engine(cache)
+    written: dict[bytes, bytes] = {}
+    outcomes = {"exact": 0, "miss": 0, "put_failed": 0}
+    killed = asyncio.Event()
+    recovered = asyncio.Event()
+
+    async def writer_reader() -> None:
+        round_no = rounds_after = 0
+        while rounds_after < 2:  # until two rounds after the cluster is whole again
+            batch = _items(b"r%d-" % round_no, 16, size=8192)
+            stored = await loop_store.put(batch)  # never raises
+            outcomes["put_failed"] += stored.count(False)
+            written.update((k, d) for (k, d), ok in zip(batch, stored, strict=True) if ok)
+            keys = list(written)
+            for got, key in zip(await loop_store.get(keys), keys, strict=True):
+                if got is None:
+                    outcomes["miss"] += 1
+                else:
+                    assert bytes(got) == written[key], key  # never wrong bytes
+                    outcomes["exact"] += 1
+            round_no += 1
+            rounds_after += recovered.is_set()
+            await asyncio.sleep(0.02)
+
+    async def kill_then_wait() -> None:
+        await asyncio.sleep(0.3)  # the loops are running
+        await asyncio.to_thread(cluster.kill_master, 0)
+        killed.set()
+        await asyncio.to_thread(cluster.wait_ok, 20.0, replicas=cluster.masters - 1)
+        recovered.set()
+
+    async def engine_rounds() -> None:
+        while not recovered.is_set():
+            await engine.round()  # misses during the failover; no exception, exact bytes
+
+    try:
+        async with cache.running():
+            for tokens in PROMPTS:
+                await engine.store(tokens)
+            await cache.persist.idle()
+            assert await engine.round() == 1.0
+            await asyncio.gather(writer_reader(), kill_then_wait(), engine_rounds())
+            assert killed.is_set()
+            print(f"during the failover: {outcomes}, failures {loop_store.stats.failures}")
+            # the failover showed: failed puts, misses or an opened breaker
+            assert (
+                outcomes["put_failed"] + outcomes["miss"] > 0
+                or sum(loop_store.stats.failures.values()) > 0
+            ), outcomes
+            # afterwards: stores and loads succeed again, exactly
+            await asyncio.sleep(0.3)  # past the breakers' reset: a trial call may close them
+            after = _items(b"after", 24, size=8192)
+            assert await loop_store.put(after) == [True] * 24
+            got = await loop_store.get([k for k, _ in after])
+            assert [bytes(v) if v is not None else None for v in got] == [d for _, d in after]
+            assert loop_store.breaker.state is BreakerState.CLOSED
+            await engine.round()  # stores every prompt again
+            assert await engine.round() == 1.0
+            assert outcomes["exact"] > 0
+    finally:
+        await loop_store.backend.close()
+        await engine_store.backend.close()
+
+
+def test_a_deployment_file_with_a_cluster_on_db_2_is_refused_naming_the_section(
+    tmp_path: Path,
+) -> None:
+    path = write(
+        tmp_path, BASE + "storage:\n  kind: redis\n  url: 'redis://h:1/2'\n  cluster: true\n"
+    )
+    with pytest.raises(ConfigError) as info:
+        load_deployment(path, env={})
+    assert str(info.value) == (
+        f"{path}: storage: url 'redis://h:1/2': database 2 with cluster: a Redis Cluster has "
+        "only database 0; use /0 or no path"
+    )
