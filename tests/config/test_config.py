@@ -140,7 +140,7 @@ def test_secret_token_is_redacted(tmp_path: Path) -> None:
             BASE + "storage:\n  kind: redis\n  uri: redis://x\n",
             {},
             r"{f}: storage\.uri: unknown key; allowed keys here: base_timeout_s, "
-            r"breaker_failure_threshold, breaker_reset_after_s, chunk_bytes, key_prefix, kind, "
+            r"breaker_failure_threshold, breaker_reset_after_s, chunk_bytes, cluster, key_prefix, kind, "
             r"max_connections, min_bandwidth_bytes_per_s, socket_timeout_s, url$",
         ),
         ("device:\n  kind: cpu\n", {}, r"{f}: model: Field required"),
