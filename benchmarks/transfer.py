@@ -25,11 +25,17 @@ while pieces (and every page kernel: rows <= 512 KiB) use cached stores, which m
 ~1.2-1.5x faster for 32 MiB; against one memcpy alone page copies read up to 1.2x "of
 memcpy". Every trial times a baseline right before each of ours, so each trial gives one
 ratio from two neighbouring timings (the machine is shared and its speed drifts); a figure
-is the median over the trials. ratio = our GB/s / baseline GB/s.
+is the median over the trials. ratio = our GB/s / baseline GB/s. GB/s figures (`*_gbps_p*`)
+are medians of each side's timings; `baseline_gbps_p*` is the load direction's baseline,
+`baseline_backup_gbps_p*` the backup's.
 
     python benchmarks/transfer.py [--device cpu|cuda] [--layout layer_first|page_first]
         [--move-mib 64] [--trials 11] [--pages 1,16,64,256] [--churn | --no-churn]
-        [--numpy-kernel]
+        [--numpy-kernel] [--plot DIR]
+
+`--plot DIR` also draws this run's GB/s by page size (ours on the churned and the fresh pool,
+and the contiguous baseline; loads solid, backups dashed) to `DIR/transfer_<layout>.svg` and
+`.png`.
 
 On CUDA it also times a per-page `cudaMemcpyAsync` loop (`vs_loop_p*` = loop time / ours).
 On the CPU the JSON names the row kernel in use (`row_kernel`); `--numpy-kernel` times the
@@ -48,10 +54,13 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 
+from hicache.demo import charts
+from hicache.demo.raster import Color
 from hicache.memory import DevicePool, GroupGeometry, HostPool
 from hicache.memory.page_allocator import PageAllocator
 from hicache.model import CacheGroup, CacheKind, CacheSpec, KvFormat
@@ -234,6 +243,7 @@ def bench_page_size(
         out[f"{name}_ratio_p{page}"] = paired(name)
         out[f"{name}_gbps_p{page}"] = round(nbytes / med[name] / 1e9, 2)
     out[f"baseline_gbps_p{page}"] = round(nbytes / med["base_load"] / 1e9, 2)
+    out[f"baseline_backup_gbps_p{page}"] = round(nbytes / med["base_backup"] / 1e9, 2)
     if backend.device.type == "cuda" and page <= 16:
         rows_dev = device.rows(0, "k")
         rows_host = host.rows(0, "k")
@@ -246,6 +256,43 @@ def bench_page_size(
         loop = statistics.median(timed(per_page_loop, backend.device) for _ in range(trials))
         out[f"vs_loop_p{page}"] = round(loop / med["load"], 2)
     return out
+
+
+def plot(
+    results: Mapping[str, float | str],
+    pages: Sequence[int],
+    args: argparse.Namespace,
+    directory: Path,
+) -> tuple[Path, Path]:
+    """This run's GB/s by page size as `directory`/transfer_<layout>.svg and .png."""
+    lines = [("load", "load", False), ("backup", "backup", True)]
+    wanted: list[tuple[str, str, Color, bool]] = []
+    if args.churn:
+        wanted += [(f"ours, churned pool: {d}", f"churn_{k}", charts.BLUE, b) for d, k, b in lines]
+    wanted += [(f"ours, fresh pool: {d}", k, charts.ORANGE, b) for d, k, b in lines]
+    wanted += [
+        ("contiguous copy: load", "baseline", charts.GREY, False),
+        ("contiguous copy: backup", "baseline_backup", charts.GREY, True),
+    ]
+    series = tuple(
+        charts.Series.of(
+            label, pages, [float(results[f"{key}_gbps_p{p}"]) for p in pages], color, dashed
+        )
+        for label, key, color, dashed in wanted
+    )
+    kernel = (
+        f"{str(results['row_kernel']).split(' (')[0]} row kernel"
+        if "row_kernel" in results
+        else f"{args.device} copy backend"
+    )
+    chart = charts.LineChart(
+        title=f"Page copies by page size: {args.layout} host pool, {args.device}",
+        subtitle=f"{kernel}, {args.move_mib} MiB per op, median of {args.trials} trials",
+        x_label="page size (tokens, log scale)",
+        y_label="GB/s",
+        series=series,
+    )
+    return charts.write(chart, directory / f"transfer_{args.layout}")
 
 
 def main() -> None:
@@ -266,7 +313,14 @@ def main() -> None:
         action="store_true",
         help="CPU: the numpy row kernels (the fallback) even where the native one loads",
     )
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        metavar="DIR",
+        help="also draw this run's GB/s by page size to DIR/transfer_<layout>.svg and .png",
+    )
     args = parser.parse_args()
+    pages = [int(p) for p in args.pages.split(",")]
     if args.numpy_kernel and args.device != "cpu":
         parser.error("--numpy-kernel is for --device cpu")
     torch.set_num_threads(1)
@@ -283,7 +337,7 @@ def main() -> None:
             f"{'page':>5} {'backup':>8} {'load':>8} {'churned:':>9} {'backup':>7} {'load':>7} "
             f"{'run len':>8}   (ratio vs contiguous copy, same run)"
         )
-        for page in (int(p) for p in args.pages.split(",")):
+        for page in pages:
             r = bench_page_size(
                 backend,
                 page,
@@ -307,6 +361,9 @@ def main() -> None:
     finally:
         backend.close()
         base_backend.close()
+    if args.plot is not None:
+        svg, png = plot(results, pages, args, args.plot)
+        print(f"plot: {svg}, {png}")
     print(json.dumps(results))
 
 

@@ -1,5 +1,5 @@
 """The demo's picture: per-layer timelines of a few loads, as an HTML page (inline SVG) and a
-PNG (written with zlib + struct: no plotting library).
+PNG (drawn on `raster.Canvas`: zlib + struct, no plotting library).
 
 Per layer of a load, in time since the load was issued: the copy of layer i (from when layer
 i-1 was seen landed to when layer i was: layers land in order, so this is the window its copy
@@ -11,12 +11,12 @@ longer than `STALL_MARK_S`.
 from __future__ import annotations
 
 import html
-import struct
-import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from hicache.demo.raster import Canvas, text_width
 
 STALL_MARK_S = 20e-6
 MAX_LOADS = 4
@@ -121,6 +121,13 @@ def _rgb(c: tuple[int, int, int]) -> str:
     return f"rgb({c[0]},{c[1]},{c[2]})"
 
 
+def _label(load: LoadTimeline) -> str:
+    return (
+        f"{load.name}: {load.tokens}, {len(load.layers)} layers, "
+        f"{load.end * 1e3:.2f} ms, stalled {load.stall * 1e3:.2f} ms"
+    )
+
+
 def render_html(loads: Sequence[LoadTimeline], title: str) -> str:
     height = sum(_panel_height(load) for load in loads) or TITLE
     parts = [
@@ -129,10 +136,7 @@ def render_html(loads: Sequence[LoadTimeline], title: str) -> str:
     ]
     top = 0
     for n, load in enumerate(loads):
-        label = (
-            f"{load.name}: {load.tokens}, {len(load.layers)} layers, "
-            f"{load.end * 1e3:.2f} ms, stalled {load.stall * 1e3:.2f} ms"
-        )
+        label = _label(load)
         parts.append(f'<g class="load" data-load="{n}">')
         parts.append(f'<text x="4" y="{top + 18}">{html.escape(label)}</text>')
         for layer_id, bars in _rects(load, top):
@@ -165,48 +169,40 @@ def render_html(loads: Sequence[LoadTimeline], title: str) -> str:
     )
 
 
-# ---- PNG (zlib + struct) -------------------------------------------------------------------------
+# ---- PNG --------------------------------------------------------------------------------------
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-
-
-def encode_png(width: int, height: int, rgb: bytes | bytearray) -> bytes:
-    """An 8-bit RGB PNG of `rgb` (rows top to bottom, 3 bytes a pixel)."""
-    stride = width * 3
-    raw = b"".join(b"\x00" + bytes(rgb[y * stride : (y + 1) * stride]) for y in range(height))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (
-        b"\x89PNG\r\n\x1a\n"
-        + _chunk(b"IHDR", ihdr)
-        + _chunk(b"IDAT", zlib.compress(raw, 6))
-        + _chunk(b"IEND", b"")
-    )
+PNG_LEGEND = 24  # the PNG's key, below the panels (the HTML page says it in words)
+INK = (30, 30, 30)
 
 
 def render_png(loads: Sequence[LoadTimeline]) -> bytes:
-    height = sum(_panel_height(load) for load in loads) or TITLE
-    pixels = bytearray(bytes(BACKGROUND) * (WIDTH * height))
-
-    def fill(x: int, y: int, w: int, h: int, color: tuple[int, int, int]) -> None:
-        x0, x1 = max(0, x), min(WIDTH, x + w)
-        if x1 <= x0:
-            return
-        line = bytes(color) * (x1 - x0)
-        for row in range(max(0, y), min(height, y + h)):
-            start = (row * WIDTH + x0) * 3
-            pixels[start : start + len(line)] = line
-
+    """The panels as in the HTML page (labels in the bitmap font), then a key."""
+    panels = sum(_panel_height(load) for load in loads) or TITLE
+    canvas = Canvas(WIDTH, panels + PNG_LEGEND, BACKGROUND)
     top = 0
     for load in loads:
-        fill(LEFT - 2, top + TITLE, 1, len(load.layers) * ROW, AXIS)  # the time axis origin
-        fill(0, top + 4, WIDTH, 1, AXIS)  # a rule between panels
-        for _, bars in _rects(load, top):
+        canvas.fill(LEFT - 2, top + TITLE, 1, len(load.layers) * ROW, AXIS)  # time axis origin
+        canvas.fill(0, top + 4, WIDTH, 1, AXIS)  # a rule between panels
+        label = _label(load)
+        scale = 2 if text_width(label, 2) <= WIDTH - 8 else 1
+        canvas.text(4, top + 8, label, INK, scale)
+        for layer_id, bars in _rects(load, top):
+            if layer_id % 8 == 0:
+                canvas.text(4, bars[0][2], f"L{layer_id}", INK)
             for kind, x, y, w, h in bars:
-                fill(x, y, w, h, _FILL[kind])
+                canvas.fill(x, y, w, h, _FILL[kind])
         top += _panel_height(load)
-    return encode_png(WIDTH, height, pixels)
+    x = 4
+    key = (
+        ("copy of layer i", COPY),
+        ("compute of layer i", COMPUTE),
+        (f"stall (engine waited over {STALL_MARK_S * 1e6:.0f} us)", STALL),
+    )
+    for name, color in key:
+        canvas.fill(x, panels + 8, 14, 10, color)
+        x += 20 + canvas.text(x + 20, panels + 6, name, INK, 2) + 20
+    return canvas.png()
 
 
 def write(loads: Sequence[LoadTimeline], base: Path, title: str) -> tuple[Path, Path]:
