@@ -1,7 +1,9 @@
 """Real L3 servers on loopback for integration tests and benchmarks: Debian's redis-server
 (alone, or several as a Redis Cluster) and the mooncake wheel's mooncake_master, each started
 on free ports and stopped by pid. Bound to 127.0.0.1 unless a caller names another host (the
-cluster's `host`, for nodes run inside a network namespace)."""
+cluster's and `MooncakeMaster`'s `host`, with a `command_prefix` such as
+`("ip", "netns", "exec", NS)` to run them in a test host's network namespace,
+`hicache.storage.netns_hosts`); readiness is then probed through the same prefix."""
 
 from __future__ import annotations
 
@@ -35,6 +37,22 @@ def free_port_with_bus() -> int:
             continue
         return port
     raise RuntimeError("found no free port p with p + 10000 free in 100 tries")
+
+
+def tcp_listening(host: str, port: int, command_prefix: Sequence[str] = ()) -> bool:
+    """Whether something accepts TCP connections at host:port, seen from this process's
+    network namespace, or (with a command prefix) from the one the prefix runs commands in."""
+    if not command_prefix:
+        try:
+            socket.create_connection((host, port), timeout=0.2).close()
+            return True
+        except OSError:
+            return False
+    probe = f"import socket; socket.create_connection(({host!r}, {port}), timeout=0.2).close()"
+    done = subprocess.run(
+        [*command_prefix, sys.executable, "-c", probe], capture_output=True, timeout=10
+    )
+    return done.returncode == 0
 
 
 def find_binary(name: str) -> str | None:
@@ -118,33 +136,36 @@ class RedisServer(_Server):
 class MooncakeMaster(_Server):
     binary_name = "mooncake_master"
 
-    def __init__(self) -> None:
+    def __init__(self, *, host: str = "127.0.0.1", command_prefix: Sequence[str] = ()) -> None:
+        """`host`: the address its RPC and metrics ports bind to; `command_prefix`: what the
+        command runs under (e.g. `ip netns exec NS`), readiness probed the same way."""
         super().__init__()
+        self.host = host
+        self.command_prefix = tuple(command_prefix)
         self.rpc_port = free_port()
         self.metrics_port = free_port()
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.rpc_port}"
+        return f"{self.host}:{self.rpc_port}"
 
     def _command(self) -> list[str]:
         return [
+            *self.command_prefix,
             self.binary,
             "-rpc_address",
-            "127.0.0.1",
+            self.host,
             "-rpc_port",
             str(self.rpc_port),
+            "-metrics_host",
+            self.host,
             "-metrics_port",
             str(self.metrics_port),
             "-enable_metric_reporting=false",
         ]
 
     def _ready(self) -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", self.rpc_port), timeout=0.2).close()
-            return True
-        except OSError:
-            return False
+        return tcp_listening(self.host, self.rpc_port, self.command_prefix)
 
 
 class RedisClusterServers:
@@ -274,6 +295,8 @@ class RedisClusterServers:
             "",
             "--appendonly",
             "no",
+            "--protected-mode",
+            "no",  # no password: bound beyond loopback (a test host's address) it would refuse
             "--dir",
             str(node_dir),
         ]
