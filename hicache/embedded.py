@@ -55,6 +55,19 @@ def check_pools_device(device_pools: Mapping[str, DevicePool], backend: CopyBack
         )
 
 
+def check_tp_rank(tp_rank: int, tp_size: int, where: str) -> None:
+    """A rank is one of its layout's tp_size (`model.tp_size`), else ConfigError. At tp_size
+    1 any rank >= 0 passes: deployments from before `model.tp_size` give each rank its own
+    hand-written per-rank layout and use tp_rank only to part their namespaces."""
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or tp_rank < 0:
+        raise ConfigError(f"{where}: tp_rank {tp_rank!r}; allowed: an integer >= 0")
+    if tp_size > 1 and tp_rank >= tp_size:
+        raise ConfigError(
+            f"{where}: tp_rank {tp_rank!r} is not a rank of the layout's tp_size {tp_size} "
+            f"(model.tp_size); allowed: 0..{tp_size - 1}"
+        )
+
+
 @dataclass
 class EmbeddedCache:
     layer_map: LayerMap
@@ -63,6 +76,11 @@ class EmbeddedCache:
     device_pools: dict[str, DevicePool]
     host_tier: HostTier
     scheduler: Scheduler
+    tp_rank: int = 0  # the tensor-parallel rank this stack serves: one of its layout's tp_size
+
+    @property
+    def tp_size(self) -> int:
+        return self.layer_map.layout.tp_size
 
     @classmethod
     def build(
@@ -84,7 +102,11 @@ class EmbeddedCache:
         move_policy: MovePolicy = "hybrid",
         counter_ring_size: int = 3,
         clock: Clock | None = None,
+        tp_rank: int = 0,
     ) -> EmbeddedCache:
+        """One stage of one tensor-parallel rank (`tp_rank` of the layout's tp_size: an
+        embedded engine is one rank, its layer map that rank's share, `shard_layout`)."""
+        check_tp_rank(tp_rank, layer_map.layout.tp_size, "EmbeddedCache.build")
         dtypes = dtype if isinstance(dtype, CacheDtypes) else CacheDtypes.uniform(dtype)
         geometries = {
             g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in layer_map.groups
@@ -127,7 +149,9 @@ class EmbeddedCache:
         except BaseException:
             backend.close()
             raise
-        return cls(layer_map, geometries, backend, dict(device_pools), host_tier, scheduler)
+        return cls(
+            layer_map, geometries, backend, dict(device_pools), host_tier, scheduler, tp_rank
+        )
 
     @classmethod
     def from_config(cls, loaded: LoadedConfig, *, clock: Clock | None = None) -> EmbeddedCache:
@@ -144,6 +168,7 @@ class EmbeddedCache:
         backend: CopyBackend | None = None,
         device_pools: Mapping[str, DevicePool] | None = None,
         clock: Clock | None = None,
+        tp_rank: int = 0,
     ) -> EmbeddedCache:
         """The stack a deployment describes, on a given copy backend and the engine's device
         pools when given (the sidecar shares one backend between namespaces)."""
@@ -173,6 +198,7 @@ class EmbeddedCache:
             move_policy=d.scheduler.move_policy,
             counter_ring_size=d.scheduler.counter_ring_size,
             clock=clock,
+            tp_rank=tp_rank,
         )
 
     def close(self) -> None:

@@ -15,6 +15,11 @@ store). An op finishes on the store it started on, but what that store says is r
 while it is still the attached one (`current()`): a write it acknowledges afterwards is not
 marked in L3, an "absent" answer drops nothing, its timing is not the new store's rate. The
 bytes a read verified are the page's whichever store sent them, so they are indexed in L2.
+
+Tensor parallelism: the groups every rank holds alike (`CacheGroup.replicated`: MLA latents)
+are written by rank 0 only, as SGLang's HiCache backs up MLA from rank 0 alone; the other
+ranks' writes of them are skipped (`replica_skipped_pages`) and they read rank 0's objects,
+which their keys name (`page_keyers`).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class L3Io:
         planner: Planner,
         current: Callable[[], GuardedStore | None],
         clock: Callable[[], float] = time.perf_counter,
+        replica_groups: frozenset[str] = frozenset(),
     ):
         self.index = index
         self.host_tier = host_tier
@@ -50,6 +56,9 @@ class L3Io:
         self.read_rate = ReadRate()
         self.reading_bytes = 0  # asked of L3 by the reads in flight
         self._clock = clock
+        # groups another rank (0) writes to L3 for this one: never written from here
+        self.replica_groups = replica_groups
+        self.replica_skipped_pages = 0
         self._settling: set[asyncio.Future[None]] = set()  # fetches whose threads still run
 
     async def write(
@@ -61,6 +70,10 @@ class L3Io:
         owners: dict[str, list[PageRecord]] = {}
         skipped = 0
         for group, group_records in records.items():
+            if group in self.replica_groups:  # rank 0 writes it (it is the same there)
+                skipped += len(group_records)
+                self.replica_skipped_pages += len(group_records)
+                continue
             pool = self.host_tier.pool(group)
             for record in group_records:
                 page = record.l2_page

@@ -40,7 +40,7 @@ from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner, StorePlan
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.cache.resync import Resync
-from hicache.embedded import EmbeddedCache
+from hicache.embedded import EmbeddedCache, check_tp_rank
 from hicache.errors import HicacheError
 from hicache.index import (
     WRITE_POLICIES,
@@ -102,11 +102,16 @@ def page_keyers(
 ) -> dict[str, PageKeyer]:
     """The keyer of every group the cache keeps (the move policy may leave some to the
     engine: never stored, never needed for a hit), each in its own namespace. Pure: the
-    sidecar's `hello` gives an engine these keyers' roots before any cache exists."""
+    sidecar's `hello` gives an engine these keyers' roots before any cache exists.
+    Tensor parallelism: a group's namespace holds `tp_rank` and the layout's tp_size, except
+    a group replicated across ranks (`CacheGroup.replicated`), keyed as rank 0 of 1 on every
+    rank: one L3 object serves them all."""
     keyers = {}
+    tp_size = layer_map.layout.tp_size
     for name, geom in geometries.items():
         if not moves_group(move_policy, geom.group):
             continue
+        replicated = geom.group.replicated and tp_size > 1  # tp_size 1: keys as before
         namespace = Namespace(
             model=model or layer_map.model_type,
             model_type=layer_map.model_type,
@@ -114,7 +119,8 @@ def page_keyers(
             kv_layout=repr(geom.group.spec),
             page_size_tokens=geom.page_size_tokens,
             group=name,
-            tp_rank=tp_rank,
+            tp_rank=0 if replicated else tp_rank,
+            tp_size=1 if replicated else tp_size,
             pp_rank=layer_map.start_layer,
             tenant_salt=tenant_salt,
         )
@@ -132,8 +138,16 @@ class TieredCache:
         prefetch_policy: PrefetchPolicy,
         absent: AbsentKeys | None = None,
         persist_queue_pages: int = 65_536,
+        tp_rank: int = 0,
     ):
         self.embedded = embedded
+        self.tp_rank = tp_rank
+        # groups every rank holds alike: rank 0 writes them to L3, the other ranks read them
+        replica_groups = frozenset(
+            g.name
+            for g in embedded.layer_map.groups
+            if g.replicated and tp_rank != 0 and embedded.layer_map.layout.tp_size > 1
+        )
         self.index = index
         self.discovery = Discovery(
             index, absent if absent is not None else AbsentKeys(2.0), lambda: self.l3
@@ -148,7 +162,13 @@ class TieredCache:
         self.planner.owed = self.persist.waiting
         self.background_errors = 0
         self.l3: GuardedStore | None = None
-        self.io = L3Io(index, embedded.host_tier, self.planner, lambda: self.l3)
+        self.io = L3Io(
+            index,
+            embedded.host_tier,
+            self.planner,
+            lambda: self.l3,
+            replica_groups=replica_groups,
+        )
         self.resync = Resync(index, self.persist, write_policy, lambda: self.l3)
         self.attach_l3(store)
         self._tg: asyncio.TaskGroup | None = None
@@ -196,14 +216,19 @@ class TieredCache:
         prefetch_timeout_max_s: float = 1.0,
         eviction: str = "lru",
         tenant_salt: str = "",
-        tp_rank: int = 0,
+        tp_rank: int | None = None,
         key_algorithm: str = "xxh3_128",
         l3_index_max_pages: int = 262_144,
         l3_absent_ttl_s: float = 2.0,
         persist_queue_pages: int = 65_536,
     ) -> TieredCache:
         """A cache over `embedded` from settings by name (the `cache` section's); the
-        `prefetch_timeout_*` / `prefetch_auto_*` ones shape the `timeout` policy only."""
+        `prefetch_timeout_*` / `prefetch_auto_*` ones shape the `timeout` policy only.
+        `tp_rank` (default: the embedded stack's) is the rank this cache serves, one of its
+        layout's tp_size."""
+        if tp_rank is None:
+            tp_rank = embedded.tp_rank
+        check_tp_rank(tp_rank, embedded.layer_map.layout.tp_size, "TieredCache.build")
         geometries = embedded.geometries
         page = next(iter(geometries.values())).page_size_tokens
         keyers = page_keyers(
@@ -236,6 +261,7 @@ class TieredCache:
             prefetch,
             AbsentKeys(l3_absent_ttl_s),
             persist_queue_pages,
+            tp_rank,
         )
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -404,7 +430,11 @@ class TieredCache:
             self.planner.abort_store(plan)
             return StoreResult(0, 0, evicted, truncated_to_tokens=truncated)
         records = self.planner.commit_store(plan)
-        to_l3 = {g: [r for r in rs if self.write_policy.on_store(r)] for g, rs in records.items()}
+        to_l3 = {
+            g: [r for r in rs if self.write_policy.on_store(r)]
+            for g, rs in records.items()
+            if g not in self.io.replica_groups  # rank 0 writes those
+        }
         queued = self.persist.offer(to_l3) if self.l3 is not None else 0
         stored = sum(len(rs) for rs in records.values())
         return StoreResult(stored, queued, evicted, result.bytes_moved, result.seconds, truncated)

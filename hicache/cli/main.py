@@ -11,10 +11,14 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hicache import __version__
 from hicache.defaults import default_config_path
 from hicache.errors import HicacheError
+
+if TYPE_CHECKING:
+    from hicache.model import ModelLayout
 
 # the deployment shipped inside the package (the same as the repository's configs/default.yaml,
 # state under ~/.cache/hicache): a wheel or an image runs a bare `hicache serve`
@@ -72,6 +76,14 @@ def _parser() -> argparse.ArgumentParser:
         metavar="TOKENS",
         help="tokens per page for the page bytes (default: a deployment's "
         "model.page_size_tokens, else 16)",
+    )
+    layout.add_argument(
+        "--tp-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tensor-parallel size: show one rank's share, heads and bytes per page per rank "
+        "(default: a deployment's model.tp_size, else 1)",
     )
     layout.add_argument(
         "--dtype",
@@ -212,9 +224,12 @@ def _dispatch(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return cmd_demo(args)
 
 
-def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ignore[no-untyped-def]
-    """The layer map of a config.json, a YAML layer list or a deployment, and the model name
-    its page keys are seeded with."""
+def _layer_map_for(  # type: ignore[no-untyped-def]
+    path: Path, start: int | None, end: int | None, tp_size: int | None = None
+):
+    """The layer map of a config.json, a YAML layer list or a deployment (one rank's share
+    at `tp_size`, default: the deployment's model.tp_size, else 1), and the model name its
+    page keys are seeded with."""
     from hicache.config import load_deployment
     from hicache.model import LayerMap, load_layout, model_identity
 
@@ -229,8 +244,11 @@ def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ign
             is_deployment = False  # load_layout (or load_deployment) names what is wrong
         if is_deployment:
             loaded = load_deployment(path)
-            layout = loaded.layout()
             model = loaded.deployment.model
+            if tp_size is None:
+                layout = loaded.layout()
+            else:
+                layout = _sharded(loaded.global_layout(), tp_size)
             layer_map = LayerMap(
                 layout,
                 model.start_layer if start is None else start,
@@ -238,7 +256,19 @@ def _layer_map_for(path: Path, start: int | None, end: int | None):  # type: ign
             )
             return layer_map, loaded.model_name(), loaded.deployment
     layout = load_layout(path)
-    return LayerMap(layout, start or 0, end), model_identity(path, layout), None
+    name = model_identity(path, layout)
+    layout = _sharded(layout, 1 if tp_size is None else tp_size)
+    return LayerMap(layout, start or 0, end), name, None
+
+
+def _sharded(layout: ModelLayout, tp_size: int) -> ModelLayout:
+    """`shard_layout(layout, tp_size)`, its refusal as the flag's error."""
+    from hicache.model import shard_layout
+
+    try:
+        return shard_layout(layout, tp_size)
+    except HicacheError as exc:
+        raise HicacheError(f"--tp-size {tp_size}: {exc}") from None
 
 
 def _config_torch_dtype(path: Path) -> str | None:
@@ -266,7 +296,9 @@ def cmd_layout(args: argparse.Namespace) -> int:
 
     if args.page_size is not None and args.page_size < 1:
         raise HicacheError(f"--page-size {args.page_size}: allowed: a positive token count")
-    layer_map, name, deployment = _layer_map_for(args.path, args.start_layer, args.end_layer)
+    layer_map, name, deployment = _layer_map_for(
+        args.path, args.start_layer, args.end_layer, args.tp_size
+    )
     if deployment is not None:
         model = deployment.model
         dtypes = (

@@ -38,6 +38,7 @@ class AsyncClient(ClientBase):
             state_dtype=kwargs.pop("state_dtype", None),
             ssm_state_dtype=kwargs.pop("ssm_state_dtype", None),
             role=kwargs.pop("role", "engine"),
+            tp_size=kwargs.pop("tp_size", None),
         )
         if kwargs:
             raise TypeError(f"unknown arguments {sorted(kwargs)}")

@@ -131,8 +131,11 @@ class ClientBase:
         state_dtype: str | None = None,
         ssm_state_dtype: str | None = None,
         role: str = "engine",
+        tp_size: int | None = None,
     ):
         self.layer_map = layer_map
+        # the engine's tensor-parallel size: default, the one its layout was sharded for
+        self.tp_size = layer_map.layout.tp_size if tp_size is None else tp_size
         self.dtype = dtype
         self.page_size_tokens = page_size_tokens
         dtypes = CacheDtypes.from_names(dtype, state_dtype, ssm_state_dtype)
@@ -150,6 +153,8 @@ class ClientBase:
         }
         if role != "engine":  # sidecars before the role field refuse unknown hello keys
             self._hello["role"] = role
+        if self.tp_size != 1:  # likewise: sent only when tensor-parallel
+            self._hello["tp_size"] = self.tp_size
         self._ids = itertools.count(1)
         self.session: dict[str, Any] = {}
         self.pools: SharedPools | None = None

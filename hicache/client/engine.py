@@ -70,6 +70,7 @@ class Client(ClientBase):
         state_dtype: str | None = None,
         ssm_state_dtype: str | None = None,
         role: str = "engine",
+        tp_size: int | None = None,
     ):
         super().__init__(
             layer_map,
@@ -82,6 +83,7 @@ class Client(ClientBase):
             state_dtype=state_dtype,
             ssm_state_dtype=ssm_state_dtype,
             role=role,
+            tp_size=tp_size,
         )
         self.address = address
         self.timeout_s = timeout_s

@@ -37,7 +37,7 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from hicache.config.errors import format_validation_error
 from hicache.config.schema import Deployment
 from hicache.errors import ConfigError
-from hicache.model import LayerMap, ModelLayout, load_layout, model_identity
+from hicache.model import LayerMap, ModelLayout, load_layout, model_identity, shard_layout
 from hicache.model.explicit import ExplicitLayout
 
 ENV_PREFIX = "HICACHE_"
@@ -57,7 +57,8 @@ class LoadedConfig:
         var = self.env_vars.get(key)
         return f"{var} (environment variable)" if var is not None else str(self.path)
 
-    def layout(self) -> ModelLayout:
+    def global_layout(self) -> ModelLayout:
+        """The whole model's layout (config.json's head counts), before tensor parallelism."""
         model = self.deployment.model
         try:
             if model.config_path is not None:
@@ -66,6 +67,16 @@ class LoadedConfig:
             return explicit.to_layout(f"{self.path}: model.layers")
         except ValueError as exc:
             raise ConfigError(f"{self.path}: model: {exc}") from exc
+
+    def layout(self) -> ModelLayout:
+        """What one tensor-parallel rank caches: the global layout split by `model.tp_size`
+        (`hicache.model.shard_layout`); the global layout itself at tp_size 1."""
+        layout = self.global_layout()
+        try:
+            return shard_layout(layout, self.deployment.model.tp_size)
+        except ValueError as exc:
+            source = self.source_of("model.tp_size")
+            raise ConfigError(f"{self.path}: model.tp_size (from {source}): {exc}") from exc
 
     def model_name(self) -> str:
         """The weights' identity joined into every page key: `model.name`, or a default

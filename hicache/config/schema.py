@@ -71,6 +71,13 @@ class ModelSection(Section):
     page_size_tokens: int = Field(
         default=16, ge=1, le=4096, description="tokens per page; match the engine's page size"
     )
+    tp_size: int = Field(
+        default=1,
+        ge=1,
+        le=1024,
+        description="tensor-parallel size of the engine: each rank caches its share of the KV "
+        "heads (and state), as vLLM / SGLang split them; MLA latents are stored once for all",
+    )
     start_layer: int = Field(default=0, ge=0, description="first layer of this pipeline stage")
     end_layer: int | None = Field(default=None, ge=1, description="end (exclusive) of the stage")
 

@@ -1,8 +1,12 @@
 """Page keys: a chained hash over each full page's token ids, seeded by the previous page's
 key; the first page is seeded by the namespace (the model's identity and architecture, dtype,
-KV layout, page size, tensor / pipeline rank, cache group and an optional tenant salt), so two
+KV layout, page size, tensor rank and size, pipeline rank, cache group and an optional tenant
+salt), so two
 namespaces never share a key: an fp8 cache is never read as bf16, two fine-tunes of one
-architecture never read each other's KV, and tenants never read each other's pages.
+architecture never read each other's KV, and tenants never read each other's pages. A group
+replicated across tensor-parallel ranks (an MLA latent) is keyed as rank 0 of size 1 on every
+rank, so all ranks (and a tp_size 1 deployment) share its pages; the size is left out of the
+seed when 1, so keys from before it existed stay valid.
 
 Keys are 16-byte digests. Algorithms: xxh3_128 (the default; fast), blake2b and sha256.
 Partial trailing pages get no key.
@@ -47,9 +51,15 @@ class Namespace:
     pp_rank: int = 0
     tenant_salt: str = ""
     model_type: str = ""  # the architecture, beside the identity
+    # the tensor-parallel size: with kv_heads < tp_size, rank 1 of 4 and rank 1 of 2 hold
+    # different heads of one shape
+    tp_size: int = 1
 
     def seed(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        fields = asdict(self)
+        if fields["tp_size"] == 1:
+            del fields["tp_size"]  # the seed (and every key) as before tp_size existed
+        return json.dumps(fields, sort_keys=True).encode()
 
 
 def _hasher(algorithm: str) -> Callable[[bytes], bytes]:

@@ -1,6 +1,7 @@
 """Model layouts: which cache each layer owns, the cache groups, and the layer map with its
-guards. No torch here. Entry points: `load_layout(path)`, `LayerMap(layout, start, end)`,
-and `model_identity(path, layout)` for the model name page keys are seeded with.
+guards. No torch here. Entry points: `load_layout(path)`, `shard_layout(layout, tp_size)`
+(one tensor-parallel rank's share), `LayerMap(layout, start, end)`, and
+`model_identity(path, layout)` for the model name page keys are seeded with.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from hicache.model.hf_config import layout_from_hf_config, load_hf_layout
 from hicache.model.identity import model_identity
 from hicache.model.layer_map import LayerMap, LayerSlot
 from hicache.model.layout import CacheGroup, ModelLayout
-from hicache.model.specs import CacheKind, CacheSpec, IndexSpec, KvFormat, LayerSpec
+from hicache.model.specs import CacheKind, CacheSpec, IndexSpec, KvFormat, LayerSpec, StateShard
+from hicache.model.tensor_parallel import kv_heads_per_rank, shard_layout
 
 __all__ = [
     "CacheGroup",
@@ -28,9 +30,12 @@ __all__ = [
     "LayerSlot",
     "LayerSpec",
     "ModelLayout",
+    "StateShard",
+    "kv_heads_per_rank",
     "layout_from_hf_config",
     "load_layout",
     "model_identity",
+    "shard_layout",
 ]
 
 

@@ -26,6 +26,11 @@ class CacheGroup:
     def kind(self) -> CacheKind:
         return self.spec.kind
 
+    @property
+    def replicated(self) -> bool:
+        """Every tensor-parallel rank holds the same bytes (`CacheSpec.replicated_across_ranks`)."""
+        return self.spec.replicated_across_ranks
+
 
 @dataclass(frozen=True, slots=True)
 class ModelLayout:
@@ -34,6 +39,7 @@ class ModelLayout:
     groups: tuple[CacheGroup, ...]
     source: str = ""  # where the layout came from, for messages
     rule: str = ""  # how it was derived: "family rule 'gemma3'", "generic dense fallback (...)"
+    tp_size: int = 1  # the tensor-parallel size its specs are one rank's share of
 
     @property
     def num_layers(self) -> int:
@@ -41,10 +47,15 @@ class ModelLayout:
 
     @classmethod
     def build(
-        cls, model_type: str, layers: Sequence[LayerSpec], source: str = "", rule: str = ""
+        cls,
+        model_type: str,
+        layers: Sequence[LayerSpec],
+        source: str = "",
+        rule: str = "",
+        tp_size: int = 1,
     ) -> ModelLayout:
         _validate(model_type, layers, source)
-        return cls(model_type, tuple(layers), _group(layers), source, rule)
+        return cls(model_type, tuple(layers), _group(layers), source, rule, tp_size)
 
     def group(self, name: str) -> CacheGroup:
         for group in self.groups:

@@ -7,8 +7,10 @@ JSON contract (outside tools depend on it; fields may be added, never renamed):
      "full_attention_layer_ids",
      "rule",        # how the layout was derived, e.g. "family rule 'gemma3'" (added)
      "model_name",  # the name page keys are seeded with, or null if not given (added)
+     "tp_size",     # the tensor-parallel size the specs are one rank's share of (added)
      "start_layer", "end_layer",  # the stage: start inclusive, end exclusive
      "groups": [{"name", "kind", "layer_ids", <the spec's fields>,
+                 "replicated",  # the same on every TP rank: stored once in L3 (added)
                  # with `sizing` (added): "page_bytes", "page_size_tokens", "unit",
                  # "tokens_per_gib" (token groups, else null), "snapshots_per_gib" (state
                  # groups, else null)
@@ -106,6 +108,7 @@ def layout_json(
                 "kind": g.kind.value,
                 "layer_ids": list(g.layer_ids),
                 **g.spec.to_json(),
+                "replicated": g.replicated,
                 **_group_sizing((sizing or {}).get(g.name), page_size_tokens),
             }
             for g in layer_map.groups
@@ -113,6 +116,7 @@ def layout_json(
         "pattern": pattern_line([layout.layers[i] for i in layer_map.stage_layer_ids]),
         "rule": layout.rule,
         "model_name": model_name,
+        "tp_size": layout.tp_size,
     }
 
 
@@ -169,8 +173,8 @@ def geometry_text(spec_json: Mapping[str, Any]) -> str:
     """A cache spec's fields as `name=value` words (no Python reprs)."""
     parts = []
     for key, value in spec_json.items():
-        if key == "kind" or value is None:
-            continue
+        if key == "kind" or value is None or (key == "replicated" and not value):
+            continue  # "replicated" shown only where true
         parts.append(f"{key}={_shape(value)}")
     return " ".join(parts)
 
@@ -238,6 +242,12 @@ def layout_table(
         lines.append(f"model_name: {model_name}")
     if data["rule"]:
         lines.append(f"rule: {data['rule']}")
+    if data["tp_size"] > 1:
+        shared = [g["name"] for g in data["groups"] if g["replicated"]]
+        lines.append(
+            f"tensor parallel: one rank of tp_size {data['tp_size']} (heads and page bytes per "
+            "rank); stored once for all ranks: " + (", ".join(shared) or "none")
+        )
     lines += [
         f"pattern: {data['pattern']}    ({LEGEND})",
         "",

@@ -57,6 +57,20 @@ class IndexSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class StateShard:
+    """How a state cache splits across tensor-parallel ranks, as the engines split it: the
+    rule's name (`model.tensor_parallel` applies it) and the global sizes it needs, e.g.
+    ("mamba2", (("d_inner", 8192), ("n_groups", 8), ...)). Set by the family builder that
+    knows the sizes; a state cache without one is refused at tp_size > 1."""
+
+    rule: str
+    sizes: tuple[tuple[str, int], ...]
+
+    def size(self, name: str) -> int:
+        return dict(self.sizes)[name]
+
+
+@dataclass(frozen=True, slots=True)
 class CacheSpec:
     """One cache's kind and geometry. Equal specs share a group (and a pool)."""
 
@@ -70,6 +84,17 @@ class CacheSpec:
     index: IndexSpec | None = None
     # state caches: named tensor shapes of one request's snapshot, e.g. ("ssm", (128, 64, 128))
     state_shapes: tuple[tuple[str, tuple[int, ...]], ...] = field(default=())
+    # a state cache's tensor-parallel split (None: unknown, refused at tp_size > 1); left out
+    # of repr (page keys hash it) and of equality (groups are geometry), so nothing at
+    # tp_size 1 changes with it
+    shard: StateShard | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def replicated_across_ranks(self) -> bool:
+        """True when every tensor-parallel rank holds the same bytes: an MLA latent (and a
+        sparse layer's indexer keys beside it) is computed whole on every rank. Such a cache
+        is stored once in L3 and served to every rank."""
+        return self.kv_format is KvFormat.MLA
 
     def token_tensors(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """Per-token tensors of a token cache, as (name, shape of one token)."""

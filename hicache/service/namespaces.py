@@ -60,7 +60,7 @@ class Namespace:
         # says: the sidecar's backend gives a sibling per device, closed with it
         backend = backend.for_device(pools_device(device_pools))
         embedded = EmbeddedCache.from_deployment(
-            d, layer_map, backend=backend, device_pools=device_pools
+            d, layer_map, backend=backend, device_pools=device_pools, tp_rank=key.tp_rank
         )
         cache = TieredCache.build(
             embedded,

@@ -85,6 +85,7 @@ class EngineOps:
             raise p.RequestError(
                 p.ErrorCode.REFUSED, "hello.token: missing or wrong (service.token is set)"
             )
+        self._check_tp(args)
         diffs = p.layout_differences(args.layout, self.layout)
         if diffs:
             raise p.RequestError(
@@ -127,7 +128,31 @@ class EngineOps:
             "heartbeat_timeout_s": self.service.heartbeat_timeout_s,
             "load_slots": self.service.load_slots,
             "keys": self._key_spec(key),
+            "tp_size": self.layer_map.layout.tp_size,
+            # stored once in L3 (by rank 0) and served to every rank (none at tp_size 1)
+            "replicated_groups": [
+                g.name
+                for g in self.layer_map.groups
+                if g.replicated and self.layer_map.layout.tp_size > 1
+            ],
         }
+
+    def _check_tp(self, args: p.Hello) -> None:
+        """The engine's tensor-parallel size is the deployment's, its rank one of them."""
+        ours = self.deployment.model.tp_size
+        if args.tp_size != ours:
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"hello.tp_size: the engine runs tensor-parallel size {args.tp_size}; this "
+                f"sidecar serves model.tp_size = {ours} (each rank's share of the KV heads "
+                "differs by size); allowed: the same tp_size on both sides",
+            )
+        if args.tp_size > 1 and args.tp_rank >= args.tp_size:  # tp_size 1: see check_tp_rank
+            raise p.RequestError(
+                p.ErrorCode.REFUSED,
+                f"hello.tp_rank: {args.tp_rank} is not a rank of tp_size {args.tp_size} "
+                f"(model.tp_size = {ours}); allowed: 0..{args.tp_size - 1}",
+            )
 
     def _key_spec(self, key: NamespaceKey) -> dict[str, Any]:
         """What an engine needs to compute its namespace's page keys itself (`lookup_keys`):

@@ -75,6 +75,9 @@ class Hello(Msg):
     engine: str = Field(default="", max_length=256)
     pid: int = Field(default=0, ge=0)
     tp_rank: int = Field(default=0, ge=0, le=65535)
+    # the engine's tensor-parallel size: must be the deployment's model.tp_size (sent only
+    # when above 1: sidecars before it refuse unknown hello keys)
+    tp_size: int = Field(default=1, ge=1, le=65536)
     tenant: str = Field(default="", max_length=256)
     token: str | None = Field(default=None, max_length=4096)
     # "engine": owns the namespace's device pools (one per namespace); "lookup": a scheduler

@@ -18,7 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from hicache.errors import LayoutError
-from hicache.model.specs import CacheKind, CacheSpec, IndexSpec, KvFormat, LayerSpec
+from hicache.model.specs import CacheKind, CacheSpec, IndexSpec, KvFormat, LayerSpec, StateShard
 
 # Lists that name one entry per layer; the first present one gives the layer count when
 # `num_hidden_layers` is missing (transformers 5.x derives the count from them).
@@ -255,8 +255,12 @@ def mla(
     )
 
 
-def state(kind: CacheKind, *shapes: tuple[str, tuple[int, ...]]) -> CacheSpec:
-    return CacheSpec(kind=kind, state_shapes=tuple(shapes))
+def state(
+    kind: CacheKind, *shapes: tuple[str, tuple[int, ...]], shard: StateShard | None = None
+) -> CacheSpec:
+    """A state cache; `shard` says how tensor parallelism splits it (None: refused at
+    tp_size > 1, see `model.tensor_parallel`)."""
+    return CacheSpec(kind=kind, state_shapes=tuple(shapes), shard=shard)
 
 
 # State geometry follows the serving engines (vLLM, SGLang), whose pools hicache copies: a
@@ -265,15 +269,24 @@ def state(kind: CacheKind, *shapes: tuple[str, tuple[int, ...]]) -> CacheSpec:
 
 
 def mamba1(d_inner: int, d_conv: int, d_state: int) -> CacheSpec:
-    return state(CacheKind.MAMBA, ("conv", (d_inner, d_conv - 1)), ("ssm", (d_inner, d_state)))
+    return state(
+        CacheKind.MAMBA,
+        ("conv", (d_inner, d_conv - 1)),
+        ("ssm", (d_inner, d_state)),
+        shard=StateShard("mamba1", (("d_inner", d_inner),)),
+    )
 
 
 def mamba2(
     *, d_inner: int, n_groups: int, d_state: int, n_heads: int, head_dim: int, d_conv: int
 ) -> CacheSpec:
     conv_dim = d_inner + 2 * n_groups * d_state
+    sizes = (("d_inner", d_inner), ("n_groups", n_groups), ("d_state", d_state))
     return state(
-        CacheKind.MAMBA, ("conv", (conv_dim, d_conv - 1)), ("ssm", (n_heads, head_dim, d_state))
+        CacheKind.MAMBA,
+        ("conv", (conv_dim, d_conv - 1)),
+        ("ssm", (n_heads, head_dim, d_state)),
+        shard=StateShard("mamba2", (*sizes, ("n_heads", n_heads))),
     )
 
 
@@ -287,6 +300,10 @@ def gated_delta_net(cfg: ConfigView) -> CacheSpec:
         CacheKind.LINEAR,
         ("conv", (conv_dim, cfg.req_int("linear_conv_kernel_dim") - 1)),
         ("recurrent", (v_heads, k_dim, v_dim)),
+        shard=StateShard(
+            "gated_delta_net",
+            (("k_heads", k_heads), ("v_heads", v_heads), ("k_dim", k_dim), ("v_dim", v_dim)),
+        ),
     )
 
 

@@ -19,7 +19,7 @@ from hicache.model.families.common import (
     mla,
     state,
 )
-from hicache.model.specs import CacheKind, CacheSpec, LayerSpec
+from hicache.model.specs import CacheKind, CacheSpec, LayerSpec, StateShard
 
 FULL, LINEAR = "full_attention", "linear_attention"
 
@@ -93,7 +93,10 @@ def minimax(cfg: ConfigView) -> list[LayerSpec]:
         types = [FULL if f == 1 else LINEAR for f in flags]
 
     def lightning(c: ConfigView) -> tuple[CacheSpec, ...]:
-        return (state(CacheKind.LINEAR, ("kv", (c.num_heads, c.head_dim, c.head_dim))),)
+        heads = StateShard("heads", (("n_heads", c.num_heads),))  # vLLM: heads // tp
+        return (
+            state(CacheKind.LINEAR, ("kv", (c.num_heads, c.head_dim, c.head_dim)), shard=heads),
+        )
 
     return layers_from_types(cfg, types, {FULL: lambda c: (full(c),), LINEAR: lightning})
 
