@@ -264,7 +264,7 @@ def _page_bytes(cache: TieredCache, group: str) -> int:
 
 
 def metrics_reference() -> str:
-    """The metrics table of docs/reference.md: every family a sidecar exports, with its type and help."""
+    """The metrics table of docs/reference.md: every family a sidecar exports, its type, help."""
     metrics = ServiceMetrics()
     metrics.watch(list, lambda: None)
     rows = ["| metric | type | meaning |", "|---|---|---|"]
