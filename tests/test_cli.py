@@ -157,10 +157,16 @@ def test_layout_says_what_l2_holds_per_group() -> None:
     )
     linear = next(line for line in table if line.split()[0] == "linear")
     full = next(line for line in table if line.split()[0] == "full")
-    assert "27 snapshots" in linear
-    assert "652 snapshots" in linear
-    assert "43,648 tokens" in full
-    assert "3,145,728 tokens" in full
+    # one rank's share at the deployment's tp_size 4: a quarter of the linear heads, one of
+    # the two KV heads (a 27-snapshot, 43,648-token GiB at tp_size 1)
+    assert "108 snapshots" in linear
+    assert "2,608 snapshots" in linear
+    assert "87,360 tokens" in full
+    assert "6,291,456 tokens" in full
+    single = hicache("layout", str(CONFIGS / "qwen3-next-80b.yaml"), "--tp-size", "1")
+    assert single.returncode == 0, single.stderr
+    assert "27 snapshots" in single.stdout
+    assert "43,648 tokens" in single.stdout
 
 
 def test_layout_groups_table_page_bytes_and_stage_range() -> None:

@@ -24,6 +24,22 @@ EXPECTED = {
     "compose-mooncake.yaml": ("gpt_oss", 24, {"sliding": "sliding", "full": "full"}, "mooncake"),
 }
 
+TP_SIZES = {"gpt-oss-120b.yaml": 2, "qwen3-next-80b.yaml": 4, "deepseek-v3.2.yaml": 8}
+
+
+def test_tensor_parallel_deployments_cache_one_ranks_share() -> None:
+    env = {"HICACHE_SERVICE__TOKEN": "t"}
+    gpt = load_deployment(CONFIGS / "gpt-oss-120b.yaml", env=env).layer_map().layout
+    assert {g.name: g.spec.num_kv_heads for g in gpt.groups} == {"sliding": 4, "full": 4}
+    assert not any(g.replicated for g in gpt.groups)
+    qwen = load_deployment(CONFIGS / "qwen3-next-80b.yaml", env=env).layer_map().layout
+    full = next(g for g in qwen.groups if g.name == "full")
+    assert full.spec.num_kv_heads == 1  # 2 KV heads over 4 ranks: each held by two
+    linear = next(g for g in qwen.groups if g.name == "linear")
+    assert dict(linear.spec.state_shapes)["recurrent"] == (8, 128, 128)  # 32 value heads / 4
+    deepseek = load_deployment(CONFIGS / "deepseek-v3.2.yaml", env=env).layer_map().layout
+    assert [g.replicated for g in deepseek.groups] == [True]  # the latent: once for 8 ranks
+
 
 def test_every_config_is_covered() -> None:
     assert {p.name for p in CONFIGS.glob("*.yaml")} == set(EXPECTED)
@@ -39,6 +55,7 @@ def test_deployment_validates_with_its_layout(name: str) -> None:
     assert layer_map.layout.num_layers == layers
     assert {g.name: g.kind.value for g in layer_map.groups} == groups
     assert loaded.deployment.storage.kind == storage
+    assert layer_map.layout.tp_size == TP_SIZES.get(name, 1)
     if name == "deepseek-v3.2.yaml":  # DSA layers are sparse, never "full attention"
         assert layer_map.layout.full_attention_layer_ids == ()
         assert not layer_map.is_full_attention_layer(0)
