@@ -99,11 +99,11 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             raise ConfigError("HicacheConnector needs vLLM >= 0.32 (it passes kv_cache_config)")
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         parallel = vllm_config.parallel_config
-        if parallel.tensor_parallel_size != 1 or parallel.pipeline_parallel_size != 1:
+        if parallel.pipeline_parallel_size != 1:
             raise ConfigError(
-                f"HicacheConnector: tensor_parallel_size={parallel.tensor_parallel_size}, "
-                f"pipeline_parallel_size={parallel.pipeline_parallel_size}; this connector "
-                "supports 1 and 1 so far"
+                f"HicacheConnector: pipeline_parallel_size={parallel.pipeline_parallel_size}; "
+                "this connector supports 1 so far (tensor parallel: any size the sidecar's "
+                "model.tp_size serves)"
             )
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.parse(extra)
@@ -175,10 +175,19 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         }
 
     def _connect(self, role: str) -> Client:
+        # the worker half is one tensor-parallel rank, caching its share of the heads; the
+        # scheduler half looks up in rank 0's namespace (every rank stores each step's pages,
+        # and a rank that misses fails its load, which vLLM recomputes)
+        tp_rank = 0
+        if role == "engine" and self.layer_map.layout.tp_size > 1:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            tp_rank = int(get_tensor_model_parallel_rank())
         return Client(
             self.settings.address,
             self.layer_map,
             role=role,
+            tp_rank=tp_rank,
             # both halves of one vLLM engine name it alike: a lookup session answers only
             # for the namespace its own engine's worker holds
             engine=f"vllm:{self._engine_id}",

@@ -14,7 +14,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from hicache.errors import ConfigError
 from hicache.integrations.vllm_plan import NULL_BLOCK
-from hicache.model import LayerMap, layout_from_hf_config, load_layout
+from hicache.model import LayerMap, layout_from_hf_config, load_layout, shard_layout
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -22,15 +22,17 @@ if TYPE_CHECKING:
 
 
 def layer_map_of(vllm_config: VllmConfig) -> LayerMap:
-    """hicache's layout of the model vLLM serves, read from its own config.json; the sidecar
-    compares it with its model at hello, so a connector never shares pages across models."""
+    """hicache's layout of the model vLLM serves, read from its own config.json, as one
+    tensor-parallel rank holds it (vLLM's tensor_parallel_size: each rank's KV heads and
+    state); the sidecar compares it with its model at hello, so a connector never shares
+    pages across models or tensor-parallel sizes."""
     model = vllm_config.model_config
     path = Path(str(model.model)) / "config.json"
     if path.is_file():
         layout = load_layout(path)
     else:
         layout = layout_from_hf_config(model.hf_config.to_dict(), str(model.model))
-    return LayerMap(layout)
+    return LayerMap(shard_layout(layout, int(vllm_config.parallel_config.tensor_parallel_size)))
 
 
 def token_block_size(kv_cache_config: KVCacheConfig) -> int:

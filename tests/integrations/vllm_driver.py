@@ -5,7 +5,8 @@
 PLAN: {"model": dir, "max_model_len": int, "max_tokens": int, "multiprocess": bool,
        "connector": {extra config} | null, "rounds": [[[token ids], ...], ...],
        "reset_prefix_cache": bool (before every round after the first),
-       "between_rounds": [shell-free hook names] (see `_hook`)}
+       "between_rounds": [shell-free hook names] (see `_hook`),
+       "tensor_parallel_size": int (default 1; > 1 runs one worker process per rank)}
 OUT: {"rounds": [[{"output": [ids], "logprobs": [float], "cached": n}, ...], ...],
       "start_s": float, "round_s": [float]}
 
@@ -37,8 +38,21 @@ def _env() -> None:
         os.environ.setdefault(key, value)
 
 
+def _bind_ranks(tp_size: int) -> None:
+    """vLLM's CPU workers bind their OpenMP threads to a NUMA node each unless told which
+    CPUs: on a one-node machine, give each rank its slice of this process's CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per_rank = max(1, len(cpus) // tp_size)
+    slices = [cpus[(r * per_rank) % len(cpus) :][:per_rank] for r in range(tp_size)]
+    os.environ.setdefault(
+        "VLLM_CPU_OMP_THREADS_BIND", "|".join(",".join(map(str, s)) for s in slices)
+    )
+
+
 def run(plan: dict[str, Any]) -> dict[str, Any]:
     _env()
+    if plan.get("tensor_parallel_size", 1) > 1:
+        _bind_ranks(int(plan["tensor_parallel_size"]))
     if not plan.get("multiprocess", False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
@@ -62,6 +76,7 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         seed=0,
         skip_tokenizer_init=True,
         enable_prefix_caching=True,
+        tensor_parallel_size=plan.get("tensor_parallel_size", 1),
         **kwargs,
     )
     start_s = time.perf_counter() - started

@@ -53,13 +53,16 @@ class Prompts:
         return (len(prompt) - 1) // self.page * self.page
 
 
-def write_deployment(directory: Path, model: Path, kind: str, *, name: str | None = None) -> Path:
+def write_deployment(
+    directory: Path, model: Path, kind: str, *, name: str | None = None, tp_size: int = 1
+) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     lines = [
         "model:",
         f"  config_path: {model / 'config.json'}",
         "  dtype: bfloat16",
         f"  page_size_tokens: {PAGE[kind]}",
+        f"  tp_size: {tp_size}",
     ]
     if kind in SSM_DTYPE:
         lines.append(f"  ssm_state_dtype: {SSM_DTYPE[kind]}")
@@ -97,6 +100,7 @@ def run_engine(
     max_tokens: int = 8,
     name: str = "engine",
     timeout_s: float = 400,
+    tensor_parallel_size: int = 1,
 ) -> dict[str, Any]:
     """One vLLM engine instance in its own process: each round one generate() call, vLLM's own
     prefix cache reset before every round after the first."""
@@ -109,6 +113,7 @@ def run_engine(
         "max_model_len": 2048,
         "max_tokens": max_tokens,
         "between_rounds": between_rounds or {},
+        "tensor_parallel_size": tensor_parallel_size,
     }
     plan_path, out_path = work / f"{name}.plan.json", work / f"{name}.out.json"
     plan_path.write_text(json.dumps(plan))
