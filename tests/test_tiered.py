@@ -273,3 +273,77 @@ async def test_l3_saying_absent_spares_asking_again_for_a_while(tmp_path: Path) 
             assert cache.needs_discovery(cold, cache.lookup(cold))  # a failure taught nothing
     finally:
         cache.embedded.close()
+
+
+def build_rank(
+    tmp_path: Path, tp_rank: int, host_pages: int, write_policy: str
+) -> tuple[TieredCache, FileBackend]:
+    """One rank of DeepSeek-V3.2 at tp_size 2 (its latent + index keys: one replicated group)
+    on the file L3 every rank shares."""
+    from hicache.model import shard_layout
+
+    layer_map = LayerMap(shard_layout(load_layout(shared_model("deepseek_v32_exp.json")), 2))
+    [geom] = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
+    assert geom.group.replicated
+    embedded = EmbeddedCache.build(
+        layer_map,
+        dtype=torch.float16,
+        page_size_tokens=PAGE,
+        host_capacity_bytes=host_pages * geom.page_bytes,
+        device_pages=16,
+        tp_rank=tp_rank,
+    )
+    backend = FileBackend(tmp_path / "l3", capacity_bytes=1 << 30)
+    cache = TieredCache.build(
+        embedded,
+        store=GuardedStore(backend),
+        write_policy=write_policy,
+        prefetch_policy="wait_complete",
+        tp_rank=tp_rank,
+    )
+    gen = torch.Generator().manual_seed(tp_rank)
+    for pool in embedded.device_pools.values():
+        for layer in pool.tensors:
+            for t in layer.values():
+                t.view(torch.uint8).copy_(
+                    torch.randint(
+                        0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen
+                    )
+                )
+    return cache, backend
+
+
+@pytest.mark.asyncio
+async def test_write_back_on_another_rank_never_holds_replicated_pages_for_l3(
+    tmp_path: Path,
+) -> None:
+    """Rank 1 under write-back stores replicated pages it never writes (rank 0 does): they are
+    clean there, so a fetch of rank 0's objects can evict them instead of finding no room."""
+    rank0, _ = build_rank(tmp_path, 0, host_pages=8, write_policy="write_through")
+    rank1, _ = build_rank(tmp_path, 1, host_pages=4, write_policy="write_back")
+    group = rank1.embedded.layer_map.groups[0].name
+    theirs = list(range(9000, 9000 + 4 * PAGE))  # rank 0 stores and writes it to L3
+    ours = list(range(100, 100 + 4 * PAGE))  # rank 1's own: fills its L2
+    try:
+        async with rank0.running(), rank1.running():
+            await rank0.store(theirs, {group: [0, 1, 2, 3]})
+            await rank0.drain()
+            await rank1.store(ours, {group: [4, 5, 6, 7]})
+            assert rank1.lookup(ours).pages_l2 == 4  # L2 is full of pages L3 lacks
+            assert rank1.io.replica_skipped_pages == 0  # nothing offered to L3 yet
+            assert await rank1.discover(theirs) == 4  # under rank-free keys: rank 0's objects
+            hit = rank1.lookup(theirs)
+            assert hit.pages_total == 4
+            assert hit.pages_l2 == 0  # only in L3, written by rank 0
+            handle, loaded = await rank1.load(theirs, {group: [8, 9, 10, 11]})
+            assert handle is not None, "rank 1 found no room for rank 0's pages"
+            assert loaded.pages_total == 4
+            assert (await handle.done()).ok
+            src = rank0.embedded.device_pools[group]
+            dst = rank1.embedded.device_pools[group]
+            for local in range(src.geometry.num_layers):
+                for a, b in zip(src.layer_rows(local), dst.layer_rows(local), strict=True):
+                    assert torch.equal(a[0:4], b[8:12])  # rank 0's bytes, exactly
+    finally:
+        rank0.embedded.close()
+        rank1.embedded.close()

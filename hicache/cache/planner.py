@@ -92,10 +92,14 @@ class Planner:
         index: PrefixIndex,
         allocators: Mapping[str, PageAllocator],
         write_policy: WritePolicy,
+        written_elsewhere: frozenset[str] = frozenset(),
     ):
         self.index = index
         self.allocators = dict(allocators)
         self.write_policy = write_policy
+        # groups another rank writes to L3 (a replicated group on a tensor-parallel rank
+        # other than 0): never dirty here, so an eviction never waits to write them
+        self.written_elsewhere = written_elsewhere
         self.pending: dict[str, set[PageKey]] = {g: set() for g in index.rules}
         # pages L3 is owed but does not have yet (queued behind an acked store): evicting
         # one would lose it for L3 as well, so it is persisted first, like write-back's
@@ -123,8 +127,11 @@ class Planner:
 
     def _dirty(self, group: str, record: PageRecord) -> bool:
         """L3 should have this page first: the write policy says so (write-back), or a
-        write behind an acked store has not happened yet."""
-        return not record.in_l3 and (self.write_policy.on_evict(record) or self.owed(group, record))
+        write behind an acked store has not happened yet. Never for a group another rank
+        writes."""
+        if record.in_l3 or group in self.written_elsewhere:
+            return False
+        return self.write_policy.on_evict(record) or self.owed(group, record)
 
     def _victims(
         self,

@@ -104,8 +104,9 @@ def page_keyers(
     engine: never stored, never needed for a hit), each in its own namespace. Pure: the
     sidecar's `hello` gives an engine these keyers' roots before any cache exists.
     Tensor parallelism: a group's namespace holds `tp_rank` and the layout's tp_size, except
-    a group replicated across ranks (`CacheGroup.replicated`), keyed as rank 0 of 1 on every
-    rank: one L3 object serves them all."""
+    that a group replicated across ranks (`CacheGroup.replicated`) is keyed as rank 0 on
+    every rank: one L3 object serves them all. The size stays in its keys: a deployment of
+    another tp_size reduces in another order, so its latents may differ in the last bits."""
     keyers = {}
     tp_size = layer_map.layout.tp_size
     for name, geom in geometries.items():
@@ -120,7 +121,7 @@ def page_keyers(
             page_size_tokens=geom.page_size_tokens,
             group=name,
             tp_rank=0 if replicated else tp_rank,
-            tp_size=1 if replicated else tp_size,
+            tp_size=tp_size,
             pp_rank=layer_map.start_layer,
             tenant_salt=tenant_salt,
         )
@@ -157,7 +158,7 @@ class TieredCache:
         allocators = {
             g: p.allocator for g, p in embedded.host_tier.pools.items() if g in index.rules
         }
-        self.planner = Planner(index, allocators, write_policy)
+        self.planner = Planner(index, allocators, write_policy, replica_groups)
         self.persist = PersistQueue(persist_queue_pages)
         self.planner.owed = self.persist.waiting
         self.background_errors = 0

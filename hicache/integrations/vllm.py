@@ -105,6 +105,15 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                 "this connector supports 1 so far (tensor parallel: any size the sidecar's "
                 "model.tp_size serves)"
             )
+        for name in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+            # context parallel splits a request's KV by token across ranks: an MLA latent
+            # (stored once for every rank) would then differ per rank
+            if int(getattr(parallel, name, 1) or 1) != 1:
+                raise ConfigError(
+                    f"HicacheConnector: {name}={getattr(parallel, name)}; context parallel "
+                    "splits each request's KV across ranks by token, which hicache does not "
+                    "key yet; allowed: 1"
+                )
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.parse(extra)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")

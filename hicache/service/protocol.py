@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from hicache.index import KEY_BYTES
 from hicache.memory import GroupGeometry
 from hicache.model import CacheKind, CacheSpec, LayerMap
+from hicache.model.tensor_parallel import TP_SIZE_MAX
 
 # 2: stores say each snapshot's length, and which pages are held; 3: pools and counters are
 # sealed memfds named by descriptor number (no paths)
@@ -77,7 +78,7 @@ class Hello(Msg):
     tp_rank: int = Field(default=0, ge=0, le=65535)
     # the engine's tensor-parallel size: must be the deployment's model.tp_size (sent only
     # when above 1: sidecars before it refuse unknown hello keys)
-    tp_size: int = Field(default=1, ge=1, le=65536)
+    tp_size: int = Field(default=1, ge=1, le=TP_SIZE_MAX)
     tenant: str = Field(default="", max_length=256)
     token: str | None = Field(default=None, max_length=4096)
     # "engine": owns the namespace's device pools (one per namespace); "lookup": a scheduler
