@@ -44,6 +44,8 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "in_flight_walks": sched.in_flight_walks,
         "ops_by_state": dict(sched.ops_by_state),
         "persist": asdict(cache.persist.stats()),
+        # pages of replicated groups (MLA latents) this tensor-parallel rank left to rank 0
+        "l3_replica_skipped_pages": cache.io.replica_skipped_pages,
         "l3_resync": asdict(cache.resync.stats()),
         "background_errors": cache.background_errors,
         "load": asdict(sched.load),

@@ -261,3 +261,25 @@ def test_a_failed_load_never_stores_what_was_computed_over_it(models: Path, tmp_
     assert outputs(failed) == reference
     assert cached(again) == [[p.hit(longer)]]
     assert outputs(again) == reference
+
+
+def test_tensor_parallel_ranks_each_load_their_own_heads(models: Path, tmp_path: Path) -> None:
+    """vLLM at tensor_parallel_size 2 (two worker processes, one KV head each of the tiny
+    Llama's two) against a sidecar serving model.tp_size 2: each worker attaches as its rank,
+    stores and loads its own heads, and the outputs equal vLLM's own at the same size."""
+    model = _model(models, "llama")
+    p = Prompts.of("llama")
+    rounds = [[p.a], [p.b], [p.a]]
+    tp = {"multiprocess": True, "tensor_parallel_size": 2}
+    reference = outputs(run_engine(tmp_path, model, rounds, name="reference-tp2", **tp))
+    deploy = write_deployment(tmp_path / "sidecar", model, "llama", tp_size=2)
+    with SidecarProcess(deploy) as sidecar:
+        got = run_engine(tmp_path, model, rounds, connector=_connector(deploy), name="tp2", **tp)
+        namespaces = sidecar.get_json("/v1/stats")["namespaces"]
+    assert outputs(got) == reference
+    assert cached(got) == [[0], [p.hit(p.b)], [p.hit(p.a)]]
+    by_rank = {ns["namespace"].split()[0]: ns for ns in namespaces}
+    assert sorted(by_rank) == ["tp_rank=0", "tp_rank=1"]  # one namespace per worker
+    for name, ns in by_rank.items():
+        assert int(ns["load"]["ops"]) >= 2, (name, ns["load"])  # both hits, on both ranks
+        assert ns["groups"]["full"]["l2_pages"] > 0, (name, ns["groups"])
