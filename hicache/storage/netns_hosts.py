@@ -68,7 +68,9 @@ def available() -> str | None:
     added = _ip("netns", "add", probe)
     if added.returncode != 0:
         return f"`ip netns add {probe}` refused: {added.stderr.strip() or added.returncode}"
-    _ip("netns", "delete", probe)
+    deleted = _ip("netns", "delete", probe)
+    if deleted.returncode != 0:  # a namespace made but not removable: the hosts would leak
+        return f"`ip netns delete {probe}` refused: {deleted.stderr.strip() or deleted.returncode}"
     return None
 
 
