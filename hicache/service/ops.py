@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
-from hicache.cache.tiered import page_keyers
+from hicache.cache.keyers import page_keyers
 from hicache.config import Deployment
 from hicache.config.schema import ServiceSection
 from hicache.errors import HicacheError

@@ -30,7 +30,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from hicache.cache.tiered import page_keyers
+from hicache.cache.keyers import page_keyers
 from hicache.config import Deployment
 from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
 from hicache.memory import CacheDtypes, GroupGeometry

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from hicache.cache.tiered import page_keyers
+from hicache.cache.keyers import page_keyers
 from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import (
