@@ -4,16 +4,21 @@ Lifecycle: built from a `redis+cluster://` URL (or a `redis://` one with `cluste
 seed suffices, a comma-separated list in the netloc adds more); nothing connects until the
 first call, so a cluster that is down at start-up is the breaker's to find, not a start-up
 error. The first put builds redis-py's blocking cluster client (which reads the slot map from
-a seed), the first read its asyncio client; `close()` closes both.
+a seed), the first read its asyncio client; `close()` closes both, and from then on every
+call fails as `TierUnavailableError` ("closed") instead of building a client nothing closes.
 
 Puts are vectored like `RedisBackend`'s: each SET is framed by hand (`redis_wire.set_head`)
 around the object's parts and sent on a connection to the master that owns its key's slot
 (keys are hash-tagged `<prefix>{<key hex>}`), one connection per master for the whole batch,
 objects streamed as they are produced; then each master's replies are read in order. A
-MOVED, ASK, TRYAGAIN or CLUSTERDOWN reply, or a master that cannot be reached, sends those
-objects to a second round after the slot map is read again (ASK: to the node it names,
-behind ASKING); what fails in that round fails the whole call as `TierUnavailableError`, which
-`GuardedStore`'s breaker counts. During a failover (a master dead, its replica not yet
+MOVED, ASK, TRYAGAIN, CLUSTERDOWN, MASTERDOWN or LOADING reply (`redis_wire.is_failover`), or
+a master that cannot be reached, sends those objects to a second round after the slot map is
+read again (one re-read at a time; ASK: to the node it names, behind ASKING; none after
+`stop_writes`), counted in `objects_resent`; what fails in that round fails the whole call as
+`TierUnavailableError`, which `GuardedStore`'s breaker counts. Any other error reply (OOM,
+READONLY) fails the call at once. A connection goes back to its pool only with every reply
+sent on it read; any other is disconnected first (a failed call leaves no stale reply for the
+next one to read as its own). During a failover (a master dead, its replica not yet
 promoted) calls fail that way, and succeed again once the cluster has promoted the replica.
 
 Reads, exists and deletes go through redis-py's asyncio cluster pipeline, which groups the
@@ -32,13 +37,7 @@ from dataclasses import dataclass
 import redis.asyncio.cluster as aiocluster
 import redis.cluster
 from redis.crc import key_slot
-from redis.exceptions import (
-    AskError,
-    ClusterDownError,
-    MovedError,
-    ResponseError,
-    TryAgainError,
-)
+from redis.exceptions import AskError, BusyLoadingError, MovedError, ResponseError
 
 from hicache.config.schema import RedisStorage
 from hicache.config.urls import redacted_url
@@ -47,14 +46,12 @@ from hicache.storage.backend import Buffer, StorageBackend
 from hicache.storage.redis_wire import (
     ASKING,
     REDIS_FAILURES,
+    is_failover,
     is_wrongtype,
     object_name,
     set_head,
     unavailable,
 )
-
-# replies after which the object goes to the second round (MovedError is an AskError)
-_REDIRECTS = (AskError, TryAgainError, ClusterDownError)
 
 
 @dataclass
@@ -86,17 +83,25 @@ class RedisClusterBackend(StorageBackend):
             "socket_connect_timeout": socket_timeout_s,
         }
         self._stopped = threading.Event()  # stop_writes: puts on threads send no more objects
-        self._lock = threading.Lock()  # builds the blocking client once
+        self._lock = threading.Lock()  # builds the blocking client once; guards `_closed`
+        self._refresh_lock = threading.Lock()  # one slot-map re-read at a time
+        self._closed = False  # close() was called: no client is built again
         self._sync: redis.cluster.RedisCluster | None = None
         self._async: aiocluster.RedisCluster | None = None
+        self.objects_resent = 0  # objects sent in a second round (redirected, node failed)
 
     def _name(self, key: bytes) -> str:
         return object_name(self.key_prefix, key)
 
     # ---- clients, built on first use ----
 
+    def _closed_error(self) -> TierUnavailableError:
+        return TierUnavailableError(f"redis at {self.where}: closed")
+
     def _sync_client(self) -> redis.cluster.RedisCluster:
         with self._lock:
+            if self._closed:  # a put thread started just before close(): nothing would close
+                raise self._closed_error()  # a client built now
             if self._sync is None:
                 try:
                     self._sync = redis.cluster.RedisCluster(
@@ -112,6 +117,8 @@ class RedisClusterBackend(StorageBackend):
             return self._sync
 
     def _async_client(self) -> aiocluster.RedisCluster:
+        if self._closed:
+            raise self._closed_error()
         if self._async is None:
             self._async = aiocluster.RedisCluster.from_url(
                 self._single_url,
@@ -141,16 +148,22 @@ class RedisClusterBackend(StorageBackend):
             # object by object, as the items are produced (a lazy producer computes each
             # header here, while the masters drain the previous objects from their sockets)
             for key, parts in items:
+                if self._closed:  # close() ran meanwhile: this call's connections go too
+                    raise self._closed_error()
                 stored.append(False)
                 if not self._stopped.is_set():  # stop_writes: the rest are not stored
                     yield _Put(len(stored) - 1, self._name(key).encode(), parts)
 
         again = self._send_round(cluster, produced(), stored)
-        if again:
-            try:
-                cluster.nodes_manager.initialize()  # the slot map, read again
-            except REDIS_FAILURES as exc:
-                raise unavailable(self.where, exc) from exc
+        if again and self._closed:
+            raise self._closed_error()
+        if again and not self._stopped.is_set():  # stop_writes: no second round either
+            with self._refresh_lock:  # one re-read at a time: two put threads may share it
+                try:
+                    cluster.nodes_manager.initialize()  # the slot map, read again
+                except REDIS_FAILURES as exc:
+                    raise unavailable(self.where, exc) from exc
+                self.objects_resent += len(again)  # under the lock: threads share the count
             if self._send_round(cluster, again, stored, last=True):
                 raise AssertionError("the last round returns nothing to send again")
         return stored
@@ -165,10 +178,15 @@ class RedisClusterBackend(StorageBackend):
     ) -> list[_Put]:
         """Send `puts`, each to its slot's master, and read the replies; marks `stored`.
         Returns the puts to send again (redirected, or their node unreachable); in the `last`
-        round those fail the call instead."""
+        round those fail the call instead.
+
+        A connection goes back to its pool as it is only when every reply sent on it was read
+        (`in_step`); any other (an error reply, a node that failed, or any exception before
+        its replies were read) is disconnected first, so no later call reads its replies."""
         conns: dict[str, tuple[redis.Redis, object]] = {}  # node name -> (client, connection)
         sent: dict[str, list[_Put]] = {}
         failed: dict[str, BaseException] = {}  # node name -> why it could not be reached
+        in_step: set[str] = set()  # nodes whose connection has every reply read
         again: list[_Put] = []
         try:
             for put in puts:
@@ -206,22 +224,20 @@ class RedisClusterBackend(StorageBackend):
                         if put.ask is not None:
                             self._reply(conn)  # ASKING's +OK
                         reply = self._reply(conn)
-                        if isinstance(reply, _REDIRECTS):
+                        if is_failover(reply):
                             again.append(self._redirected(put, reply))
                         elif isinstance(reply, ResponseError):
                             raise unavailable(self.where, reply, f"SET {put.name.decode()}")
                         else:
                             stored[put.index] = reply == b"OK"
                         resolved += 1
-                except TierUnavailableError:
-                    failed[node_name] = TierUnavailableError("an error reply")  # out of step
-                    raise
+                    in_step.add(node_name)
                 except REDIS_FAILURES as exc:
                     failed[node_name] = exc
                     again.extend(node_puts[resolved:])
         finally:
             for node_name, (client, conn) in conns.items():
-                if node_name in failed:
+                if node_name not in in_step:
                     conn.disconnect()  # type: ignore[attr-defined]  # replies may be unread
                 client.connection_pool.release(conn)  # type: ignore[arg-type]
         if again and last:
@@ -244,10 +260,12 @@ class RedisClusterBackend(StorageBackend):
 
     @staticmethod
     def _reply(conn: object) -> object:
-        """One reply; an error reply is returned (the connection stays in step), not raised."""
+        """One reply; an error reply is returned (the connection stays in step), not raised:
+        LOADING too, which redis-py raises as a connection error after reading the whole
+        line (read without its disconnect: what fails here is disconnected by the caller)."""
         try:
-            return conn.read_response()  # type: ignore[attr-defined]
-        except ResponseError as exc:
+            return conn.read_response(disconnect_on_error=False)  # type: ignore[attr-defined]
+        except (ResponseError, BusyLoadingError) as exc:
             return exc
 
     @staticmethod
@@ -298,9 +316,11 @@ class RedisClusterBackend(StorageBackend):
         await self._pipeline([("UNLINK", (self._name(k),)) for k in keys])
 
     async def close(self) -> None:
-        if self._async is not None:
-            await self._async.aclose()
         with self._lock:
+            self._closed = True
             sync, self._sync = self._sync, None
+        aio, self._async = self._async, None
+        if aio is not None:
+            await aio.aclose()
         if sync is not None:
             await asyncio.to_thread(sync.close)

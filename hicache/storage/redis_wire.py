@@ -5,7 +5,17 @@ the hand-framed RESP header of a vectored SET, and the mapping of redis-py's err
 
 from __future__ import annotations
 
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from typing import TypeGuard
+
+from redis.exceptions import (
+    AskError,
+    BusyLoadingError,
+    ClusterDownError,
+    RedisClusterException,
+    RedisError,
+    ResponseError,
+    TryAgainError,
+)
 
 from hicache.errors import TierUnavailableError
 
@@ -23,6 +33,19 @@ def set_head(name: bytes, total_bytes: int) -> bytes:
     """RESP for `SET name <value>` up to the value itself: the value's `total_bytes` follow,
     then `\\r\\n`."""
     return b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(name), name, total_bytes)
+
+
+# replies to a command that say "not here, not now" rather than "refused": MOVED and ASK
+# (MovedError is an AskError), TRYAGAIN, CLUSTERDOWN and MASTERDOWN (MasterDownError is a
+# ClusterDownError), LOADING (BusyLoadingError: a node loading its data set, as a restarted
+# or newly promoted one may be)
+FAILOVER_REPLIES = (AskError, TryAgainError, ClusterDownError, BusyLoadingError)
+
+
+def is_failover(reply: object) -> TypeGuard[ResponseError | BusyLoadingError]:
+    """A redirect or a failover-time error: worth sending again after the slot map is read
+    again. Anything else an error reply says (OOM, READONLY, WRONGTYPE) is not."""
+    return isinstance(reply, FAILOVER_REPLIES)
 
 
 ASKING = b"*1\r\n$6\r\nASKING\r\n"  # before a command sent where an ASK redirect pointed

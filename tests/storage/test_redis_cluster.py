@@ -1,7 +1,11 @@
 """The redis backend against a real Redis Cluster on loopback (3 masters, a replica each, one
 module-scoped cluster): a batch's keys spread over every master, byte-exact round trips
 through the backend, a `GuardedStore` and a `TieredCache`, WRONGTYPE as a counted miss, the
-config's cluster forms and their errors, and a master SIGKILLed while a writer / reader loop
+config's cluster forms and their errors; a failed put (an OOM reply, a producer that raises)
+leaves no connection with unread replies in a pool; a slot resharded under a cached slot map
+(MOVED: the second round) and one mid-migration (ASK: ASKING on the importing master);
+which replies go to the second round; close() racing a put; and a master SIGKILLed while a
+writer / reader loop
 and an engine run: every load is the exact bytes or a miss, nothing raises, and once the
 replica is promoted stores and loads succeed again. The kill runs last (it leaves one master
 without a replica)."""
@@ -10,12 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 import redis
+import redis._parsers.base
+import redis.connection
 import torch
 from pydantic import ValidationError
 from redis.crc import key_slot
@@ -32,6 +40,7 @@ from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
 from hicache.storage.factory import make_backend
 from hicache.storage.local_servers import RedisClusterServers as ClusterType
 from hicache.storage.redis_cluster_backend import RedisClusterBackend
+from hicache.storage.redis_wire import is_failover, object_name
 from tests.config.test_config import BASE, write
 from tests.conftest import shared_model
 from tests.storage.servers import RedisClusterServers
@@ -230,6 +239,283 @@ def test_cluster_urls_and_their_seeds() -> None:
     )
     assert RedisStorage(kind="redis", url="redis+cluster://h:1", cluster=True).is_cluster
     assert not RedisStorage(kind="redis", url="redis://h:1/3").is_cluster
+
+
+# ---- redirects, error replies and the connections they leave behind -----------------------
+
+
+def _key_in_slot(slot: int, tag: bytes, prefix: str = "hicache:") -> bytes:
+    """A 16-byte key whose object name (`redis_wire.object_name`) hashes to `slot`."""
+    for i in range(1 << 20):
+        key = (tag + i.to_bytes(4, "big")).ljust(16, b".")
+        if key_slot(object_name(prefix, key).encode()) == slot:
+            return key
+    raise AssertionError(f"no key found for slot {slot}")
+
+
+def _node_id(cluster: ClusterType, port: int) -> str:
+    node_id = _raw(cluster, port).execute_command("CLUSTER", "MYID")  # type: ignore[no-untyped-call]
+    return node_id.decode() if isinstance(node_id, bytes) else str(node_id)
+
+
+def _other_master(cluster: ClusterType, port: int) -> int:
+    return next(p for p in cluster.master_ports() if p != port)
+
+
+def _begin_migration(cluster: ClusterType, slot: int, source: int, target: int) -> None:
+    """The standard resharding's first step: `slot` IMPORTING on target, MIGRATING on source."""
+    _raw(cluster, target).execute_command(  # type: ignore[no-untyped-call]
+        "CLUSTER", "SETSLOT", slot, "IMPORTING", _node_id(cluster, source)
+    )
+    _raw(cluster, source).execute_command(  # type: ignore[no-untyped-call]
+        "CLUSTER", "SETSLOT", slot, "MIGRATING", _node_id(cluster, target)
+    )
+
+
+def _finish_migration(cluster: ClusterType, slot: int, source: int, target: int) -> None:
+    """MIGRATE the slot's keys, then `SETSLOT slot NODE target` on every master (target
+    first), and wait until every node serves the slot from the target."""
+    src = _raw(cluster, source)
+    while keys := src.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 100):  # type: ignore[no-untyped-call]
+        src.execute_command(  # type: ignore[no-untyped-call]
+            "MIGRATE", cluster.host, target, "", 0, 5000, "KEYS", *keys
+        )
+    target_id = _node_id(cluster, target)
+    for port in [target, source] + [p for p in cluster.master_ports() if p not in (source, target)]:
+        _raw(cluster, port).execute_command(  # type: ignore[no-untyped-call]
+            "CLUSTER", "SETSLOT", slot, "NODE", target_id
+        )
+    for _ in range(200):  # replicas learn it by gossip
+        views = [
+            _raw(cluster, port).execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
+            for port in cluster.processes
+        ]
+        if all(
+            any(
+                start <= slot <= end and int(master[1]) == target for start, end, master, *_ in view
+            )
+            for view in views
+        ):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"slot {slot} not served from {target} by every node")
+
+
+class Releases:
+    """Spies on the release of `backend`'s blocking pools: for each connection released,
+    whether it was disconnected or else had a reply waiting (a stale reply the next call
+    would read as its own)."""
+
+    def __init__(
+        self, monkeypatch: pytest.MonkeyPatch, backend: RedisClusterBackend, wait_s: float = 0.3
+    ):
+        self.seen: list[tuple[str, str]] = []  # (node, "disconnected" | "stale" | "in step")
+        original = redis.connection.ConnectionPool.release
+        nodes = backend._sync_client().nodes_manager
+
+        def release(
+            pool: redis.connection.ConnectionPool, conn: redis.connection.Connection
+        ) -> None:
+            ours = {n.redis_connection.connection_pool for n in nodes.nodes_cache.values()}
+            if pool not in ours:  # a test's own client
+                return original(pool, conn)
+            if conn._sock is None:
+                state = "disconnected"
+            else:  # the server answers at once on loopback: a missed reply shows within wait_s
+                state = "stale" if conn.can_read(timeout=wait_s) else "in step"
+            self.seen.append((f"{conn.host}:{conn.port}", state))
+            original(pool, conn)
+
+        monkeypatch.setattr(redis.connection.ConnectionPool, "release", release)
+
+    def states(self) -> list[str]:
+        return [state for _, state in self.seen]
+
+
+@pytest.mark.asyncio
+async def test_an_oom_reply_fails_the_put_and_leaves_no_stale_replies(
+    cluster: ClusterType, backend: RedisClusterBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    items = _items(b"oom", 48)
+    owner = _slot_owner(cluster)
+    full = owner[key_slot(object_name("hicache:", items[0][0]).encode())]  # read first
+    assert await backend.put_many(items[:1]) == [True]  # the client and its slot map exist
+    releases = Releases(monkeypatch, backend)
+    raw = _raw(cluster, full)
+    raw.config_set("maxmemory-policy", "noeviction")
+    raw.config_set("maxmemory", "1")  # every write refused: OOM
+    try:
+        with pytest.raises(TierUnavailableError) as info:
+            await backend.put_many(items)
+    finally:
+        raw.config_set("maxmemory", "0")
+    assert str(info.value).startswith(
+        f"redis at {backend.where}: SET hicache:{{{items[0][0].hex()}}}: OutOfMemoryError: "
+        "command not allowed when used memory > 'maxmemory'"
+    ), info.value
+    assert len(releases.seen) == len(cluster.master_ports())  # every master had objects
+    # every connection of the failed call, read or not, was disconnected before its release
+    assert releases.states() == ["disconnected"] * len(releases.seen), releases.seen
+    releases.seen.clear()
+    again = _items(b"oom-after", 48)
+    assert await backend.put_many(again) == [True] * 48
+    assert releases.states() == ["in step"] * len(releases.seen)
+    assert await backend.get_many([k for k, _ in again]) == [d for _, d in again]
+    assert backend.objects_resent == 0
+
+
+@pytest.mark.asyncio
+async def test_a_producer_that_raises_mid_batch_leaves_no_stale_replies(
+    backend: RedisClusterBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert await backend.put_many(_items(b"producer", 1)) == [True]
+    releases = Releases(monkeypatch, backend)
+
+    def items() -> Iterator[tuple[bytes, list[bytes]]]:
+        for key, data in _items(b"producer", 24):  # sent to every master, none read yet
+            yield key, [data]
+        raise ValueError("the 25th page's bytes could not be framed")
+
+    with pytest.raises(ValueError, match="25th page"):
+        await backend.put_parts_many(items())
+    assert releases.states() == ["disconnected"] * 3, releases.seen
+    releases.seen.clear()
+    after = _items(b"producer-after", 24)
+    assert await backend.put_many(after) == [True] * 24
+    assert set(releases.states()) == {"in step"}
+    assert await backend.get_many([k for k, _ in after]) == [d for _, d in after]
+
+
+@pytest.mark.asyncio
+async def test_a_moved_slot_is_put_again_on_its_new_master(
+    cluster: ClusterType, backend: RedisClusterBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = _items(b"moved-old", 1)[0]
+    slot = key_slot(object_name("hicache:", old[0]).encode())
+    source = _slot_owner(cluster)[slot]
+    target = _other_master(cluster, source)
+    assert await backend.put_many([old]) == [True]  # the blocking client caches the slot map
+    stopping = RedisClusterBackend(cluster.seed_url, socket_timeout_s=0.5)
+    assert await stopping.put_many([old]) == [True]  # so does this one's
+    refreshes: list[int] = []
+    cached = backend._sync_client()
+    initialize = cached.nodes_manager.initialize
+
+    def counted_initialize() -> None:  # the backend calls it without arguments
+        refreshes.append(1)
+        initialize()
+
+    monkeypatch.setattr(cached.nodes_manager, "initialize", counted_initialize)
+    _begin_migration(cluster, slot, source, target)
+    _finish_migration(cluster, slot, source, target)  # the old key moves with its slot
+    assert _slot_owner(cluster)[slot] == target
+    assert cached.nodes_manager.get_node_from_slot(slot).port == source  # still the old map
+    new = (_key_in_slot(slot, b"moved-new"), b"moved to its slot's new master" * 100)
+    overwritten = (old[0], b"a new value" * 100)
+    elsewhere = _items(b"moved-bystander", 12)
+    try:
+
+        def then_stop() -> Iterator[tuple[bytes, list[bytes]]]:
+            yield new[0], [new[1]]
+            stopping.stop_writes()  # after the first round's sends: no second round
+
+        assert await stopping.put_parts_many(then_stop()) == [False]
+        assert stopping.objects_resent == 0
+    finally:
+        await stopping.close()
+    releases = Releases(monkeypatch, backend)
+    assert await backend.put_many([new, overwritten, *elsewhere]) == [True] * 14
+    assert backend.objects_resent == 2  # both MOVED, sent in the second round
+    assert refreshes == [1]  # the slot map was read again, once
+    assert cached.nodes_manager.get_node_from_slot(slot).port == target
+    assert set(releases.states()) == {"in step"}
+    assert _raw(cluster, target).get(object_name("hicache:", new[0])) == new[1]
+    assert _raw(cluster, source).cluster("countkeysinslot", slot) == 0  # all moved
+    keys = [new[0], old[0], *(k for k, _ in elsewhere)]
+    assert await backend.get_many(keys) == [new[1], overwritten[1], *(d for _, d in elsewhere)]
+
+
+@pytest.mark.asyncio
+async def test_an_ask_redirect_lands_on_the_importing_master_behind_asking(
+    cluster: ClusterType, backend: RedisClusterBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    old = _items(b"ask-old", 1)[0]
+    slot = key_slot(object_name("hicache:", old[0]).encode())
+    source = _slot_owner(cluster)[slot]
+    target = _other_master(cluster, source)
+    assert await backend.put_many([old]) == [True]  # stays on the source while migrating
+    _begin_migration(cluster, slot, source, target)
+    try:
+        releases = Releases(monkeypatch, backend)
+        new = (_key_in_slot(slot, b"ask-new"), b"asked" * 1000)
+        elsewhere = _items(b"ask-bystander", 12)
+        assert await backend.put_many([new, old, *elsewhere]) == [True] * 14
+        assert backend.objects_resent == 1  # the new key: ASK, then ASKING + SET on the target
+        assert set(releases.states()) == {"in step"}, releases.seen  # ASKING's +OK was read
+        for port in (target, source):  # the new key on the target, the old on the source
+            assert _raw(cluster, port).cluster("countkeysinslot", slot) == 1
+        # the same pools again: a second ASK and plain SETs on the target's connection
+        releases.seen.clear()
+        second = (_key_in_slot(slot, b"ask-second"), b"asked again" * 1000)
+        more = _items(b"ask-more", 24)
+        assert await backend.put_many([*more, second]) == [True] * 25
+        assert backend.objects_resent == 2
+        assert set(releases.states()) == {"in step"}, releases.seen
+        keys = [new[0], old[0], second[0], *(k for k, _ in elsewhere + more)]
+        values = [new[1], old[1], second[1], *(d for _, d in elsewhere + more)]
+        assert await backend.get_many(keys) == values
+    finally:
+        _finish_migration(cluster, slot, source, target)
+    assert await backend.get_many(keys) == values
+
+
+def test_failover_replies_go_to_the_second_round_other_errors_do_not() -> None:
+    def parse(line: str) -> object:  # an error reply as redis-py's parser makes it
+        return redis._parsers.base.BaseParser.parse_error(line)  # type: ignore[no-untyped-call]
+
+    again = [
+        "MOVED 3999 127.0.0.1:6381",
+        "ASK 3999 127.0.0.1:6381",
+        "TRYAGAIN Multiple keys request during rehashing of slot",
+        "CLUSTERDOWN The cluster is down",
+        "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
+        "LOADING Redis is loading the dataset in memory",
+    ]
+    refused = [
+        "OOM command not allowed when used memory > 'maxmemory'.",
+        "READONLY You can't write against a read only replica.",
+        "WRONGTYPE Operation against a key holding the wrong kind of value",
+        "ERR unknown command",
+    ]
+    assert [is_failover(parse(line)) for line in again] == [True] * len(again)
+    assert [is_failover(parse(line)) for line in refused] == [False] * len(refused)
+
+
+@pytest.mark.asyncio
+async def test_a_put_racing_close_fails_and_builds_no_client(cluster: ClusterType) -> None:
+    backend = RedisClusterBackend(cluster.seed_url, socket_timeout_s=0.5)
+    assert await backend.put_many(_items(b"close", 4)) == [True] * 4
+    producing = threading.Event()
+    closed = threading.Event()
+
+    def items() -> Iterator[tuple[bytes, list[bytes]]]:
+        for key, data in _items(b"closing", 8):
+            yield key, [data]
+            producing.set()
+            closed.wait(5.0)
+
+    put = asyncio.ensure_future(backend.put_parts_many(items()))
+    assert await asyncio.to_thread(producing.wait, 5.0)
+    await backend.close()
+    closed.set()
+    with pytest.raises(TierUnavailableError) as info:
+        await put
+    assert str(info.value) == f"redis at {backend.where}: closed"
+    for call in (backend.put_many([(b"k" * 16, b"v")]), backend.get_many([b"k" * 16])):
+        with pytest.raises(TierUnavailableError, match=r": closed$"):
+            await call
+    assert backend._sync is None
+    assert backend._async is None
 
 
 # ---- an engine over a TieredCache, and a master killed under it ----------------------------
