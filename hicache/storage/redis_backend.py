@@ -28,20 +28,19 @@ from collections.abc import Iterable, Sequence
 
 import redis
 import redis.asyncio as aioredis
-from redis.exceptions import ResponseError
 
 from hicache.config.urls import redacted_url
-from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.backend import Buffer
+from hicache.storage.redis_reads import RedisReads
 from hicache.storage.redis_wire import (
     REDIS_FAILURES,
-    is_wrongtype,
     object_name,
     set_head,
     unavailable,
 )
 
 
-class RedisBackend(StorageBackend):
+class RedisBackend(RedisReads):
     name = "redis"
 
     def __init__(
@@ -76,14 +75,12 @@ class RedisBackend(StorageBackend):
         return object_name(self.key_prefix, key)
 
     async def _pipeline(
-        self, commands: Sequence[tuple[str, tuple[object, ...]]], *, per_reply: bool = False
+        self, commands: Sequence[tuple[str, tuple[str, ...]]], *, per_reply: bool = False
     ) -> list[object]:
-        """The replies in order; `per_reply`: error replies come back as `ResponseError`
-        values for the caller to judge, instead of failing the whole call."""
         try:
             async with self._client.pipeline(transaction=False) as pipe:
                 for command, args in commands:
-                    getattr(pipe, command)(*args)
+                    pipe.execute_command(command, *args)
                 return list(await pipe.execute(raise_on_error=not per_reply))
         except REDIS_FAILURES as exc:
             raise unavailable(self.where, exc) from exc
@@ -133,31 +130,6 @@ class RedisBackend(StorageBackend):
                 pool.release(conn)
 
         return await asyncio.to_thread(send)
-
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        names = [self._name(k) for k in keys]
-        replies = await self._pipeline([("get", (name,)) for name in names], per_reply=True)
-        out: list[bytes | None] = []
-        damaged = []
-        for name, reply in zip(names, replies, strict=True):
-            if isinstance(reply, ResponseError):
-                if not is_wrongtype(reply):
-                    raise unavailable(self.where, reply, f"GET {name}")
-                damaged.append(name)  # not a string: no object of ours, a miss
-                out.append(None)
-            else:
-                out.append(reply if isinstance(reply, bytes) else None)
-        if damaged:
-            self.objects_damaged += len(damaged)
-            await self._pipeline([("unlink", (name,)) for name in damaged])
-        return out
-
-    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        replies = await self._pipeline([("exists", (self._name(k),)) for k in keys])
-        return [bool(r) for r in replies]
-
-    async def delete_many(self, keys: Sequence[bytes]) -> None:
-        await self._pipeline([("unlink", (self._name(k),)) for k in keys])
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -42,12 +42,12 @@ from redis.exceptions import AskError, BusyLoadingError, MovedError, ResponseErr
 from hicache.config.schema import RedisStorage
 from hicache.config.urls import redacted_url
 from hicache.errors import TierUnavailableError
-from hicache.storage.backend import Buffer, StorageBackend
+from hicache.storage.backend import Buffer
+from hicache.storage.redis_reads import RedisReads
 from hicache.storage.redis_wire import (
     ASKING,
     REDIS_FAILURES,
     is_failover,
-    is_wrongtype,
     object_name,
     set_head,
     unavailable,
@@ -62,7 +62,7 @@ class _Put:
     ask: tuple[str, int] | None = None  # an ASK redirect's node: send there, behind ASKING
 
 
-class RedisClusterBackend(StorageBackend):
+class RedisClusterBackend(RedisReads):
     name = "redis"
 
     def __init__(
@@ -289,31 +289,6 @@ class RedisClusterBackend(StorageBackend):
                 return list(await pipe.execute(raise_on_error=not per_reply))
         except REDIS_FAILURES as exc:
             raise unavailable(self.where, exc) from exc
-
-    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
-        names = [self._name(k) for k in keys]
-        replies = await self._pipeline([("GET", (name,)) for name in names], per_reply=True)
-        out: list[bytes | None] = []
-        damaged = []
-        for name, reply in zip(names, replies, strict=True):
-            if isinstance(reply, BaseException):
-                if not is_wrongtype(reply):
-                    raise unavailable(self.where, reply, f"GET {name}")
-                damaged.append(name)  # not a string: no object of ours, a miss
-                out.append(None)
-            else:
-                out.append(reply if isinstance(reply, bytes) else None)
-        if damaged:
-            self.objects_damaged += len(damaged)
-            await self._pipeline([("UNLINK", (name,)) for name in damaged])
-        return out
-
-    async def exists_many(self, keys: Sequence[bytes]) -> list[bool]:
-        replies = await self._pipeline([("EXISTS", (self._name(k),)) for k in keys])
-        return [bool(r) for r in replies]
-
-    async def delete_many(self, keys: Sequence[bytes]) -> None:
-        await self._pipeline([("UNLINK", (self._name(k),)) for k in keys])
 
     async def close(self) -> None:
         with self._lock:
