@@ -1,9 +1,10 @@
-"""The engine client of the sidecar: `connect` (blocking, `engine`), `connect_async` (`aio`);
+"""The engine client of the sidecar: `connect` (blocking, `engine`; `connect_deployment` for
+the model a deployment file describes), `connect_async` (`aio`);
 the handles and errors they return (`handle`); a prompt's page keys, computed once with the
 sidecar's keyers (`keys`); what both share (`base`)."""
 
 from hicache.client.aio import AsyncClient, connect_async
-from hicache.client.engine import Client, connect
+from hicache.client.engine import Client, connect, connect_deployment
 from hicache.client.handle import (
     ClientError,
     LoadFailedError,
@@ -29,4 +30,5 @@ __all__ = [
     "SidecarUnreachableError",
     "connect",
     "connect_async",
+    "connect_deployment",
 ]

@@ -44,6 +44,7 @@ from typing import Any
 from hicache.client.base import ClientBase, page_lists, parse_address, store_args, unreachable
 from hicache.client.handle import ClientError, LoadHandle, Lookup
 from hicache.client.keys import PromptKeys
+from hicache.config import LoadedConfig
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 from hicache.service import protocol as p
@@ -300,3 +301,20 @@ def connect(address: str | Path, layer_map: LayerMap, **kwargs: Any) -> Client:
     `host:port`) for TCP (`parse_address`). No sidecar there: `SidecarUnreachableError`
     naming the address and why."""
     return Client(address, layer_map, **kwargs)
+
+
+def connect_deployment(loaded: LoadedConfig, **kwargs: Any) -> Client:
+    """A blocking client for the model a deployment file describes, as the sidecar serving it
+    expects: its socket (`service.socket_path`), its layer map (one rank's share at
+    `model.tp_size`), dtypes, page size and token. Keywords override or add (`address`,
+    `tp_rank`, `tenant`, `engine`, ...)."""
+    d = loaded.deployment
+    settings: dict[str, Any] = {
+        "dtype": d.model.dtype,
+        "state_dtype": d.model.state_dtype,
+        "ssm_state_dtype": d.model.ssm_state_dtype,
+        "page_size_tokens": d.model.page_size_tokens,
+        "token": d.service.token.get_secret_value() if d.service.token else None,
+    }
+    address = kwargs.pop("address", d.service.socket_path)
+    return Client(address, loaded.layer_map(), **(settings | kwargs))

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hicache.client import Client, LoadHandle, connect
+from hicache.client import Client, LoadHandle, connect_deployment
 from hicache.config import load_deployment
 from hicache.demo.content import check_page, fill_page, seeds_for
 from hicache.demo.trace import TraceOptions, build_trace
@@ -343,16 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     d = loaded.deployment
     opts = TraceOptions(**{k: getattr(args, k) for k in asdict(TraceOptions())})
     trace = build_trace(opts)
-    client = connect(
-        args.socket,
-        loaded.layer_map(),
-        dtype=d.model.dtype,
-        state_dtype=d.model.state_dtype,
-        ssm_state_dtype=d.model.ssm_state_dtype,
-        page_size_tokens=d.model.page_size_tokens,
-        engine="hicache-demo",
-        token=d.service.token.get_secret_value() if d.service.token else None,
-    )
+    client = connect_deployment(loaded, address=args.socket, engine="hicache-demo")
     try:
         # a state group needs a slot per resident sequence, not per page: a few will do (a
         # large hybrid's snapshot is tens of MiB)

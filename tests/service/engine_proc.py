@@ -24,7 +24,7 @@ import sys
 import threading
 from pathlib import Path
 
-from hicache.client import Client, connect
+from hicache.client import Client, connect_deployment
 from hicache.config import load_deployment
 from hicache.demo.content import check_page, fill_page, seeds_for
 from hicache.service.shm import SharedPools
@@ -147,18 +147,11 @@ def main() -> int:
     parser.add_argument("--status", help="bystander: the totals, rewritten every round")
     args = parser.parse_args()
     loaded = load_deployment(args.config)
-    d = loaded.deployment
-    client = connect(
-        d.service.socket_path,
-        loaded.layer_map(),
-        dtype=d.model.dtype,
-        state_dtype=d.model.state_dtype,
-        ssm_state_dtype=d.model.ssm_state_dtype,
-        page_size_tokens=d.model.page_size_tokens,
+    client = connect_deployment(
+        loaded,
         tp_rank=args.tp_rank,
         tenant=args.tenant,
         engine=f"test-{args.mode}",
-        token=d.service.token.get_secret_value() if d.service.token else None,
     )
     pools = client.create_pools(64)
     client.register_pools(pools)

@@ -64,7 +64,7 @@ def _engine_prompt(tenant: str, i: int, pages: int = PROMPT_PAGES) -> list[int]:
 def engine_main(argv: list[str]) -> int:
     """Cycle through `--prompts` prompts until `--until` exists: load (every byte checked),
     then store; one JSON line per request appended to `--out`."""
-    from hicache.client import connect
+    from hicache.client import connect_deployment
     from hicache.config import load_deployment
     from tests.service.engine_proc import load_and_verify, pages_for, prefill, store, wipe
 
@@ -77,17 +77,7 @@ def engine_main(argv: list[str]) -> int:
     parser.add_argument("--prompt-pages", type=int, default=PROMPT_PAGES)
     args = parser.parse_args(argv)
     loaded = load_deployment(args.config)
-    d = loaded.deployment
-    client = connect(
-        d.service.socket_path,
-        loaded.layer_map(),
-        dtype=d.model.dtype,
-        state_dtype=d.model.state_dtype,
-        ssm_state_dtype=d.model.ssm_state_dtype,
-        page_size_tokens=d.model.page_size_tokens,
-        tenant=args.tenant,
-        engine=f"restart-{args.tenant}",
-    )
+    client = connect_deployment(loaded, tenant=args.tenant, engine=f"restart-{args.tenant}")
     pools = client.create_pools(64)
     client.register_pools(pools)
     until = Path(args.until)

@@ -51,7 +51,7 @@ FAILOVER_S = 20.0
 def engine_main(argv: list[str]) -> int:
     """Cycle through `--prompts` prompts until `--until` exists: load (every byte checked),
     then store; one JSON line per request appended to `--out`."""
-    from hicache.client import connect
+    from hicache.client import connect_deployment
     from hicache.config import load_deployment
     from tests.service.engine_proc import (
         PROMPT_PAGES,
@@ -70,16 +70,7 @@ def engine_main(argv: list[str]) -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     loaded = load_deployment(args.config)
-    d = loaded.deployment
-    client = connect(
-        d.service.socket_path,
-        loaded.layer_map(),
-        dtype=d.model.dtype,
-        state_dtype=d.model.state_dtype,
-        ssm_state_dtype=d.model.ssm_state_dtype,
-        page_size_tokens=d.model.page_size_tokens,
-        engine="redis-cluster-loop",
-    )
+    client = connect_deployment(loaded, engine="redis-cluster-loop")
     pools = client.create_pools(64)
     client.register_pools(pools)
     until = Path(args.until)

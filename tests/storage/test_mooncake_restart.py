@@ -17,13 +17,13 @@ import pytest
 import torch
 
 from hicache.cache import TieredCache
-from hicache.demo.content import check_page, fill_page, prefix_seed
 from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.storage import BreakerState, GuardedStore
 from hicache.storage.local_servers import MooncakeMaster as MooncakeMasterType
 from tests.conftest import shared_model
+from tests.storage.prompt_engine import Engine, dense_cache
 from tests.storage.servers import MooncakeMaster
 
 try:
@@ -53,70 +53,21 @@ def master() -> Iterator[MooncakeMasterType]:
 
 
 def _cache(store: GuardedStore) -> TieredCache:
-    layer_map = LayerMap(load_layout(shared_model("qwen2_7b.json")))
-    geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
-    embedded = EmbeddedCache.build(
-        layer_map,
-        dtype=torch.float16,
-        page_size_tokens=PAGE,
-        host_capacity_bytes=2 * PROMPT_PAGES * sum(g.page_bytes for g in geoms),
-        device_pages={g.name: 2 * PROMPT_PAGES for g in geoms},
+    return dense_cache(store, PAGE, PROMPT_PAGES)
+
+
+async def report_round(engine: Engine, label: str) -> tuple[float, float]:
+    """One round over PROMPTS (loads from L3, stores again), printed for the report (`-s`):
+    (hit rate, mean seconds per load)."""
+    rate, spent = await engine.round(PROMPTS)
+    store = engine.cache.l3
+    assert store is not None
+    print(
+        f"{label}: hit rate {rate:.2f}, {1e3 * spent:.2f} ms per load, "
+        f"breaker {store.breaker.state.value}, L3 pages known "
+        f"{engine.cache.index.l3_pages(engine.group)}"
     )
-    return TieredCache.build(embedded, store=store, prefetch_policy="wait_complete")
-
-
-class Engine:
-    """Stores a prompt from device pages 0.., loads it into pages PROMPT_PAGES.. and checks
-    every loaded page's bytes."""
-
-    def __init__(self, cache: TieredCache):
-        self.cache = cache
-        (self.group,) = cache.index.rules
-        self.pool = cache.embedded.device_pools[self.group]
-
-    async def store(self, tokens: list[int]) -> None:
-        pages = list(range(PROMPT_PAGES))
-        for i, page in enumerate(pages):
-            fill_page(self.pool, page, prefix_seed(tokens, (i + 1) * PAGE, self.group))
-        await self.cache.store(tokens, {self.group: pages})
-
-    async def load(self, tokens: list[int]) -> int:
-        """Pages loaded (all verified)."""
-        pages = list(range(PROMPT_PAGES, 2 * PROMPT_PAGES))
-        for page in pages:  # poison: a page not loaded fails its check
-            fill_page(self.pool, page, 0xDEAD)
-        hit = self.cache.lookup(tokens)
-        if self.cache.needs_discovery(tokens, hit):
-            await self.cache.discover(tokens)
-        handle, hit = await self.cache.load(tokens, {self.group: pages})
-        if handle is None:
-            return 0
-        assert (await handle.done()).ok
-        for i, _ in hit.needed[self.group]:
-            seed = prefix_seed(tokens, (i + 1) * PAGE, self.group)
-            assert check_page(self.pool, pages[i], seed), (tokens[0], i)  # never wrong bytes
-        return len(hit.needed[self.group])
-
-    async def round(self, label: str) -> tuple[float, float]:
-        """Load every prompt (from L3: L2 is cleared first), then store it as an engine
-        would after its prefill; returns (hit rate, mean seconds per load)."""
-        self.cache.clear_l2()
-        loaded, spent = 0, 0.0
-        for tokens in PROMPTS:
-            started = time.perf_counter()
-            loaded += await self.load(tokens)
-            spent += time.perf_counter() - started
-            await self.store(tokens)
-        await self.cache.persist.idle()
-        rate = loaded / (len(PROMPTS) * PROMPT_PAGES)
-        store = self.cache.l3
-        assert store is not None
-        print(
-            f"{label}: hit rate {rate:.2f}, {1e3 * spent / len(PROMPTS):.2f} ms per load, "
-            f"breaker {store.breaker.state.value}, L3 pages known "
-            f"{self.cache.index.l3_pages(self.group)}"
-        )
-        return rate, spent / len(PROMPTS)
+    return rate, spent
 
 
 @pytest.mark.asyncio
@@ -129,19 +80,19 @@ async def test_hits_return_after_the_master_restarts(master: MooncakeMasterType)
     )
     store = GuardedStore(backend, reset_after_s=1.0)
     cache = _cache(store)
-    engine = Engine(cache)
+    engine = Engine(cache, PAGE, PROMPT_PAGES)
     try:
         async with cache.running():
             for tokens in PROMPTS:
                 await engine.store(tokens)
             await cache.persist.idle()
-            before, _ = await engine.round("before the restart")
+            before, _ = await report_round(engine, "before the restart")
             assert before >= 0.9
 
             master.stop()
             down_since = time.monotonic()
             while time.monotonic() - down_since < DOWN_S:
-                rate, _ = await engine.round("master down")  # misses, no errors
+                rate, _ = await report_round(engine, "master down")  # misses, no errors
                 assert rate == 0.0
                 await store.probe()
             assert store.breaker.describe()["state"] != "closed"
@@ -155,7 +106,7 @@ async def test_hits_return_after_the_master_restarts(master: MooncakeMasterType)
                     f"{before:.2f} before; store stats {store.stats}"
                 )
                 await store.probe()  # what the sidecar's probe task does
-                after, _ = await engine.round(f"{time.monotonic() - restarted:.1f}s after")
+                after, _ = await report_round(engine, f"{time.monotonic() - restarted:.1f}s after")
                 await asyncio.sleep(0.2)
             assert store.breaker.state is BreakerState.CLOSED
             assert cache.background_errors == 0
@@ -189,7 +140,7 @@ async def test_what_l2_holds_is_back_in_l3_after_the_master_restarts_empty(
         device_pages={g.name: 2 * PROMPT_PAGES for g in geoms},
     )
     cache = TieredCache.build(embedded, store=store, prefetch_policy="wait_complete")
-    engine = Engine(cache)
+    engine = Engine(cache, PAGE, PROMPT_PAGES)
     try:
         async with cache.running():
             for tokens in PROMPTS:

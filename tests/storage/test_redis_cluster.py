@@ -24,25 +24,20 @@ import pytest_asyncio
 import redis
 import redis._parsers.base
 import redis.connection
-import torch
 from pydantic import ValidationError
 from redis.crc import key_slot
 
 from hicache.cache import TieredCache
 from hicache.config import load_deployment
 from hicache.config.schema import RedisStorage
-from hicache.demo.content import check_page, fill_page, prefix_seed
-from hicache.embedded import EmbeddedCache
 from hicache.errors import ConfigError, TierUnavailableError
-from hicache.memory import GroupGeometry
-from hicache.model import LayerMap, load_layout
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
 from hicache.storage.factory import make_backend
 from hicache.storage.local_servers import RedisClusterServers as ClusterType
 from hicache.storage.redis_cluster_backend import RedisClusterBackend
 from hicache.storage.redis_wire import is_failover, object_name
 from tests.config.test_config import BASE, write
-from tests.conftest import shared_model
+from tests.storage.prompt_engine import Engine, dense_cache
 from tests.storage.servers import RedisClusterServers
 
 PAGE = 16
@@ -522,71 +517,25 @@ async def test_a_put_racing_close_fails_and_builds_no_client(cluster: ClusterTyp
 
 
 def _cache(store: GuardedStore) -> TieredCache:
-    layer_map = LayerMap(load_layout(shared_model("qwen2_7b.json")))
-    geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
-    embedded = EmbeddedCache.build(
-        layer_map,
-        dtype=torch.float16,
-        page_size_tokens=PAGE,
-        host_capacity_bytes=2 * PROMPT_PAGES * sum(g.page_bytes for g in geoms),
-        device_pages={g.name: 2 * PROMPT_PAGES for g in geoms},
-    )
-    return TieredCache.build(embedded, store=store, prefetch_policy="wait_complete")
+    return dense_cache(store, PAGE, PROMPT_PAGES)
 
 
-class Engine:
-    """Stores a prompt from device pages 0.., loads it (L2 cleared: from L3) into pages
-    PROMPT_PAGES.. and checks every loaded page's bytes."""
-
-    def __init__(self, cache: TieredCache):
-        self.cache = cache
-        (self.group,) = cache.index.rules
-        self.pool = cache.embedded.device_pools[self.group]
-
-    async def store(self, tokens: list[int]) -> None:
-        pages = list(range(PROMPT_PAGES))
-        for i, page in enumerate(pages):
-            fill_page(self.pool, page, prefix_seed(tokens, (i + 1) * PAGE, self.group))
-        await self.cache.store(tokens, {self.group: pages})
-
-    async def load(self, tokens: list[int]) -> int:
-        """Pages loaded (all verified)."""
-        pages = list(range(PROMPT_PAGES, 2 * PROMPT_PAGES))
-        for page in pages:  # poison: a page not loaded fails its check
-            fill_page(self.pool, page, 0xDEAD)
-        hit = self.cache.lookup(tokens)
-        if self.cache.needs_discovery(tokens, hit):
-            await self.cache.discover(tokens)
-        handle, hit = await self.cache.load(tokens, {self.group: pages})
-        if handle is None:
-            return 0
-        assert (await handle.done()).ok
-        for i, _ in hit.needed[self.group]:
-            seed = prefix_seed(tokens, (i + 1) * PAGE, self.group)
-            assert check_page(self.pool, pages[i], seed), (tokens[0], i)  # never wrong bytes
-        return len(hit.needed[self.group])
-
-    async def round(self) -> float:
-        """Load every prompt from L3, then store it again; the hit rate."""
-        self.cache.clear_l2()
-        loaded = 0
-        for tokens in PROMPTS:
-            loaded += await self.load(tokens)
-            await self.store(tokens)
-        await self.cache.persist.idle()
-        return loaded / (len(PROMPTS) * PROMPT_PAGES)
+async def hit_rate(engine: Engine) -> float:
+    """One round over PROMPTS: load each from L3, store it again; the hit rate."""
+    rate, _ = await engine.round(PROMPTS)
+    return rate
 
 
 @pytest.mark.asyncio
 async def test_store_and_load_through_a_tiered_cache(cluster: ClusterType) -> None:
     store = GuardedStore(RedisClusterBackend(cluster.seed_url, key_prefix="tiered:"))
     cache = _cache(store)
-    engine = Engine(cache)
+    engine = Engine(cache, PAGE, PROMPT_PAGES)
     async with cache.running():
         for tokens in PROMPTS:
             await engine.store(tokens)
         await cache.persist.idle()
-        assert await engine.round() == 1.0
+        assert await hit_rate(engine) == 1.0
     await store.backend.close()
 
 
@@ -606,7 +555,7 @@ async def test_a_master_killed_mid_run_gives_misses_then_the_replica_serves(
         base_timeout_s=1.0,
     )
     cache = _cache(engine_store)
-    engine = Engine(cache)
+    engine = Engine(cache, PAGE, PROMPT_PAGES)
     written: dict[bytes, bytes] = {}
     outcomes = {"exact": 0, "miss": 0, "put_failed": 0}
     killed = asyncio.Event()
@@ -639,14 +588,14 @@ async def test_a_master_killed_mid_run_gives_misses_then_the_replica_serves(
 
     async def engine_rounds() -> None:
         while not recovered.is_set():
-            await engine.round()  # misses during the failover; no exception, exact bytes
+            await hit_rate(engine)  # misses during the failover; no exception, exact bytes
 
     try:
         async with cache.running():
             for tokens in PROMPTS:
                 await engine.store(tokens)
             await cache.persist.idle()
-            assert await engine.round() == 1.0
+            assert await hit_rate(engine) == 1.0
             await asyncio.gather(writer_reader(), kill_then_wait(), engine_rounds())
             assert killed.is_set()
             print(f"during the failover: {outcomes}, failures {loop_store.stats.failures}")
@@ -662,8 +611,8 @@ async def test_a_master_killed_mid_run_gives_misses_then_the_replica_serves(
             got = await loop_store.get([k for k, _ in after])
             assert [bytes(v) if v is not None else None for v in got] == [d for _, d in after]
             assert loop_store.breaker.state is BreakerState.CLOSED
-            await engine.round()  # stores every prompt again
-            assert await engine.round() == 1.0
+            await hit_rate(engine)  # stores every prompt again
+            assert await hit_rate(engine) == 1.0
             assert outcomes["exact"] > 0
     finally:
         await loop_store.backend.close()

@@ -65,7 +65,7 @@ def engine_main(argv: list[str]) -> int:
     {"op": "loop_stop"}                              -> {"events": [per load]}
     A per-prompt result: lookup_tokens (the lookup's hit), loaded (tokens the load brought),
     verified and mismatches (pages checked byte by byte), error (an exception, as text)."""
-    from hicache.client import connect
+    from hicache.client import connect_deployment
     from hicache.config import load_deployment
     from tests.service.engine_proc import load_and_verify, pages_for, prefill, store, wipe
 
@@ -73,16 +73,7 @@ def engine_main(argv: list[str]) -> int:
     parser.add_argument("--config", required=True)
     args = parser.parse_args(argv)
     loaded = load_deployment(args.config)
-    d = loaded.deployment
-    client = connect(
-        d.service.socket_path,
-        loaded.layer_map(),
-        dtype=d.model.dtype,
-        state_dtype=d.model.state_dtype,
-        ssm_state_dtype=d.model.ssm_state_dtype,
-        page_size_tokens=d.model.page_size_tokens,
-        engine="two-hosts",
-    )
+    client = connect_deployment(loaded, engine="two-hosts")
     pools = client.create_pools(POOL_PAGES)
     client.register_pools(pools)
 
