@@ -12,10 +12,10 @@ benchmarks/sidecar.py and benchmarks/transfer.py), so it would dilute the compar
   segment the only one while it writes, so every object lies there) stores 256 pages of 1 MiB
   twice: through `GuardedStore.put` (ours) and by `batch_upsert_from` (raw, no header). Then
   B's client joins (its own address, a small segment) and reads both sets over the veth,
-  interleaved trial by trial (the order rotates): ours by `fetch_into` (the default 16 MiB
-  chunks, and one chunk for the whole batch), raw by `batch_get_into` straight into the same
-  registered host pages on the same worker thread as ours (the backend's own), in one call
-  and in calls of the default chunk.
+  interleaved trial by trial (the order rotates): ours by `fetch_into` (the kind's default
+  chunks, 64 MiB for Mooncake, and one chunk for the whole batch), raw by `batch_get_into`
+  straight into the same registered host pages on the same worker thread as ours (the
+  backend's own), in one call and in calls of the default chunk.
 - redis_cluster: the same with Redis Cluster nodes in A's namespace (`RedisClusterServers`)
   and `storage.kind: redis` with a `redis+cluster://` URL; raw: redis-py's asyncio cluster
   client (the backend's own for reads), pipelines of GETs (one, and one per default chunk),
@@ -47,10 +47,14 @@ from typing import Any
 
 import numpy as np
 
+from hicache.config.schema import MooncakeStorage, RedisStorage
 from hicache.storage import GuardedStore, local_servers, netns_hosts
 from hicache.storage.netns_hosts import TwoHosts
 
 PAGES, PAGE_BYTES, TRIALS = 256, 1 << 20, 15
+# what a deployment of each kind cuts L3 batches into (`storage.chunk_bytes` defaults)
+MOONCAKE_CHUNK = int(MooncakeStorage.model_fields["chunk_bytes"].default)
+REDIS_CHUNK = int(RedisStorage.model_fields["chunk_bytes"].default)
 Op = Callable[[], Awaitable[object]]
 
 
@@ -127,13 +131,13 @@ async def compare(
     return out
 
 
-def ours_by_chunk(backend: Any, pages: Pages) -> dict[str, Op]:
+def ours_by_chunk(backend: Any, pages: Pages, chunk_bytes: int) -> dict[str, Op]:
     """`fetch_into` of every page through a `GuardedStore` cutting the batch into calls of
-    its default chunk (`default`: what a deployment gets unless `storage.chunk_bytes` says
-    otherwise), and of one chunk for the whole batch (`one_chunk`)."""
+    its kind's default chunk (`default`: what a deployment gets unless `storage.chunk_bytes`
+    says otherwise), and of one chunk for the whole batch (`one_chunk`)."""
     targets = [[t] for t in pages.targets]
     stores = {
-        "default": GuardedStore(backend, base_timeout_s=60),
+        "default": GuardedStore(backend, base_timeout_s=60, chunk_bytes=chunk_bytes),
         "one_chunk": GuardedStore(backend, base_timeout_s=60, chunk_bytes=2 * PAGES * PAGE_BYTES),
     }
 
@@ -203,7 +207,7 @@ def bench_mooncake(hosts: TwoHosts, pages: Pages) -> dict[str, Any]:
                 await b._run("raw get", lambda: get_into(0, PAGES))
 
             async def raw_chunked() -> None:
-                step = GuardedStore(b).chunk_bytes // PAGE_BYTES
+                step = MOONCAKE_CHUNK // PAGE_BYTES
 
                 def calls() -> None:
                     for start in range(0, PAGES, step):
@@ -212,7 +216,9 @@ def bench_mooncake(hosts: TwoHosts, pages: Pages) -> dict[str, Any]:
                 await b._run("raw get", calls)
 
             try:
-                return await compare("mooncake", pages, ours_by_chunk(b, pages), raw, raw_chunked)
+                return await compare(
+                    "mooncake", pages, ours_by_chunk(b, pages, MOONCAKE_CHUNK), raw, raw_chunked
+                )
             finally:
                 await b.close()
 
@@ -282,13 +288,17 @@ def bench_redis_cluster(hosts: TwoHosts, pages: Pages, workdir: Path) -> dict[st
                 await get(0, PAGES)
 
             async def raw_chunked() -> None:
-                step = GuardedStore(backend).chunk_bytes // PAGE_BYTES
+                step = REDIS_CHUNK // PAGE_BYTES
                 for start in range(0, PAGES, step):
                     await get(start, min(start + step, PAGES))
 
             try:
                 return await compare(
-                    "redis_cluster", pages, ours_by_chunk(backend, pages), raw_get, raw_chunked
+                    "redis_cluster",
+                    pages,
+                    ours_by_chunk(backend, pages, REDIS_CHUNK),
+                    raw_get,
+                    raw_chunked,
                 )
             finally:
                 await raw.aclose()

@@ -300,7 +300,10 @@ class MooncakeBackend(StorageBackend):
     vectored_get = True
     streamed_get = False  # measured: a call costs ~0.35 ms, so sub-batches small enough to
     # verify in cache cost more than they save; chunks are verified on a worker thread instead
-    stream_bytes = 16 << 20  # a scatter read's sub-batches, each reported to `landed`
+    # a scatter read's sub-batches, each reported to `landed` (verified as it lands): as
+    # large as the store's default chunk, since each call pays a fixed cost (~3.6 ms over TCP
+    # between hosts: 16 MiB calls held cross-host loads at 0.67 of one call)
+    stream_bytes = 64 << 20
 
     async def get_parts_many(
         self,
