@@ -55,6 +55,22 @@ def check_pools_device(device_pools: Mapping[str, DevicePool], backend: CopyBack
         )
 
 
+def rank_of(tp_rank: int | None, tp_size: int, where: str) -> int:
+    """The rank a stack serves: `tp_rank` checked (`check_tp_rank`), or 0 when not given and
+    the layout is not tensor-parallel. Not given at tp_size > 1 is refused: rank 0's keys on
+    another rank would file that rank's heads under rank 0's pages, and a later load on rank
+    0 would verify and serve them."""
+    if tp_rank is None:
+        if tp_size > 1:
+            raise ConfigError(
+                f"{where}: the layout is one rank's share of model.tp_size {tp_size}; say which "
+                f"rank this stack serves (tp_rank=0..{tp_size - 1})"
+            )
+        return 0
+    check_tp_rank(tp_rank, tp_size, where)
+    return tp_rank
+
+
 def check_tp_rank(tp_rank: int, tp_size: int, where: str) -> None:
     """A rank is one of its layout's tp_size (`model.tp_size`), else ConfigError. At tp_size
     1 any rank >= 0 passes: deployments from before `model.tp_size` give each rank its own
@@ -102,11 +118,11 @@ class EmbeddedCache:
         move_policy: MovePolicy = "hybrid",
         counter_ring_size: int = 3,
         clock: Clock | None = None,
-        tp_rank: int = 0,
+        tp_rank: int | None = None,
     ) -> EmbeddedCache:
         """One stage of one tensor-parallel rank (`tp_rank` of the layout's tp_size: an
         embedded engine is one rank, its layer map that rank's share, `shard_layout`)."""
-        check_tp_rank(tp_rank, layer_map.layout.tp_size, "EmbeddedCache.build")
+        tp_rank = rank_of(tp_rank, layer_map.layout.tp_size, "EmbeddedCache.build")
         dtypes = dtype if isinstance(dtype, CacheDtypes) else CacheDtypes.uniform(dtype)
         geometries = {
             g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in layer_map.groups
@@ -154,10 +170,13 @@ class EmbeddedCache:
         )
 
     @classmethod
-    def from_config(cls, loaded: LoadedConfig, *, clock: Clock | None = None) -> EmbeddedCache:
-        """The stack with device pools of its own (`device.pool_capacity_bytes`)."""
+    def from_config(
+        cls, loaded: LoadedConfig, *, clock: Clock | None = None, tp_rank: int | None = None
+    ) -> EmbeddedCache:
+        """The stack with device pools of its own (`device.pool_capacity_bytes`); at
+        `model.tp_size` > 1, `tp_rank` says which rank's share it holds."""
         d = loaded.deployment
-        return cls.from_deployment(d, loaded.layer_map(), clock=clock)
+        return cls.from_deployment(d, loaded.layer_map(), clock=clock, tp_rank=tp_rank)
 
     @classmethod
     def from_deployment(
@@ -168,7 +187,7 @@ class EmbeddedCache:
         backend: CopyBackend | None = None,
         device_pools: Mapping[str, DevicePool] | None = None,
         clock: Clock | None = None,
-        tp_rank: int = 0,
+        tp_rank: int | None = None,
     ) -> EmbeddedCache:
         """The stack a deployment describes, on a given copy backend and the engine's device
         pools when given (the sidecar shares one backend between namespaces)."""

@@ -331,7 +331,7 @@ async def test_write_back_on_another_rank_never_holds_replicated_pages_for_l3(
             await rank1.store(ours, {group: [4, 5, 6, 7]})
             assert rank1.lookup(ours).pages_l2 == 4  # L2 is full of pages L3 lacks
             assert rank1.io.replica_skipped_pages == 0  # nothing offered to L3 yet
-            assert await rank1.discover(theirs) == 4  # under rank-free keys: rank 0's objects
+            assert await rank1.discover(theirs) == 4  # keyed as rank 0's: its objects
             hit = rank1.lookup(theirs)
             assert hit.pages_total == 4
             assert hit.pages_l2 == 0  # only in L3, written by rank 0

@@ -527,8 +527,9 @@ class TieredCache:
                 if (lost := tuple(i for i, r in rows if r.l2_page is None))
             }
         plan = self.planner.plan_load(token_ids, skip_pages)
-        if plan.hot and self.l3 is not None:
-            self.persist.offer(plan.hot)  # selective write-through: hit often enough
+        hot = {g: rs for g, rs in plan.hot.items() if g not in self.io.replica_groups}
+        if hot and self.l3 is not None:
+            self.persist.offer(hot)  # selective write-through: hit often enough (rank 0's)
         pages = plan.hit.pages_l2
         request = {}
         for group, rows in plan.hit.needed.items():

@@ -4,9 +4,10 @@ KV layout, page size, tensor rank and size, pipeline rank, cache group and an op
 salt), so two
 namespaces never share a key: an fp8 cache is never read as bf16, two fine-tunes of one
 architecture never read each other's KV, and tenants never read each other's pages. A group
-replicated across tensor-parallel ranks (an MLA latent) is keyed as rank 0 of size 1 on every
-rank, so all ranks (and a tp_size 1 deployment) share its pages; the size is left out of the
-seed when 1, so keys from before it existed stay valid.
+replicated across tensor-parallel ranks (an MLA latent) is keyed as rank 0 on every rank, so
+all ranks of one size share its pages; the size stays in (another size reduces in another
+order, so its bytes may differ in the last bits) and is left out of the seed when 1, so keys
+from before it existed stay valid.
 
 Keys are 16-byte digests. Algorithms: xxh3_128 (the default; fast), blake2b and sha256.
 Partial trailing pages get no key.

@@ -28,7 +28,8 @@ Extra config keys (`kv_connector_extra_config`):
                     whole (synchronous, the forward starts once every layer landed: no
                     overlap; the baseline of the benchmark's layer-wise figure)
     stats_path      the worker writes its counters (loads, failures, pages, seconds) here
-                    as JSON after each step that moved pages
+                    as JSON after each step that moved pages; at tensor_parallel_size > 1
+                    each rank to PATH with .rank<r> before its suffix
 
 Failures never reach vLLM as exceptions: a sidecar that is down gives no hits and skips
 stores; a load that fails is reported with `get_block_ids_with_load_errors`, so vLLM
@@ -40,6 +41,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -187,22 +189,33 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         # the worker half is one tensor-parallel rank, caching its share of the heads; the
         # scheduler half looks up in rank 0's namespace (every rank stores each step's pages,
         # and a rank that misses fails its load, which vLLM recomputes)
-        tp_rank = 0
-        if role == "engine" and self.layer_map.layout.tp_size > 1:
-            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-
-            tp_rank = int(get_tensor_model_parallel_rank())
         return Client(
             self.settings.address,
             self.layer_map,
             role=role,
-            tp_rank=tp_rank,
+            tp_rank=self._worker_rank() if role == "engine" else 0,
             # both halves of one vLLM engine name it alike: a lookup session answers only
             # for the namespace its own engine's worker holds
             engine=f"vllm:{self._engine_id}",
             timeout_s=max(5.0, self.settings.load_timeout_s),
             **self._client_args,
         )
+
+    def _worker_rank(self) -> int:
+        """This worker's tensor-parallel rank (0 when vLLM runs one)."""
+        if self.layer_map.layout.tp_size == 1:
+            return 0
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        return int(get_tensor_model_parallel_rank())
+
+    def _stats_path(self) -> Path | None:
+        """Where this worker writes its counters: `stats_path`, or at tensor_parallel_size > 1
+        `stats_path` with `.rank<r>` before its suffix (ranks never overwrite each other)."""
+        path = self.settings.stats_path
+        if path is None or self.layer_map.layout.tp_size == 1:
+            return path
+        return path.with_name(f"{path.stem}.rank{self._worker_rank()}{path.suffix}")
 
     # ---- scheduler side ---------------------------------------------------------------------
 
@@ -425,8 +438,9 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.finish_loads()
         step = self._step()
         self.worker.store(step.stores)
-        if self.settings.stats_path is not None and (step.loads or step.stores):
-            self.worker.counters.write(self.settings.stats_path)
+        stats_path = self._stats_path()
+        if stats_path is not None and (step.loads or step.stores):
+            self.worker.counters.write(stats_path)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)

@@ -45,7 +45,11 @@ _serial = itertools.count()
 
 
 def _ip(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    """`ip ARGS`; one that hangs past 30 s is a failed command (returncode -1), not a raise."""
+    try:
+        return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        return subprocess.CompletedProcess(["ip", *args], -1, "", "timed out after 30 s")
 
 
 def _pid_alive(pid: int) -> bool:
@@ -68,7 +72,12 @@ def available() -> str | None:
     added = _ip("netns", "add", probe)
     if added.returncode != 0:
         return f"`ip netns add {probe}` refused: {added.stderr.strip() or added.returncode}"
+    # a veth pair inside the probe namespace (gone with it): namespaces without veth are no
+    # test hosts either
+    veth = _ip("-n", probe, "link", "add", "hcprobe0", "type", "veth", "peer", "name", "hcprobe1")
     deleted = _ip("netns", "delete", probe)
+    if veth.returncode != 0:
+        return f"a veth pair cannot be made: {veth.stderr.strip() or veth.returncode}"
     if deleted.returncode != 0:  # a namespace made but not removable: the hosts would leak
         return f"`ip netns delete {probe}` refused: {deleted.stderr.strip() or deleted.returncode}"
     return None

@@ -21,6 +21,7 @@ outside CI, the module skips.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -273,8 +274,9 @@ def test_tensor_parallel_ranks_each_load_their_own_heads(models: Path, tmp_path:
     tp = {"multiprocess": True, "tensor_parallel_size": 2}
     reference = outputs(run_engine(tmp_path, model, rounds, name="reference-tp2", **tp))
     deploy = write_deployment(tmp_path / "sidecar", model, "llama", tp_size=2)
+    connector = {**_connector(deploy), "stats_path": str(tmp_path / "worker.json")}
     with SidecarProcess(deploy) as sidecar:
-        got = run_engine(tmp_path, model, rounds, connector=_connector(deploy), name="tp2", **tp)
+        got = run_engine(tmp_path, model, rounds, connector=connector, name="tp2", **tp)
         namespaces = sidecar.get_json("/v1/stats")["namespaces"]
     assert outputs(got) == reference
     assert cached(got) == [[0], [p.hit(p.b)], [p.hit(p.a)]]
@@ -283,3 +285,10 @@ def test_tensor_parallel_ranks_each_load_their_own_heads(models: Path, tmp_path:
     for name, ns in by_rank.items():
         assert int(ns["load"]["ops"]) >= 2, (name, ns["load"])  # both hits, on both ranks
         assert ns["groups"]["full"]["l2_pages"] > 0, (name, ns["groups"])
+    # each worker's own counters (one file per rank): every load it was given landed whole,
+    # so neither rank's miss was hidden by vLLM recomputing it
+    for rank in (0, 1):
+        counters = json.loads((tmp_path / f"worker.rank{rank}.json").read_text())
+        assert counters["loads"] >= 2, (rank, counters)
+        assert counters["load_failures"] == 0, (rank, counters)
+        assert counters["pages_loaded"] > 0, (rank, counters)

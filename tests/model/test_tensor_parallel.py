@@ -5,6 +5,7 @@ make; replicated groups; page keys of replicated and per-rank groups; the refusa
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -217,3 +218,31 @@ def test_a_rank_must_be_one_of_the_tp_size() -> None:
         "EmbeddedCache.build: tp_rank 2 is not a rank of the layout's tp_size 2 "
         "(model.tp_size); allowed: 0..1"
     )
+
+
+def test_a_tensor_parallel_stack_must_say_its_rank() -> None:
+    """Rank 0's keys on rank 1 would file rank 1's heads under rank 0's pages (and a later
+    load on rank 0 would verify and serve them): a sharded stack built without a rank is
+    refused, one built with it serves that rank."""
+    import torch
+
+    from hicache.embedded import EmbeddedCache
+
+    layer_map = LayerMap(shard_layout(load_layout(shared_model("llama-3.1-8b.json")), 2))
+    kwargs: dict[str, Any] = {
+        "dtype": torch.float16,
+        "page_size_tokens": 16,
+        "host_capacity_bytes": 64 << 20,
+        "device_pages": 4,
+    }
+    with pytest.raises(ConfigError) as err:
+        EmbeddedCache.build(layer_map, **kwargs)
+    assert str(err.value) == (
+        "EmbeddedCache.build: the layout is one rank's share of model.tp_size 2; say which "
+        "rank this stack serves (tp_rank=0..1)"
+    )
+    stack = EmbeddedCache.build(layer_map, tp_rank=1, **kwargs)
+    try:
+        assert stack.tp_rank == 1
+    finally:
+        stack.close()

@@ -198,11 +198,17 @@ if __name__ != "__main__":  # the test (the engine process needs none of this)
     from hicache.storage import local_servers, netns_hosts
     from hicache.storage.netns_hosts import Host, TwoHosts
 
-    _why_not = netns_hosts.available()
-    if _why_not is not None:
-        if os.environ.get("CI"):  # CI runs as root: these tests must run there
-            pytest.fail(f"two test hosts need network namespaces: {_why_not}", pytrace=False)
-        pytest.skip(f"two test hosts need network namespaces: {_why_not}", allow_module_level=True)
+
+@pytest.fixture(scope="module", autouse=True)
+def _namespaces() -> None:
+    """Every test here needs two test hosts: skipped where network namespaces and veth
+    cannot be made, failed under CI (root, which can), in the test, not at collection (a
+    collection error would stop the whole run)."""
+    why_not = netns_hosts.available()
+    if why_not is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"two test hosts need network namespaces: {why_not}", pytrace=False)
+        pytest.skip(f"two test hosts need network namespaces: {why_not}")
 
 
 def storage_section(kind: str, l3_address: str, local_address: str) -> dict[str, Any]:
