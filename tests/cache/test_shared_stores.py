@@ -16,7 +16,7 @@ from hicache.cache import TieredCache
 from hicache.embedded import EmbeddedCache
 from hicache.memory import DevicePool
 from hicache.model import LayerMap, load_layout
-from hicache.transfer.fakes import FakeCopyBackend
+from hicache.testing.fake_copies import FakeCopyBackend
 from tests.cache.test_core import assert_consistent
 from tests.conftest import shared_model
 

@@ -13,7 +13,7 @@ import torch
 from hicache.embedded import EmbeddedCache
 from hicache.memory import DevicePool
 from hicache.scheduler import DEFAULT_ATTACHMENT, GroupPages, OpRequestError, OpState
-from hicache.transfer.fakes import FakeCopyBackend
+from hicache.testing.fake_copies import FakeCopyBackend
 from tests.scheduler.conftest import PAGE, assert_pinned_none, gate_opened_on_exit, stack
 
 MODEL = "gpt_oss_20b.json"  # sliding + full: two groups

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from hicache.service.process import SidecarProcess
+from hicache.client.process import SidecarProcess
 from tests.service.conftest import engine, engine_result, read_event
 
 DEADLINE_S = 60.0  # for anything awaited here; generous for a loaded machine

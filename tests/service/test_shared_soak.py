@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hicache.service.process import SidecarProcess
+from hicache.client.process import SidecarProcess
 from tests.conftest import REPO
 from tests.service.conftest import write_config
 from tests.service.test_shared_namespace import namespace, quiet, wait_for
