@@ -288,7 +288,8 @@ def _finish_migration(cluster: ClusterType, slot: int, source: int, target: int)
         _raw(cluster, port).execute_command(  # type: ignore[no-untyped-call]
             "CLUSTER", "SETSLOT", slot, "NODE", target_id
         )
-    for _ in range(200):  # replicas learn it by gossip
+    deadline = time.monotonic() + 60  # bounds a hang only (#26: a busy machine)
+    while time.monotonic() < deadline:  # replicas learn it by gossip
         views = [
             _raw(cluster, port).execute_command("CLUSTER", "SLOTS")  # type: ignore[no-untyped-call]
             for port in cluster.processes
