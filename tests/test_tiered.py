@@ -39,6 +39,9 @@ def build(
     )
     faulty = FaultyBackend(FileBackend(tmp_path / "l3", capacity_bytes=1 << 30))
     cache = TieredCache.build(embedded, store=GuardedStore(faulty), **kwargs)
+    # no test of this builder is about the store's call timeout (1 s by default): generous,
+    # so an L3 call a busy machine delays is not a failed load (#26)
+    cache.l3.base_timeout_s = 30.0  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(0)
     for pool in embedded.device_pools.values():
         for layer in pool.tensors:
