@@ -16,7 +16,7 @@ from typing import Any
 from hicache.client.handle import ClientError, LoadHandle, Lookup, SidecarUnreachableError
 from hicache.client.keys import KeySpec, PromptKeys
 from hicache.errors import ConfigError
-from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.memory import CacheDtypes, group_geometries
 from hicache.model import LayerMap
 from hicache.service import protocol as p
 from hicache.service.shm import CounterFile, SharedPools
@@ -139,9 +139,7 @@ class ClientBase:
         self.dtype = dtype
         self.page_size_tokens = page_size_tokens
         dtypes = CacheDtypes.from_names(dtype, state_dtype, ssm_state_dtype)
-        self.geometries = {
-            g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in layer_map.groups
-        }
+        self.geometries = group_geometries(layer_map.groups, dtypes, page_size_tokens)
         self._hello = {
             "protocol": p.PROTOCOL_VERSION,
             "layout": p.layout_summary(layer_map, self.geometries, page_size_tokens),

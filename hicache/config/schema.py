@@ -140,7 +140,7 @@ class HostSection(Section):
 class L3Guard(Section):
     """Every L3 kind but none: call timeouts scaled by bytes, the breaker, the chunk size.
 
-    `GuardedStore` takes these (`hicache.storage.factory.make_store`): each call times out
+    `GuardedStore` takes these (`hicache.assembly.store_of`): each call times out
     after `base_timeout_s + bytes / min_bandwidth_bytes_per_s`; `breaker_failure_threshold`
     failures in a row open the breaker, `breaker_reset_after_s` later a trial call may close
     it; batches are cut into calls of about `chunk_bytes`."""
@@ -182,16 +182,6 @@ class L3Guard(Section):
         description="L3 batches are cut into calls of about this many bytes, each one timed "
         "(kind mooncake: 64MiB by default, as each of its calls pays a fixed cost)",
     )
-
-    def guard_settings(self) -> dict[str, Any]:
-        """`GuardedStore`'s keyword arguments."""
-        return {
-            "base_timeout_s": self.base_timeout_s,
-            "min_bandwidth_bytes_per_s": self.min_bandwidth_bytes_per_s,
-            "chunk_bytes": self.chunk_bytes,
-            "failure_threshold": self.breaker_failure_threshold,
-            "reset_after_s": self.breaker_reset_after_s,
-        }
 
 
 _L3_DIRECTORY = "a directory, or a path where one can be created, on a real filesystem"

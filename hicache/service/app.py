@@ -24,97 +24,21 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Iterator
 
 from aiohttp import web
 
-from hicache.config import LoadedConfig, format_bytes
-from hicache.config.capacity import warn_capacity
-from hicache.config.schema import L3Guard
-from hicache.config.urls import redacted_url
-from hicache.errors import ConfigError, HicacheError, ServiceStartError
-from hicache.memory import CacheDtypes, GroupGeometry
-from hicache.memory.host_tier import budget_pages
-from hicache.model import LayerMap
+from hicache.assembly import copy_backend, host_pages, open_store, starting
+from hicache.assembly.stores import cause
+from hicache.config import LoadedConfig
+from hicache.errors import HicacheError, ServiceStartError
 from hicache.service.http_api import start_http
 from hicache.service.logs import configure
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.storage import GuardedStore
-from hicache.storage.factory import guarded
-from hicache.storage.factory import make_backend as make_store
-from hicache.transfer import CopyBackend, make_backend
+from hicache.transfer import CopyBackend
 
 log = logging.getLogger("hicache.service")
-
-
-def host_pages(loaded: LoadedConfig, layer_map: LayerMap) -> dict[str, int]:
-    """The L2 pages per group `host.capacity_bytes` buys (`host_tier.budget_pages`, what
-    each engine namespace allocates at `register_pools`); a budget that holds no page of a
-    group is refused here, at start-up and by `hicache config validate`, naming the file (or
-    variable), the size given and what one page needs. A tier too small for one long prompt
-    is a warning (`hicache.config.capacity`), logged."""
-    d = loaded.deployment
-    dtypes = CacheDtypes.of_model(d.model)
-    page = d.model.page_size_tokens
-    geometries = [GroupGeometry.of(g, dtypes, page) for g in layer_map.groups]
-    try:
-        counts = budget_pages(geometries, d.host.capacity_bytes, d.host.state_fraction)
-    except ConfigError as exc:
-        pages = ", ".join(f"{g.name} {format_bytes(g.page_bytes)}" for g in geometries)
-        raise ConfigError(
-            f"{loaded.source_of('host.capacity_bytes')}: {exc}; one page of each group: {pages}"
-        ) from None
-    tokens = {g.name: g.page_bytes for g in geometries if g.group.kind.is_token_cache}
-    states = {g.name: g.page_bytes for g in geometries if g.name not in tokens}
-    warn_capacity(loaded, tokens, states, counts)  # a tier too small for one long prompt
-    return counts
-
-
-def _cause(exc: BaseException) -> str:
-    if isinstance(exc, OSError) and exc.strerror:
-        return exc.strerror
-    return " ".join(f"{type(exc).__name__}: {exc}".split())  # one line
-
-
-@contextlib.contextmanager
-def _starting(loaded: LoadedConfig, key: str, what: str) -> Iterator[None]:
-    """One start-up step, configured by `key`: an error of a library it calls becomes a
-    `ServiceStartError` naming where the key was set, the key, the step and the cause."""
-    try:
-        yield
-    except HicacheError:
-        raise
-    except Exception as exc:
-        raise ServiceStartError(f"{loaded.source_of(key)}: {key}: {what}: {_cause(exc)}") from exc
-
-
-def _open_store(loaded: LoadedConfig) -> GuardedStore | None:
-    """The L3 store of `storage`, or None; its backend's errors named by the key at fault,
-    behind a `GuardedStore` with the section's timeouts, breaker thresholds and chunk size."""
-    section = loaded.deployment.storage
-    if section.kind == "file":
-        key, what = "storage.path", f"cannot use {str(section.path)!r} as the L3 directory"
-    elif section.kind == "redis":
-        key, what = "storage.url", f"cannot use Redis at {redacted_url(section.url)!r}"
-    elif section.kind == "mooncake":
-        key, what = "storage.master_address", "cannot set up the Mooncake store client"
-    else:
-        return None
-    try:
-        with _starting(loaded, key, what):
-            backend = make_store(section)
-    except ServiceStartError as exc:
-        if isinstance(exc.__cause__, ImportError):  # an optional extra not installed
-            raise ServiceStartError(
-                f"{loaded.source_of('storage.kind')}: storage.kind: {section.kind} needs "
-                f"the {section.kind!r} extra (pip install 'hicache[{section.kind}]'): "
-                f"{_cause(exc.__cause__)}"
-            ) from exc.__cause__
-        raise
-    if backend is None or not isinstance(section, L3Guard):
-        return None
-    return guarded(backend, section)
 
 
 async def _probe_l3(server: EngineServer) -> None:
@@ -141,7 +65,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     configure(d.service.log_format)
     layer_map = loaded.layer_map()
     host_pages(loaded, layer_map)  # an L2 too small for one page: refused before anything starts
-    with _starting(loaded, "model.name", "cannot derive the model name"):
+    with starting(loaded, "model.name", "cannot derive the model name"):
         model_name = loaded.model_name()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -153,9 +77,9 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     runner: web.AppRunner | None = None
     ready = False
     try:
-        with _starting(loaded, "device.kind", f"cannot start the {d.device.kind} copy backend"):
-            backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
-        store = _open_store(loaded)
+        with starting(loaded, "device.kind", f"cannot start the {d.device.kind} copy backend"):
+            backend = copy_backend(d)
+        store = open_store(loaded)
         metrics = ServiceMetrics()
         metrics.page_size_tokens = d.model.page_size_tokens
         async with asyncio.TaskGroup() as tg:
@@ -222,7 +146,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
         if ready:
             raise
         raise ServiceStartError(
-            f"{loaded.path}: start-up failed: {_cause(group.exceptions[0])}"
+            f"{loaded.path}: start-up failed: {cause(group.exceptions[0])}"
         ) from group
     finally:
         if server is not None and not ready:

@@ -32,14 +32,14 @@ from typing import Any
 from aiohttp import web
 from pydantic import TypeAdapter, ValidationError
 
-from hicache.config.schema import Deployment, L3Guard, RedisStorage, StorageSection
+from hicache.assembly import store_of
+from hicache.config.schema import Deployment, RedisStorage, StorageSection
 from hicache.config.urls import redacted_url
 from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage.breaker import BreakerState
-from hicache.storage.factory import guarded, make_backend
 
 log = logging.getLogger("hicache.service.admin")
 
@@ -223,13 +223,10 @@ class ControlApi:
         if isinstance(section, RedisStorage):
             asked["url"] = redacted_url(section.url)
         try:
-            backend = make_backend(section)
+            store = store_of(section)
         except Exception as exc:
             self._audit(request, "l3_attach", f"failed: {exc!r}", True, **asked)
             raise
-        store = None
-        if backend is not None and isinstance(section, L3Guard):
-            store = guarded(backend, section)
         old = self.server.set_store(store)
         if old is not None:
             await old.backend.close()

@@ -30,10 +30,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from hicache.assembly import geometries
 from hicache.cache.keyers import page_keyers
 from hicache.config import Deployment
 from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
-from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
 from hicache.service import protocol as p
 from hicache.service.connection import EngineConnection
@@ -99,9 +99,8 @@ class EngineServer(EngineOps):
         self.store = store
         self.metrics = metrics
         self._tg = tg
-        dtypes = CacheDtypes.of_model(deployment.model)
         page = deployment.model.page_size_tokens
-        self.geometries = {g.name: GroupGeometry.of(g, dtypes, page) for g in layer_map.groups}
+        self.geometries = geometries(deployment, layer_map)
         self.layout = p.layout_summary(layer_map, self.geometries, page)
         self.key_groups = tuple(
             page_keyers(self.geometries, layer_map, deployment.scheduler.move_policy)

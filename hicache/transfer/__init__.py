@@ -60,8 +60,11 @@ __all__ = [
 ]
 
 
-def make_backend(kind: str, index: int = 0, pin_chunk_bytes: int = 64 * 2**30) -> CopyBackend:
-    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device).
+def make_backend(
+    kind: str, index: int = 0, pin_chunk_bytes: int = 64 * 2**30, *, prefault: bool = True
+) -> CopyBackend:
+    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device). `prefault`:
+    the CPU backend touches every host page at allocation (CUDA always does, before pinning).
 
     Test-only: with the environment variable `fakes.FAULTS_ENV` set, a `FakeCopyBackend` with
     the faults it names (CPU only), so a test can fail copies inside a `hicache serve` child.
@@ -80,4 +83,4 @@ def make_backend(kind: str, index: int = 0, pin_chunk_bytes: int = 64 * 2**30) -
         from hicache.transfer.cuda_backend import CudaCopyBackend
 
         return CudaCopyBackend(index, pin_chunk_bytes=pin_chunk_bytes)
-    return CpuCopyBackend()
+    return CpuCopyBackend(prefault=prefault)
