@@ -13,6 +13,7 @@ cache setting.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import copy
 from pathlib import Path
@@ -22,11 +23,12 @@ import pytest
 import yaml
 
 from hicache import assembly
+from hicache.assembly.sidecar import sidecar_plan
 from hicache.config import load_deployment
 from hicache.config.schema import Deployment, ServiceSection
 from hicache.memory import DevicePool
 from hicache.service.namespaces import Namespace, NamespaceKey
-from tests.conftest import CONFIGS, MODEL_CONFIGS
+from tests.conftest import CONFIGS, MODEL_CONFIGS, REPO
 
 BASE: dict[str, Any] = {
     "model": {
@@ -116,21 +118,18 @@ async def _sidecar_settings(path: Path) -> dict[str, object]:
     """The settings of the cache `hicache serve` builds for (rank 0, tenant ""): its copy
     backend and store, a namespace started on an engine's device pools."""
     loaded = load_deployment(path, env={})
-    d = loaded.deployment
-    layer_map = loaded.layer_map()
-    backend = assembly.copy_backend(d)
+    plan = sidecar_plan(loaded)
+    backend = assembly.copy_backend(loaded.deployment)
     store = assembly.open_store(loaded)
     pools = {
         name: DevicePool.allocate(geometry, 4, backend.device)
-        for name, geometry in assembly.geometries(d, layer_map).items()
+        for name, geometry in plan.geometries.items()
     }
     try:
         async with asyncio.TaskGroup() as tg:
             namespace = await Namespace.start(
                 NamespaceKey(0, ""),
-                d,
-                loaded.model_name(),
-                layer_map,
+                plan,
                 backend,
                 store,
                 pools,
@@ -295,3 +294,77 @@ def test_the_embedded_cache_serves_from_l3_across_processes_as_the_sidecar_would
 
     from_l3, same = asyncio.run(main())
     assert (from_l3, same) == (4, 4)
+
+
+SECTIONS = {
+    "Deployment",
+    "Section",
+    "ModelSection",
+    "DeviceSection",
+    "HostSection",
+    "L3Guard",
+    "FileStorage",
+    "RedisStorage",
+    "MooncakeStorage",
+    "NoStorage",
+    "StorageSection",
+    "SchedulerSection",
+    "CacheSection",
+    "ServiceSection",
+}
+MAY_READ = ("assembly", "cli", "config")  # hicache/<these>/ read deployment sections
+
+
+def section_reads(source: str) -> list[str]:
+    """Where a module reads a deployment's sections: imports a section type, reads through
+    `.deployment` (`loaded.deployment.model`), or through a name bound to it (`d =
+    loaded.deployment; d.model`). Passing `loaded.deployment` on is not a read."""
+    tree = ast.parse(source)
+    bound = {
+        target.id
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign)
+        and isinstance(node.value, ast.Attribute)
+        and node.value.attr == "deployment"
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("hicache.config"):
+            found += [f"imports {a.name}" for a in node.names if a.name in SECTIONS]
+        if not isinstance(node, ast.Attribute):
+            continue
+        inner = node.value
+        if isinstance(inner, ast.Attribute) and inner.attr == "deployment":
+            found.append(f"line {node.lineno}: reads .deployment.{node.attr}")
+        if isinstance(inner, ast.Name) and inner.id in bound:
+            found.append(f"line {node.lineno}: reads {inner.id}.{node.attr}")
+    return found
+
+
+def test_no_module_below_the_cli_reads_deployment_sections() -> None:
+    """The rule of #26: below the CLI only hicache/assembly/ (and config/ itself) reads a
+    `Deployment`'s sections; every other module takes plain settings."""
+    package = REPO / "hicache"
+    readers = {}
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).parts[0] in MAY_READ:
+            continue
+        reads = section_reads(path.read_text())
+        if reads:
+            readers[str(path.relative_to(REPO))] = reads
+    assert readers == {}
+
+
+def test_the_rule_sees_each_way_of_reading_a_section() -> None:
+    """The check above finds what it looks for (a check that cannot fail is a bug)."""
+    assert section_reads("from hicache.config.schema import CacheSection\n") == [
+        "imports CacheSection"
+    ]
+    assert section_reads("from hicache.config import Deployment\n") == ["imports Deployment"]
+    assert section_reads("x = loaded.deployment.cache.eviction\n") == [
+        "line 1: reads .deployment.cache"
+    ]
+    assert section_reads("d = loaded.deployment\ny = d.host\n") == ["line 2: reads d.host"]
+    assert section_reads("f(loaded.deployment)\nfrom hicache.config import LoadedConfig\n") == []

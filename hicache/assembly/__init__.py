@@ -10,7 +10,9 @@ sets: the schema's are the only ones.
 from hicache.assembly.settings import (
     ServiceSettings,
     cache_settings,
+    client_settings,
     device_pages,
+    engine_channel,
     geometries,
     model_dtypes,
     sections_stack_settings,
@@ -31,10 +33,12 @@ from hicache.assembly.stores import guarded, open_store, starting, storage_backe
 __all__ = [
     "ServiceSettings",
     "cache_settings",
+    "client_settings",
     "copy_backend",
     "device_pages",
     "embedded_cache",
     "embedded_stack",
+    "engine_channel",
     "geometries",
     "guarded",
     "host_pages",

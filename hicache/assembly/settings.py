@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from pydantic import SecretStr
 
@@ -125,8 +126,29 @@ class ServiceSettings:
     max_pipelined_requests: int
     slow_reader_timeout_s: float
     drain_timeout_s: float
-    log_format: str
+    log_format: Literal["text", "json"]
 
 
 def service_settings(section: ServiceSection) -> ServiceSettings:
     return ServiceSettings(**{name: getattr(section, name) for name in ServiceSection.model_fields})
+
+
+def engine_channel(d: Deployment) -> tuple[str, str | None]:
+    """Where an engine reaches the sidecar serving `d` (`service.socket_path`) and the token
+    it presents (`service.token`, None when none is set)."""
+    token = d.service.token
+    return str(d.service.socket_path), None if token is None else token.get_secret_value()
+
+
+def client_settings(d: Deployment) -> dict[str, Any]:
+    """The `Client` keywords of an engine of the model `d` describes, as the sidecar serving
+    it expects them: its dtypes, page size, address and token."""
+    address, token = engine_channel(d)
+    return {
+        "address": address,
+        "dtype": d.model.dtype,
+        "state_dtype": d.model.state_dtype,
+        "ssm_state_dtype": d.model.ssm_state_dtype,
+        "page_size_tokens": d.model.page_size_tokens,
+        "token": token,
+    }

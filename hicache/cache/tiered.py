@@ -41,7 +41,7 @@ from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner, StorePlan
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.cache.resync import Resync
-from hicache.cache.settings import CacheSettings
+from hicache.cache.settings import CacheSettings, effective
 from hicache.embedded import EmbeddedCache, check_tp_rank
 from hicache.errors import HicacheError
 from hicache.index import (
@@ -216,34 +216,8 @@ class TieredCache:
         return cache
 
     def effective_settings(self) -> dict[str, object]:
-        """What this cache runs with, read back from its parts, by the deployment key each
-        comes from: the stack's (`EmbeddedCache.effective_settings`), the policies, the
-        index's bounds, the persist queue, the page keys' roots (model, tenant salt, rank,
-        algorithm, geometry) and L3's store (`GuardedStore.effective_settings`)."""
-        prefetch = self.prefetch_policy
-        timeout = {
-            "cache.prefetch_timeout_s": getattr(prefetch, "base_s", None),
-            "cache.prefetch_timeout_per_token_s": getattr(prefetch, "per_token_s", None),
-            "cache.prefetch_auto_headroom": getattr(prefetch, "headroom", None),
-            "cache.prefetch_auto_floor_s": getattr(prefetch, "floor_s", None),
-            "cache.prefetch_timeout_max_s": getattr(prefetch, "max_s", None),
-        }
-        keyers = self.index.keyers.values()
-        store = {} if self.l3 is None else self.l3.effective_settings()
-        return {
-            **self.embedded.effective_settings(),
-            "cache.write_policy": self.write_policy.name,
-            "cache.prefetch_policy": prefetch.name,
-            **timeout,
-            "cache.eviction": self.index.eviction,
-            "cache.key_algorithm": sorted({k.algorithm for k in keyers}),
-            "cache.key_roots": self.key_roots(),
-            "cache.l3_absent_ttl_s": self.discovery.absent.ttl_s,
-            "cache.persist_queue_pages": self.persist.max_pages,
-            "cache.l3_index_max_pages": self.index.l3_only_max_pages,
-            "cache.groups": sorted(self.index.rules),
-            **store,
-        }
+        """What this cache runs with, read back from its parts (`settings.effective`)."""
+        return effective(self)
 
     # ---- lifecycle --------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from hicache.config.sizes import format_bytes, parse_bytes
-from hicache.config.urls import redacted_url
+from hicache.config.urls import cluster_seeds, redacted_url
 from hicache.model.explicit import LayerEntry
 
 ByteSize = Annotated[
@@ -269,26 +269,8 @@ class RedisStorage(L3Guard):
 
     @staticmethod
     def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
-        """A cluster URL as redis-py takes it: (the URL of the first seed alone, with the
-        scheme's `+cluster` dropped and the user, password, path and query kept; every seed's
-        (host, port), port 6379 where none is given). Raises ValueError naming the bad part."""
-        parts = urlsplit(url)
-        scheme = parts.scheme.removesuffix("+cluster")
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        seeds = []
-        for entry in hosts.split(","):
-            one = urlsplit(f"//{entry}")
-            if not one.hostname:
-                raise ValueError(f"seed {entry!r} names no host")
-            try:
-                port = one.port
-            except ValueError as exc:
-                raise ValueError(f"seed {entry!r}: {exc}") from None
-            seeds.append((one.hostname, 6379 if port is None else port))
-        first = hosts.split(",")[0]
-        netloc = f"{userinfo}@{first}" if userinfo else first
-        single = parts._replace(scheme=scheme, netloc=netloc).geturl()
-        return single, seeds
+        """`hicache.config.urls.cluster_seeds`."""
+        return cluster_seeds(url)
 
     @property
     def is_cluster(self) -> bool:

@@ -370,8 +370,7 @@ def run_demo(
     out = sys.stdout
     model_env = {} if model is None else {"HICACHE_MODEL__CONFIG_PATH": str(model.resolve())}
     loaded = load_deployment(config, env={**os.environ, **model_env})
-    d = loaded.deployment
-    geometries = list(deployment_geometries(d, loaded.layer_map()).values())
+    geometries = list(deployment_geometries(loaded.deployment, loaded.layer_map()).values())
     try:
         given = None if host_bytes is None else parse_bytes(host_bytes)
     except ValueError as exc:
@@ -381,7 +380,7 @@ def run_demo(
         tiers = size_tiers(
             geometries,
             trace,
-            d.model.page_size_tokens,
+            geometries[0].page_size_tokens,
             host_bytes=given,
             state_fraction=state_fraction,
             device_pages=device_pages,

@@ -28,6 +28,7 @@ import sys
 from aiohttp import web
 
 from hicache.assembly import copy_backend, host_pages, open_store, starting
+from hicache.assembly.sidecar import sidecar_plan
 from hicache.assembly.stores import cause
 from hicache.config import LoadedConfig
 from hicache.errors import HicacheError, ServiceStartError
@@ -61,12 +62,11 @@ def _first_hicache_error(group: BaseExceptionGroup[BaseException]) -> HicacheErr
 
 
 async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
-    d = loaded.deployment
-    configure(d.service.log_format)
-    layer_map = loaded.layer_map()
+    plan = sidecar_plan(loaded)  # the layout, the model name, what the service reads
+    service = plan.service
+    configure(service.log_format)
+    layer_map = plan.layer_map
     host_pages(loaded, layer_map)  # an L2 too small for one page: refused before anything starts
-    with starting(loaded, "model.name", "cannot derive the model name"):
-        model_name = loaded.model_name()
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -77,28 +77,28 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     runner: web.AppRunner | None = None
     ready = False
     try:
-        with starting(loaded, "device.kind", f"cannot start the {d.device.kind} copy backend"):
-            backend = copy_backend(d)
+        with starting(loaded, "device.kind", f"cannot start the {plan.device_kind} copy backend"):
+            backend = copy_backend(loaded.deployment)
         store = open_store(loaded)
         metrics = ServiceMetrics()
-        metrics.page_size_tokens = d.model.page_size_tokens
+        metrics.page_size_tokens = plan.page_size_tokens
         async with asyncio.TaskGroup() as tg:
-            server = EngineServer(d, layer_map, backend, store, tg, metrics, model_name=model_name)
+            server = EngineServer(plan, backend, store, tg, metrics)
             metrics.watch(lambda: list(server.namespaces.values()), lambda: server.store)
             http_port = None
-            if d.service.http_port is not None:  # first: it logs nothing if the rest fails
+            if service.http_port is not None:  # first: it logs nothing if the rest fails
                 runner, http_port = await start_http(
-                    server, metrics, d.service.http_host, d.service.http_port
+                    server, metrics, service.http_host, service.http_port
                 )
             await server.start()
             probe = tg.create_task(_probe_l3(server), name="hicache-l3-probe")
             fields = {
-                "socket": str(d.service.socket_path),
+                "socket": str(service.socket_path),
                 "tcp_port": server.tcp_port,
                 "http_port": http_port,
                 "model": layer_map.model_type,
                 "model_name": server.model_name,
-                "l3": d.storage.kind,
+                "l3": plan.storage_kind,
             }
             gc.freeze()  # start-up objects (torch's among them) leave the collector's scans
             row_kernel = getattr(backend, "row_kernel", None)  # CPU: native C or numpy (why)
@@ -115,7 +115,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
                 extra={
                     "fields": {
                         "sessions": len(server.sessions),
-                        "drain_timeout_s": d.service.drain_timeout_s,
+                        "drain_timeout_s": service.drain_timeout_s,
                     }
                 },
             )
@@ -139,7 +139,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
         # the TaskGroup wraps what its body raised: a start-up error reaches the CLI as itself
         if server is not None and server.listening:
             with contextlib.suppress(OSError):
-                d.service.socket_path.unlink()  # no socket left behind that nobody serves
+                service.socket_path.unlink()  # no socket left behind that nobody serves
         first = _first_hicache_error(group)
         if first is not None:
             raise first from None
@@ -150,7 +150,7 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
         ) from group
     finally:
         if server is not None and not ready:
-            await _close_listeners(server, runner, d.service.drain_timeout_s)
+            await _close_listeners(server, runner, service.drain_timeout_s)
         live = server.store if server is not None else store
         if live is not None:
             with contextlib.suppress(Exception):

@@ -17,12 +17,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
-from hicache.assembly import namespace_cache
+from hicache.assembly.sidecar import SidecarPlan
 from hicache.cache import TieredCache
-from hicache.config import Deployment
 from hicache.embedded import check_pools_device
 from hicache.memory import DevicePool
-from hicache.model import LayerMap
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
@@ -48,9 +46,7 @@ class Namespace:
     async def start(
         cls,
         key: NamespaceKey,
-        deployment: Deployment,
-        model_name: str,
-        layer_map: LayerMap,
+        plan: SidecarPlan,
         backend: CopyBackend,
         store: GuardedStore | None,
         device_pools: dict[str, DevicePool],
@@ -58,10 +54,7 @@ class Namespace:
     ) -> Namespace:
         # the namespace copies on its pools' device (a TP rank's GPU), whatever device.index
         # says: the sidecar's backend gives a sibling per device, closed with it
-        cache = namespace_cache(
-            deployment,
-            layer_map,
-            model_name=model_name,
+        cache = plan.namespace_cache(
             tenant=key.tenant,
             tp_rank=key.tp_rank,
             backend=backend,
