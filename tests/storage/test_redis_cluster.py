@@ -27,12 +27,12 @@ import redis.connection
 from pydantic import ValidationError
 from redis.crc import key_slot
 
+from hicache.assembly import storage_backend as make_backend
 from hicache.cache import TieredCache
 from hicache.config import load_deployment
 from hicache.config.schema import RedisStorage
 from hicache.errors import ConfigError, TierUnavailableError
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
-from hicache.storage.factory import make_backend
 from hicache.storage.redis_cluster_backend import RedisClusterBackend
 from hicache.storage.redis_wire import is_failover, object_name
 from hicache.testing.local_servers import RedisClusterServers as ClusterType
