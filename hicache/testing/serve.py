@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from hicache.assembly.sidecar import sidecar_plan
 from hicache.config import LoadedConfig, load_deployment
 from hicache.errors import ConfigError, HicacheError
 from hicache.scheduler import run
@@ -37,7 +38,7 @@ def copy_faults(spec: str) -> Callable[[LoadedConfig], CopyBackend]:
     FakeCopyBackend.from_spec(spec, WHERE)  # refused before anything starts
 
     def factory(loaded: LoadedConfig) -> CopyBackend:
-        kind = loaded.deployment.device.kind
+        kind = sidecar_plan(loaded).device_kind
         if kind != "cpu":
             raise ConfigError(
                 f"{WHERE} is given but device.kind is {kind!r} "
