@@ -31,6 +31,11 @@ class Staging:
                 return None
             return {g: [self._free[g].pop() for _ in range(n)] for g, n in wanted.items()}
 
+    def free(self) -> dict[str, int]:
+        """Free pages per group now (the scratch page is never free)."""
+        with self._lock:
+            return {g: len(ids) for g, ids in self._free.items()}
+
     def give(self, pages: Mapping[str, Sequence[int]]) -> None:
         with self._lock:
             for g, ids in pages.items():
@@ -45,6 +50,7 @@ class WorkerCounters:
     stores: int = 0
     store_failures: int = 0
     stores_skipped_staging: int = 0
+    loads_starved: int = 0  # loads recomputed because staging had too few free pages
     stores_skipped_failed_load: int = 0
     staging_quarantined: int = 0
     pages_stored: int = 0

@@ -334,9 +334,11 @@ class WorkerSide:
             return active
         staging = self.staging.take(wanted)
         if staging is None:
+            self.counters.loads_starved += 1
             self.counters.error(
-                f"request {job.req_id}: its load needs {wanted} staging pages, more than are "
-                f"free of {self._staging_pages}; recomputed (raise staging_pages)"
+                f"request {job.req_id}: its load needs {wanted} staging pages; free now: "
+                f"{self.staging.free()} of {self._staging_pages}; recomputed (raise "
+                "staging_pages)"
             )
             active.failed = True
             return active
@@ -462,8 +464,9 @@ class WorkerSide:
         if staging is None:
             self.counters.stores_skipped_staging += 1
             self.counters.error(
-                f"request {job.req_id}: its store needs {wanted} staging pages, more than are "
-                f"free of {self._staging_pages}; not stored (raise staging_pages)"
+                f"request {job.req_id}: its store needs {wanted} staging pages; free now: "
+                f"{self.staging.free()} of {self._staging_pages}; not stored (raise "
+                "staging_pages)"
             )
             return
         try:
@@ -500,5 +503,11 @@ class WorkerSide:
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
             self.counters.error(f"request {job.req_id}: store failed: {exc}")
+            if isinstance(exc, TimeoutError):
+                # no answer in time: the sidecar may still be backing the store up from these
+                # pages; handed to the next store they would be overwritten under this
+                # prompt's keys (another prompt's bytes filed and served as this one's)
+                self.counters.staging_quarantined += sum(len(p) for p in staging.values())
+                staging = {}
         finally:
             self.staging.give(staging)
