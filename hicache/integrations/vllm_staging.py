@@ -44,6 +44,8 @@ class Staging:
 
 @dataclass
 class WorkerCounters:
+    # "direct": the sidecar copies between L2 and vLLM's blocks; "staging": through staging
+    data_plane: str = ""
     loads: int = 0
     load_failures: int = 0
     pages_loaded: int = 0
@@ -54,12 +56,18 @@ class WorkerCounters:
     stores_skipped_failed_load: int = 0
     staging_quarantined: int = 0
     pages_stored: int = 0
+    stores_unconfirmed: int = 0  # no reply, and the session did not end in time
+    loads_unconfirmed: int = 0  # did not end in time, and had not ended before the next step
     # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
-    # into vLLM's blocks, the forward blocked in wait_layer, whole stores (copy + sidecar)
+    # into vLLM's blocks (0 when direct), the forward blocked in wait_layer, stores from start
+    # to reply (on our store thread when direct), and what vLLM's steps waited for stores
+    # (staging: the copy and the reply; direct: sending, and the replies not in yet when the
+    # next step began)
     load_request_s: float = 0.0
     load_copy_s: float = 0.0
     layer_wait_s: float = 0.0
     store_s: float = 0.0
+    store_on_step_s: float = 0.0
     errors: list[str] = field(default_factory=list)
     stats_unwritable: bool = False
 

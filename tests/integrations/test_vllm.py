@@ -59,6 +59,17 @@ def _model(models: Path, kind: str) -> Path:
     return build_model(kind, models)
 
 
+# how each model's pages move (see the connector's `_direct`): the sidecar copies straight
+# into vLLM's blocks, or through staging where a hicache group spans several vLLM groups
+DATA_PLANE = {
+    "llama": "direct",
+    "gemma3": "staging",
+    "gpt_oss": "direct",
+    "qwen3_next": "staging",
+    "lfm2": "staging",
+}
+
+
 def _connector(deploy: Path) -> dict[str, str]:
     return {"config": str(deploy)}
 
@@ -72,10 +83,20 @@ def test_hits_from_l2_and_l3_equal_recompute(kind: str, models: Path, tmp_path: 
     deploy = write_deployment(tmp_path / "sidecar", model, kind)
 
     # L2: one engine, its own prefix cache reset before every round
+    stats_path = tmp_path / "worker.json"
     with SidecarProcess(deploy):
-        first = run_engine(tmp_path, model, rounds, connector=_connector(deploy), name="l2")
+        connector = _connector(deploy) | {"stats_path": str(stats_path)}
+        first = run_engine(tmp_path, model, rounds, connector=connector, name="l2")
     assert outputs(first) == reference
     assert cached(first) == [[0], [p.hit(p.b)], [p.hit(p.a)]]
+    # the sidecar copied straight into vLLM's blocks where each hicache group's layers are in
+    # one vLLM KV-cache group (one block id names a page); through staging elsewhere
+    counters = json.loads(stats_path.read_text())
+    assert counters["data_plane"] == DATA_PLANE[kind], counters
+    assert counters["loads"] == 2, counters
+    assert counters["load_failures"] == 0, counters
+    if DATA_PLANE[kind] == "direct":
+        assert counters["load_copy_s"] == 0, counters
 
     # L3: a restarted sidecar (L2 empty) and a second engine instance
     with SidecarProcess(deploy):
