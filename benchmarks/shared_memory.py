@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hicache.service.shm import map_fd, map_peer_fd, sealed_memfd
+from hicache.channel.shm import map_fd, map_peer_fd, sealed_memfd
 
 
 def main() -> None:

@@ -48,12 +48,12 @@ from pathlib import Path
 import yaml
 
 from hicache.cache import TieredCache
+from hicache.channel.protocol import frame
 from hicache.client import connect
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
 from hicache.embedded import EmbeddedCache
 from hicache.scheduler import run
-from hicache.service.process import SidecarProcess
-from hicache.service.protocol import frame
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES, SMALL, TRIALS, LOADS_PER_TRIAL = 64, 5000, 5, 10

@@ -157,7 +157,7 @@ def main() -> int:
         print(json.dumps(engine(json.loads(args.engine.read_text()))))
         return 0
 
-    from hicache.service.process import SidecarProcess
+    from hicache.client.process import SidecarProcess
     from tests.integrations.vllm_harness import write_deployment
     from tests.integrations.vllm_models import build_model
 

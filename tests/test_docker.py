@@ -342,7 +342,7 @@ def _free_port() -> int:
 
 
 def test_healthcheck_against_a_real_sidecar(tmp_path: Path) -> None:
-    from hicache.service.process import SidecarProcess
+    from hicache.client.process import SidecarProcess
 
     port = _free_port()
     env = {

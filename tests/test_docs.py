@@ -54,7 +54,7 @@ def test_docker_copies_only_existing_paths() -> None:
 
 
 def test_readme_client_example_runs_twice_against_one_sidecar(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    from hicache.service.process import SidecarProcess
+    from hicache.client.process import SidecarProcess
 
     # the README's server command, on the default config (its socket), L3 and HTTP moved aside
     env = {"HICACHE_STORAGE__PATH": str(tmp_path / "l3"), "HICACHE_SERVICE__HTTP_PORT": "0"}

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.service import protocol as p
+from hicache.channel import protocol as p
 from tests.conftest import REPO, shared_model
 
 EXIT_WITHIN_S = 30.0  # importing torch takes a few seconds; a stuck process never exits

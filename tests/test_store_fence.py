@@ -21,12 +21,12 @@ import torch
 from pydantic import ValidationError
 
 from hicache.cache import TieredCache
+from hicache.channel import protocol as p
 from hicache.client.base import ClientBase, store_args
 from hicache.client.handle import ClientError
 from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
-from hicache.service import protocol as p
 from hicache.service.ops import EngineOps
 from hicache.transfer import NO_FENCE, CpuCopyBackend, Direction, Fence
 from hicache.transfer.backend import CancelToken, LayerListener, LayerPart, WalkDone, WalkSignals

@@ -3,6 +3,7 @@ the model a deployment file describes), `connect_async` (`aio`);
 the handles and errors they return (`handle`); a prompt's page keys, computed once with the
 sidecar's keyers (`keys`); what both share (`base`)."""
 
+from hicache.channel.shm import SharedPools
 from hicache.client.aio import AsyncClient, connect_async
 from hicache.client.engine import Client, connect, connect_deployment
 from hicache.client.handle import (
@@ -14,7 +15,6 @@ from hicache.client.handle import (
     SidecarUnreachableError,
 )
 from hicache.client.keys import KeySpec, PromptKeys
-from hicache.service.shm import SharedPools
 
 __all__ = [
     "AsyncClient",

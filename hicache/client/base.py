@@ -13,13 +13,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.channel import protocol as p
+from hicache.channel.counters import CounterFile
+from hicache.channel.shm import SharedPools
 from hicache.client.handle import ClientError, LoadHandle, Lookup, SidecarUnreachableError
 from hicache.client.keys import KeySpec, PromptKeys
 from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
-from hicache.service import protocol as p
-from hicache.service.shm import CounterFile, SharedPools
 
 _HOW = (
     "write a Unix socket as a path (/run/hicache/engine.sock, ./engine.sock) and TCP as "

@@ -41,14 +41,14 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.channel import protocol as p
+from hicache.channel.shm import SharedPools
 from hicache.client.base import ClientBase, page_lists, parse_address, store_args, unreachable
 from hicache.client.handle import ClientError, LoadHandle, Lookup
 from hicache.client.keys import PromptKeys
 from hicache.config import LoadedConfig
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
-from hicache.service import protocol as p
-from hicache.service.shm import SharedPools
 
 
 class Client(ClientBase):

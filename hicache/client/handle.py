@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hicache.channel.counters import CounterFile, LoadState
 from hicache.errors import HicacheError, LayerLoadError
 from hicache.model import LayerMap
-from hicache.service.shm import CounterFile, LoadState
 from hicache.transfer import LayerFailure
 
 

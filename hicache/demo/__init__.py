@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from hicache.client.process import SidecarProcess, SidecarStartError
 from hicache.config import format_bytes, load_deployment, parse_bytes
 from hicache.demo import timeline as timeline_mod
 from hicache.demo.timeline import LoadTimeline
@@ -38,7 +39,6 @@ from hicache.demo.trace import TraceOptions
 from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.memory.host_tier import budget_pages
-from hicache.service.process import SidecarProcess, SidecarStartError
 
 DEMO_KV_BYTES = 96 * 2**20  # L2 for KV pages: small, so the trace spills to L3
 DEMO_SNAPSHOTS = 4  # L2 state snapshots per state group (and engine slots for them)

@@ -27,13 +27,13 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from hicache.channel.shm import SharedPools
 from hicache.client import Client, LoadHandle, connect_deployment
 from hicache.config import load_deployment
 from hicache.demo.content import check_page, fill_page, seeds_for
 from hicache.demo.trace import TraceOptions, build_trace
 from hicache.index import GroupRule
 from hicache.memory import DevicePool
-from hicache.service.shm import SharedPools
 
 
 def _page_equal(a: Sequence[int], b: Sequence[int], k: int, page: int) -> bool:

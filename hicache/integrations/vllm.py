@@ -59,6 +59,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import MambaSpec
 
+from hicache.channel.protocol import ErrorCode
 from hicache.client import Client, ClientError, Lookup, PromptKeys
 from hicache.errors import ConfigError, HicacheError
 from hicache.integrations.vllm_binding import LayerBinding, StateSpec, bind_layers
@@ -81,7 +82,6 @@ from hicache.integrations.vllm_shared_kv import (
 from hicache.integrations.vllm_worker import WorkerSide
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.memory.geometry import dtype_name
-from hicache.service.protocol import ErrorCode
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

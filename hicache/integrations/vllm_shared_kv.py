@@ -13,7 +13,7 @@ connector falls back to its staging pool.
 
 `blocks_pools` describes vLLM's blocks as hicache's pools over that memfd: per group, layer and
 tensor the byte offset of block 0's part and the block stride (`page_strides`), so the
-sidecar maps them as page rows (`hicache.service.shm`), checks every row is in bounds, and its
+sidecar maps them as page rows (`hicache.channel.shm`), checks every row is in bounds, and its
 copies land in vLLM's blocks. `blocks_device_pools` is the same for CUDA tensors, registered by
 IPC handle (`register_cuda_pools`).
 
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hicache.channel.shm import SharedPools, sealed_memfd
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
 from hicache.memory import DevicePool, GroupGeometry
-from hicache.service.shm import SharedPools, sealed_memfd
 
 PAGE_BYTES = mmap.PAGESIZE
 CHUNK_BYTES = 64 << 20  # remapped at a time: the copy's extra memory at most this

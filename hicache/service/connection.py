@@ -16,7 +16,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING, cast
 
-from hicache.service import protocol as p
+from hicache.channel import protocol as p
 from hicache.service.sessions import Session
 
 if TYPE_CHECKING:

@@ -22,6 +22,9 @@ from dataclasses import asdict
 from typing import Any
 
 from hicache.cache.keyers import page_keyers
+from hicache.channel import protocol as p
+from hicache.channel.counters import CounterFile, LoadState
+from hicache.channel.shm import map_pools
 from hicache.config import Deployment
 from hicache.config.schema import ServiceSection
 from hicache.errors import HicacheError
@@ -29,11 +32,9 @@ from hicache.index import KEY_BYTES, Hit, PackedKeys
 from hicache.memory import DevicePool, GroupGeometry
 from hicache.model import LayerMap
 from hicache.scheduler import OpResult, OpState
-from hicache.service import protocol as p
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
 from hicache.service.sessions import LoadEntry, Session, same_process
-from hicache.service.shm import CounterFile, LoadState, map_pools
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage import GuardedStore
 from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure

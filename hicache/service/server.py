@@ -31,11 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from hicache.cache.keyers import page_keyers
+from hicache.channel import protocol as p
 from hicache.config import Deployment
 from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap
-from hicache.service import protocol as p
 from hicache.service.connection import EngineConnection
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from hicache.channel.counters import CounterFile
 from hicache.memory import DevicePool
 from hicache.scheduler import OpHandle
 from hicache.service.namespaces import Namespace, NamespaceKey
-from hicache.service.shm import CounterFile
 
 
 @dataclass

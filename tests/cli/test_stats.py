@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from hicache.cli.stats import CLEAR, Metrics, quantile
-from hicache.service.process import SidecarProcess
+from hicache.client.process import SidecarProcess
 from tests.conftest import REPO
 from tests.service.conftest import engine, engine_result, write_config
 

@@ -339,8 +339,8 @@ def test_a_second_serve_with_the_same_config_leaves_the_first_serving(
     someone answers on, or on the HTTP port the first holds — removes nothing and exits 2;
     the first keeps serving engines."""
     from hicache.client import connect
+    from hicache.client.process import SidecarProcess
     from hicache.config import load_deployment
-    from hicache.service.process import SidecarProcess
 
     http_port = 0
     if fixed_http_port:

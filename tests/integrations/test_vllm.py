@@ -32,8 +32,8 @@ from pathlib import Path
 import pytest
 
 from hicache.client import Client, ClientError, connect
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
-from hicache.service.process import SidecarProcess
 from tests.integrations.vllm_harness import (
     SSM_DTYPE,
     Prompts,

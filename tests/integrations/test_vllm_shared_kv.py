@@ -11,6 +11,7 @@ import os
 import pytest
 import torch
 
+from hicache.channel.shm import map_pools
 from hicache.integrations.vllm_binding import bind_layers
 from hicache.integrations.vllm_shared_kv import (
     SharedKvError,
@@ -19,7 +20,6 @@ from hicache.integrations.vllm_shared_kv import (
 )
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap, load_layout
-from hicache.service.shm import map_pools
 from tests.conftest import shared_model
 
 BLOCK = 16

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from hicache.channel.shm import SharedPools
 from hicache.client import ClientError
 from hicache.errors import ConfigError, PoolShapeError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
@@ -21,7 +22,6 @@ from hicache.integrations.vllm_staging import Staging
 from hicache.integrations.vllm_worker import WorkerSide
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap, load_layout
-from hicache.service.shm import SharedPools
 from tests.conftest import shared_model
 
 P = 4  # page size in these tests

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from hicache.service.process import SidecarProcess
+from hicache.client.process import SidecarProcess
 from tests.real_models.harness import (
     TOLERANCE,
     Case,

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import yaml
 
-from hicache.service.process import SidecarProcess
+from hicache.client.process import SidecarProcess
 from tests.conftest import REPO, shared_model
 
 

@@ -24,10 +24,10 @@ import sys
 import threading
 from pathlib import Path
 
+from hicache.channel.shm import SharedPools
 from hicache.client import Client, connect_deployment
 from hicache.config import load_deployment
 from hicache.demo.content import check_page, fill_page, seeds_for
-from hicache.service.shm import SharedPools
 from tests.pages import split_store
 
 PAGE = 16

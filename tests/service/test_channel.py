@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache.channel import protocol as p
+from hicache.channel.counters import CounterFile
 from hicache.client import ClientError, connect
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
-from hicache.service import protocol as p
-from hicache.service.process import SidecarProcess
-from hicache.service.shm import CounterFile
 from tests.service.conftest import write_config
 
 

@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.channel.counters import CounterFile, LoadState
 from hicache.client import ClientError, LoadLostError, connect, connect_async
 from hicache.client.handle import LoadHandle
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
-from hicache.service.process import SidecarProcess
-from hicache.service.shm import CounterFile, LoadState
 from tests.service.conftest import engine, read_event, write_config
 
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hicache.client import connect
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
 from hicache.demo.content import seeds_for
 from hicache.memory import DevicePool
-from hicache.service.process import SidecarProcess
 from tests.pages import split_store
 from tests.service.conftest import write_config
 

@@ -31,11 +31,12 @@ from typing import Any
 import msgpack
 import pytest
 
+from hicache.channel import protocol as p
+from hicache.channel.counters import CounterFile
+from hicache.channel.shm import sealed_memfd
 from hicache.client import Client, ClientError, connect
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
-from hicache.service import protocol as p
-from hicache.service.process import SidecarProcess
-from hicache.service.shm import CounterFile, sealed_memfd
 from tests.service.conftest import engine, read_event, write_config
 
 FALLOC_FL_KEEP_SIZE, FALLOC_FL_PUNCH_HOLE = 0x01, 0x02

@@ -13,9 +13,9 @@ from typing import Any, cast
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from hicache.client.process import SidecarProcess
 from hicache.service.http_api import ControlApi
 from hicache.service.metrics import ServiceMetrics
-from hicache.service.process import SidecarProcess
 from hicache.service.server import EngineServer
 from hicache.storage import CircuitBreaker, FileBackend, GuardedStore
 from tests.service.conftest import engine, engine_result, write_config

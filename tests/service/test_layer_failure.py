@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.channel.counters import CounterFile, LoadState
+from hicache.channel.shm import SharedPools
 from hicache.client import Client, connect
 from hicache.client.handle import LoadHandle
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
 from hicache.errors import LayerLoadError
-from hicache.service.process import SidecarProcess
-from hicache.service.shm import CounterFile, LoadState, SharedPools
 from hicache.transfer import LayerFailure, StopKind
 from hicache.transfer.fakes import FAULTS_ENV
 from tests.pages import split_store

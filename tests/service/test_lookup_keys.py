@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import yaml
 
+from hicache.channel import protocol as p
 from hicache.client import Client, ClientError, KeySpec, connect, connect_async
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
 from hicache.index import KEY_BYTES
-from hicache.service import protocol as p
-from hicache.service.process import SidecarProcess
 from tests.conftest import shared_model
 
 PAGE = 16

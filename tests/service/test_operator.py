@@ -19,15 +19,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hicache.channel import protocol as p
+from hicache.channel.counters import CounterFile
 from hicache.client import ClientError, SidecarUnreachableError, connect, connect_async
 from hicache.client.base import parse_address
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
 from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.service import app
-from hicache.service import protocol as p
-from hicache.service.process import SidecarProcess
-from hicache.service.shm import CounterFile
 from hicache.storage import FaultyBackend, GuardedStore
 from tests.service.conftest import write_config
 from tests.service.test_channel import ask, error_of, raw

@@ -10,7 +10,7 @@ import stat
 import time
 from pathlib import Path
 
-from hicache.service.process import SidecarProcess
+from hicache.client.process import SidecarProcess
 from tests.service.conftest import engine, engine_result, read_event
 
 

@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from hicache.client import Client, ClientError, connect
+from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
-from hicache.service.process import SidecarProcess
 
 PAGE = 16
 PAGES = 4

@@ -194,7 +194,7 @@ class Engine:
 # the two hosts, their L3 and their sidecars
 
 if __name__ != "__main__":  # the test (the engine process needs none of this)
-    from hicache.service.process import SidecarProcess
+    from hicache.client.process import SidecarProcess
     from hicache.storage import local_servers, netns_hosts
     from hicache.storage.netns_hosts import Host, TwoHosts
 

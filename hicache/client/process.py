@@ -4,6 +4,9 @@ Lifecycle: `start()` spawns `python -m hicache serve --config FILE` and waits fo
 line (which carries the socket and the HTTP port) -> `get(path)` reads the HTTP API ->
 `stop(signal)` sends SIGTERM (or another signal) and returns the exit code. Its log lines go
 to a file beside the config (`log_path`), so a failure can be shown to the user.
+
+It lives on the engine's side: it runs the sidecar through the `hicache` command, importing
+nothing of `hicache.service` (stdlib only).
 """
 
 from __future__ import annotations
