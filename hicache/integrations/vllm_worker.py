@@ -405,6 +405,7 @@ class WorkerSide:
         staging = self.staging.take(wanted)
         if staging is None:
             self.counters.loads_starved += 1
+            client.starved()
             self.counters.error(
                 f"request {job.req_id}: its load needs {wanted} staging pages; free now: "
                 f"{self.staging.free()} of {self._staging_pages}; recomputed (raise "

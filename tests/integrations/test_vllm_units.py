@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from hicache.channel.shm import SharedPools
-from hicache.client import ClientError
+from hicache.client import ClientError, connect
+from hicache.client.process import SidecarProcess
 from hicache.errors import ConfigError, PoolShapeError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
 from hicache.integrations.vllm_layout import state_load_block, state_store_block
@@ -247,6 +248,7 @@ class _FakeClient:
         self.stores: list[dict[str, list[int | None]]] = []
         self.loads: list[dict[str, list[int]]] = []
         self.store_error: Exception | None = None
+        self.loads_starved = 0
 
     def create_pools(self, num_pages: Mapping[str, int]) -> SharedPools:
         return SharedPools.create(self.geometries, num_pages)
@@ -273,6 +275,9 @@ class _FakeClient:
 
     def prefetch(self, tokens: Sequence[int]) -> int:
         return 0
+
+    def starved(self, loads: int = 1) -> None:
+        self.loads_starved += loads
 
     def close(self) -> None:
         return None
@@ -324,6 +329,7 @@ def test_a_starved_load_is_counted_and_says_what_was_free() -> None:
     worker.start_loads(jobs)
     assert len(client.loads) == 1  # the second found one free page of the three
     assert worker.counters.loads_starved == 1
+    assert client.loads_starved == 1  # told to the sidecar with the next heartbeat
     assert worker.counters.errors[-1] == (
         "request b: its load needs {'full': 2} staging pages; free now: {'full': 1} of "
         "{'full': 4}; recomputed (raise staging_pages)"
@@ -331,6 +337,27 @@ def test_a_starved_load_is_counted_and_says_what_was_free() -> None:
     worker.wait_layer(max(worker.bindings))
     assert worker.take_load_errors() == {3, 4}  # b's blocks: vLLM recomputes them
     assert worker.staging.free() == {"full": 3}
+
+
+def test_starved_loads_reach_the_sidecars_stats_and_metrics(tmp_path: Path) -> None:
+    """What engines report with their heartbeats: `/v1/stats` and Prometheus both count it."""
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(
+        f"model:\n  config_path: {shared_model('llama-3.1-8b.json')}\n  page_size_tokens: 16\n"
+        "host:\n  capacity_bytes: 16MiB\n"
+        f"storage:\n  kind: file\n  path: {tmp_path / 'l3'}\n"
+        f"service:\n  socket_path: {tmp_path / 'e.sock'}\n  http_port: 0\n"
+    )
+    with SidecarProcess(deploy) as sidecar:
+        layer_map = LayerMap(load_layout(shared_model("llama-3.1-8b.json")))
+        with connect(sidecar.socket, layer_map, heartbeat=False) as client:
+            client.starved(2)
+            client.call("heartbeat", client._heartbeat_args())
+            client.call("heartbeat", client._heartbeat_args())  # nothing new: not sent again
+        assert sidecar.get_json("/v1/stats")["engine_loads_starved"] == 2
+        status, metrics = sidecar.get("/metrics")
+    assert status == 200
+    assert "hicache_engine_loads_starved_total 2.0" in metrics
 
 
 @pytest.mark.parametrize(
