@@ -456,9 +456,11 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         if memory is None:
             log.info("hicache: staging vLLM's blocks (%s)", why)
             return None, lambda: None
-        pools = blocks_pools(memory, bindings, geometries)
         log.info("hicache: vLLM's KV memory shared in place (no staging)")
-        return (lambda c: c.register_pools(pools)), lambda: None
+        # a pool (and descriptor) per client: a client closes its pool with itself
+        return (lambda c: c.register_pools(blocks_pools(memory, bindings, geometries))), (
+            lambda: None
+        )
 
     def _step(self) -> StepMeta:
         meta = self._get_connector_metadata()

@@ -212,7 +212,10 @@ def blocks_pools(
     bindings: Mapping[int, LayerBinding],
     geometries: Mapping[str, GroupGeometry],
 ) -> SharedPools:
-    """vLLM's blocks as a `SharedPools` over `memory`: page p of a group is block p."""
+    """vLLM's blocks as a `SharedPools` over `memory`: page p of a group is block p. It holds
+    a descriptor of its own (a dup of the memfd's), since the client that registers it
+    closes it with itself: a client that failed must not take the memory's descriptor along,
+    or no later client could register it."""
     offsets: dict[str, list[list[int]]] = {}
     strides: dict[str, list[list[int]]] = {}
     pages: dict[str, int] = {}
@@ -230,7 +233,7 @@ def blocks_pools(
             offsets[name].append([base + first for _, first, _ in binding.parts])
             strides[name].append([rows.stride(0)] * len(binding.parts))
     return SharedPools(
-        memory.fd, memory.nbytes, dict(geometries), pages, offsets, memory.buffer(), strides
+        os.dup(memory.fd), memory.nbytes, dict(geometries), pages, offsets, memory.buffer(), strides
     )
 
 

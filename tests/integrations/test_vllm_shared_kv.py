@@ -108,3 +108,22 @@ def test_a_manifest_row_past_the_pool_is_refused() -> None:
             map_pools(manifest | {"counters_fd": 0}, geometries, os.getpid())
     finally:
         memory.close()
+
+
+def test_a_client_that_failed_leaves_the_memory_registrable() -> None:
+    """A client closes the pools it registered; each registration gets a descriptor of its
+    own, so after a failed first try (a timed-out hello) the next client still registers
+    vLLM's memory, the same memory (identity) the first one named."""
+    layer_map, geometries, _, caches = _vllm_like(blocks=20)
+    bindings = _bind(layer_map, geometries, caches)
+    memory = share_in_place(bindings)
+    try:
+        first = blocks_pools(memory, bindings, geometries)
+        _, identity = map_pools(first.manifest() | {"counters_fd": 0}, geometries, os.getpid())
+        first.close()  # what the failed client did
+        second = blocks_pools(memory, bindings, geometries)
+        _, again = map_pools(second.manifest() | {"counters_fd": 0}, geometries, os.getpid())
+        second.close()
+        assert again == identity
+    finally:
+        memory.close()
