@@ -263,6 +263,8 @@ class WorkerSide:
         self._copy(active, layer_id)
 
     def _copy(self, active: _ActiveLoad, layer_id: int) -> None:
+        if not active.moves:  # direct: the sidecar's copy was the only one
+            return
         started = time.perf_counter()
         for move in active.moves.get(layer_id, ()):
             move.binding.from_staging(self._pools[move.binding.group], move.pages, move.blocks)

@@ -4,6 +4,7 @@ binding and its errors, the staging pages, the worker half against a fake sideca
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -249,6 +250,11 @@ class _FakeClient:
         self.loads: list[dict[str, list[int]]] = []
         self.store_error: Exception | None = None
         self.loads_starved = 0
+        self.stats_calls = 0
+        self.stats_refusals = 0
+        self.store_gate: threading.Event | None = None  # a store waits for it, when set
+        self.store_entered = threading.Event()
+        self.stores_finished = 0
 
     def create_pools(self, num_pages: Mapping[str, int]) -> SharedPools:
         return SharedPools.create(self.geometries, num_pages)
@@ -261,10 +267,15 @@ class _FakeClient:
         tokens: Sequence[int],
         device_pages: Mapping[str, Sequence[int | None]],
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
+        stream: Any = None,
     ) -> dict[str, Any]:
         self.stores.append({g: list(p) for g, p in device_pages.items()})
+        self.store_entered.set()
+        if self.store_gate is not None:
+            self.store_gate.wait()
         if self.store_error is not None:
             raise self.store_error
+        self.stores_finished += 1
         return {}
 
     def load(
@@ -279,11 +290,20 @@ class _FakeClient:
     def starved(self, loads: int = 1) -> None:
         self.loads_starved += loads
 
+    def stats(self) -> dict[str, Any]:
+        self.stats_calls += 1
+        if self.stats_refusals:
+            self.stats_refusals -= 1
+            raise ClientError("refused", "register_pools: this memory is registered by session 1")
+        return {}
+
     def close(self) -> None:
         return None
 
 
-def _worker(staging_pages: int, blocks: int = 8) -> tuple[WorkerSide, _FakeClient]:
+def _worker(
+    staging_pages: int, blocks: int = 8, direct: bool = False
+) -> tuple[WorkerSide, _FakeClient]:
     layer_map, geometries = _llama()
     caches = _vllm_caches(layer_map, blocks)
     bound = bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
@@ -294,10 +314,62 @@ def _worker(staging_pages: int, blocks: int = 8) -> tuple[WorkerSide, _FakeClien
         lambda: client,  # type: ignore[arg-type,return-value]
         {"full": staging_pages},
         page_size_tokens=16,
+        retry_after_s=0.01,
         state_load_block=state_load_block,
         state_store_block=state_store_block,
+        register=(lambda c: None) if direct else None,
     )
     return worker, client
+
+
+def test_direct_loads_and_stores_name_vllms_blocks_and_copy_nothing() -> None:
+    worker, client = _worker(staging_pages=4, direct=True)
+    worker.start_loads([LoadJob("a", tuple(range(48)), 1, ((5, 6, 7, 0),))])
+    worker.wait_layer(max(worker.bindings))
+    worker.finish_loads()
+    assert client.loads == [{"full": [5, 6, 7]}]  # block ids, the skipped one included
+    worker.store([StoreJob("a", tuple(range(64)), 3, ((5, 6, 7, 2),), 64)])
+    worker.before_forward()
+    assert client.stores == [{"full": [None, None, None, 2]}]
+    assert worker.counters.load_copy_s == 0
+    assert worker.counters.data_plane == "direct"
+    assert worker.counters.stores == 1
+
+
+def test_a_direct_store_leaves_the_step_and_the_next_forward_waits_for_its_reply() -> None:
+    """wait_for_save returns with the store still in the sidecar's hands; before the next
+    forward (which may overwrite a block the store reads) its reply is in."""
+    worker, client = _worker(staging_pages=4, direct=True)
+    client.store_gate = threading.Event()
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32)])  # returns: not waited
+    assert client.stores_finished == 0
+    seen: list[int] = []
+
+    def next_step() -> None:
+        worker.before_forward()
+        seen.append(client.stores_finished)  # what had finished when it let the forward go
+
+    step = threading.Thread(target=next_step)
+    step.start()
+    client.store_entered.wait(timeout=60)
+    client.store_gate.set()
+    step.join(timeout=60)
+    assert seen == [1]
+
+
+def test_a_direct_store_with_no_reply_waits_until_its_session_ended() -> None:
+    """No reply in time: the sidecar may still read vLLM's blocks. The next forward waits
+    until a reconnect registered vLLM's memory again (refused while the old session lives)."""
+    worker, client = _worker(staging_pages=4, direct=True)
+    client.store_error = TimeoutError("timed out")
+    client.stats_refusals = 2
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32)])
+    worker.before_forward()
+    assert client.stats_calls == 3  # refused twice, then the memory was ours again
+    assert worker.counters.store_failures == 1
+    assert worker.counters.stores_unconfirmed == 0
+    worker.before_forward()
+    assert client.stats_calls == 3  # settled: nothing more to wait for
 
 
 def test_a_store_that_timed_out_keeps_its_staging_pages_from_the_next_store() -> None:
