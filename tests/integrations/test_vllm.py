@@ -106,7 +106,7 @@ DATA_PLANE = {
     "gemma3": "staging",
     "gpt_oss": "direct",
     "qwen3_next": "staging",
-    "lfm2": "staging",
+    "lfm2": "direct",
 }
 
 
