@@ -1,5 +1,5 @@
 """Cross-host L3 load throughput (issue #17): host B loading a hit that host A stored, over a
-veth pair between two network namespaces (`hicache.storage.netns_hosts.TwoHosts`), through
+veth pair between two network namespaces (`hicache.testing.netns_hosts.TwoHosts`), through
 hicache vs. the backend's own client moving the same bytes in the same run.
 
 hicache's side is the store layer's batch fetch, `GuardedStore.fetch_into` (object header,
@@ -20,7 +20,7 @@ benchmarks/sidecar.py and benchmarks/transfer.py), so it would dilute the compar
   and `storage.kind: redis` with a `redis+cluster://` URL; raw: redis-py's asyncio cluster
   client (the backend's own for reads), pipelines of GETs (one, and one per default chunk),
   each reply copied into its host page. Skipped with one line while
-  `hicache.storage.local_servers` has no `RedisClusterServers`.
+  `hicache.testing.local_servers` has no `RedisClusterServers`.
 
 Every trial checks the host pages hold the payloads. Figures: best of TRIALS on each side
 (GB/s), `cluster_load_ratio_<kind>` = best raw seconds (the faster raw way) / best ours
@@ -48,8 +48,9 @@ from typing import Any
 import numpy as np
 
 from hicache.config.schema import MooncakeStorage, RedisStorage
-from hicache.storage import GuardedStore, local_servers, netns_hosts
-from hicache.storage.netns_hosts import TwoHosts
+from hicache.storage import GuardedStore
+from hicache.testing import local_servers, netns_hosts
+from hicache.testing.netns_hosts import TwoHosts
 
 PAGES, PAGE_BYTES, TRIALS = 256, 1 << 20, 15
 # what a deployment of each kind cuts L3 batches into (`storage.chunk_bytes` defaults)
@@ -234,7 +235,7 @@ def bench_redis_cluster(hosts: TwoHosts, pages: Pages, workdir: Path) -> dict[st
     make = getattr(local_servers, "RedisClusterServers", None)
     if make is None:
         raise LookupError(
-            "Redis Cluster backend not merged yet (hicache.storage.local_servers has no "
+            "Redis Cluster backend not merged yet (hicache.testing.local_servers has no "
             "RedisClusterServers)"
         )
     from urllib.parse import urlsplit

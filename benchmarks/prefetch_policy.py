@@ -38,7 +38,8 @@ from hicache.cache import TieredCache
 from hicache.embedded import EmbeddedCache
 from hicache.model import ExplicitLayout, LayerMap
 from hicache.scheduler import run
-from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import FileBackend, GuardedStore
+from hicache.testing.faulty_storage import FaultyBackend
 
 PAGE = 16
 LAYOUT = ExplicitLayout.model_validate(

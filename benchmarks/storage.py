@@ -55,7 +55,7 @@ import numpy as np
 from hicache.scheduler import run
 from hicache.storage import FileBackend, GuardedStore
 from hicache.storage.backend import StorageBackend
-from hicache.storage.local_servers import MooncakeMaster, RedisClusterServers, RedisServer
+from hicache.testing.local_servers import MooncakeMaster, RedisClusterServers, RedisServer
 
 PAGES, PAGE_BYTES, TRIALS = 256, 1 << 20, 9
 

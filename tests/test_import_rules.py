@@ -59,8 +59,17 @@ def _violations(
     return sorted(set(bad))
 
 
-def test_only_the_cli_and_the_service_import_the_service() -> None:
-    assert _violations((), ("hicache.service", "hicache.cli"), "hicache.service") == []
+def test_only_the_cli_the_service_and_the_harness_import_the_service() -> None:
+    allowed = ("hicache.service", "hicache.cli", "hicache.testing")
+    assert _violations((), allowed, "hicache.service") == []
+
+
+def test_the_product_never_imports_the_harness() -> None:
+    """Test harnesses live in hicache.testing only, so nothing a deployment runs reads a test
+    switch or builds a fake."""
+    assert _violations((), ("hicache.testing",), "hicache.testing") == []
+    for module in ("local_servers", "netns_hosts", "faulty_storage", "fake_copies", "serve"):
+        assert (PACKAGE / "testing" / f"{module}.py").is_file()
 
 
 def test_the_channel_imports_neither_end() -> None:

@@ -31,7 +31,7 @@ from hicache.embedded import EmbeddedCache
 from hicache.model import LayerMap, load_layout
 from hicache.scheduler import GroupPages
 from hicache.transfer import CpuCopyBackend, Direction
-from hicache.transfer.fakes import FakeCopyBackend
+from hicache.testing.fake_copies import FakeCopyBackend
 
 def build(backend=None):
     layer_map = LayerMap(load_layout(MODEL))

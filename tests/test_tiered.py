@@ -14,7 +14,8 @@ from hicache.embedded import EmbeddedCache
 from hicache.index import AbsentKeys
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
-from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import FileBackend, GuardedStore
+from hicache.testing.faulty_storage import FaultyBackend
 from tests.conftest import shared_model
 from tests.pages import split_store
 

@@ -14,7 +14,10 @@ Lifecycle of each op (the executor, `cache/tiered.py`, awaits only between the s
 
 A plan owns exactly what it reserved: host pages it allocated, index pins, and *pending*
 keys — keys being stored or fetched, which every other plan skips, so two stores of one
-prefix never both back it up and a fetch never takes a page a store is filling. Commit
+prefix never both back it up and a fetch never takes a page a store is filling. A store
+plan names the keys it skipped because another store holds them (`StorePlan.waits`): its
+executor acknowledges only once those have settled, and stores again what the other store
+did not (it failed, or its engine died). Commit
 publishes a plan to the index once; abort gives back everything once; a second call of
 either is an error (`PlanStateError`). Victims are never pinned, pending, or pages a copy
 still reads (allocator pins). A store that does not fit L2 keeps its longest prefix that
@@ -65,6 +68,9 @@ class StorePlan(_Plan):
     groups: dict[str, GroupStore] = field(default_factory=dict)
     evicted: int = 0
     truncated_to_pages: int | None = None  # the prompt's longest prefix that fit L2
+    # wanted keys another store is backing up now (pending, not yet indexed): this store
+    # leaves them to it, and its caller waits for that store's end before acknowledging
+    waits: dict[str, frozenset[PageKey]] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -104,6 +110,8 @@ class Planner:
         # pages L3 is owed but does not have yet (queued behind an acked store): evicting
         # one would lose it for L3 as well, so it is persisted first, like write-back's
         self.owed: Callable[[str, PageRecord], bool] = lambda group, record: False
+        # told whenever a store plan is committed or aborted (its pending keys are settled)
+        self.store_ended: Callable[[], None] = lambda: None
         self._orphans: list[StorePlan] = []  # aborted while a copy may still write them
 
     # ---- victims --------------------------------------------------------------------------
@@ -207,20 +215,20 @@ class Planner:
         # prefix is cached keeps the prefix, and stores the longest extension that fits
         own = {group: frozenset(group_keys) for group, group_keys in keys.items()}
         limit: int | None = None
+        waits: dict[str, frozenset[PageKey]] = {}
         for group, pairs in wanted.items():
             pending, group_keys = self.pending[group], keys[group]
-            todo = [
-                (i, d)
-                for i, d in pairs
-                if group_keys[i] not in pending and self.index.record(group, group_keys[i]) is None
-            ]
+            unknown = [(i, d) for i, d in pairs if self.index.record(group, group_keys[i]) is None]
+            todo = [(i, d) for i, d in unknown if group_keys[i] not in pending]
+            if len(todo) < len(unknown):  # another store holds these: stored once, by it
+                waits[group] = frozenset(group_keys[i] for i, _ in unknown) & pending
             free = self.allocators[group].stats().free_pages
             room = free + len(self._victims(group, len(todo) - free, True, own[group]))
             if len(todo) > room:
                 cut = todo[room][0]
                 limit = cut if limit is None else min(limit, cut)
             fresh[group] = todo
-        plan = StorePlan(truncated_to_pages=limit)
+        plan = StorePlan(truncated_to_pages=limit, waits=waits)
         for group, todo in fresh.items():
             if limit is not None:
                 todo = [(i, d) for i, d in todo if i < limit]
@@ -252,7 +260,12 @@ class Planner:
                 self.index.insert_l2(group, key, page)
                 for key, page in zip(g.keys, g.host_pages, strict=True)
             ]
+        self.store_ended()
         return out
+
+    def still_pending(self, waits: Mapping[str, frozenset[PageKey]]) -> bool:
+        """Is some key of a plan's `waits` still being stored by another plan?"""
+        return any(keys & self.pending[group] for group, keys in waits.items())
 
     def abort_store_later(self, plan: StorePlan) -> None:
         """Abort once no copy writes the plan's pages (their allocator pins are gone): the
@@ -278,6 +291,7 @@ class Planner:
         for group, g in plan.groups.items():
             self.pending[group].difference_update(g.keys)
             self.allocators[group].free(g.host_pages)
+        self.store_ended()
 
     # ---- fetch (L3 -> L2) -------------------------------------------------------------------
 

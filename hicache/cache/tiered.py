@@ -55,11 +55,13 @@ from hicache.index import (
     WritePolicy,
 )
 from hicache.index.policies import prefetch_policy as prefetch_policy_named
-from hicache.scheduler import GroupPages, OpHandle, OpResult
+from hicache.scheduler import DEFAULT_ATTACHMENT, GroupPages, OpHandle, OpResult
 from hicache.storage import GuardedStore
 from hicache.transfer import Fence, LayerListener
 
 log = logging.getLogger("hicache.cache")
+_STORE_ROUNDS = 8  # a store waits for other stores of its pages at most this many times
+_SETTLE_POLL_S = 0.05  # how often a store waiting for another one sweeps orphaned plans
 
 
 class CacheNotRunningError(HicacheError, RuntimeError):
@@ -118,6 +120,8 @@ class TieredCache:
         self.planner = Planner(index, allocators, write_policy, replica_groups)
         self.persist = PersistQueue(persist_queue_pages)
         self.planner.owed = self.persist.waiting
+        self._store_ended = asyncio.Event()
+        self.planner.store_ended = self._store_plan_ended
         self.background_errors = 0
         self.l3: GuardedStore | None = None
         self.io = L3Io(
@@ -336,6 +340,7 @@ class TieredCache:
         *,
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
         fence: Fence | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
     ) -> StoreResult:
         """Back up the prompt's pages the index lacks; acknowledged once L2 holds them (L3
         is written behind, per the write policy). Token groups list a device page per full
@@ -343,7 +348,10 @@ class TieredCache:
         freed pages): those are never stored, so never served. State groups give their
         snapshots as `{num_tokens: device_slot}`: the state after exactly num_tokens tokens
         (a multiple of the page size), filed under that prefix. A prompt larger than L2
-        stores its longest prefix that fits.
+        stores its longest prefix that fits. Pages of the prompt another store is backing up
+        meanwhile (another engine's, of the same prefix) are stored once, by that store: this
+        one is acknowledged once it ended, and stores what it did not.
+        `attachment`: whose device pools the pages are (the scheduler's; one per engine).
 
         Ordering (CUDA): the copies wait on `fence`, the point after the kernels that wrote
         the pages — `backend.producer_fence(stream)` made on the engine's thread, or
@@ -365,6 +373,34 @@ class TieredCache:
             full_pages,
         )
         keys = self.index.keys(token_ids)
+        total = StoreResult(0, 0, 0)
+        for _ in range(_STORE_ROUNDS):
+            part, waits = await self._store_round(keys, wanted, fence, attachment)
+            total = StoreResult(
+                total.pages_stored + part.pages_stored,
+                total.pages_queued + part.pages_queued,
+                total.pages_evicted + part.pages_evicted,
+                total.bytes_backed_up + part.bytes_backed_up,
+                total.backup_seconds + part.backup_seconds,
+                part.truncated_to_tokens,
+            )
+            if not waits:
+                break
+            # pages another store (another engine's, of this prompt's prefix) is backing up:
+            # acknowledged once it has ended; what it did not store, the next round stores
+            await self._until_settled(waits)
+        return total
+
+    async def _store_round(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        wanted: Mapping[str, Sequence[tuple[int, int]]],
+        fence: Fence | None,
+        attachment: int,
+    ) -> tuple[StoreResult, dict[str, frozenset[PageKey]]]:
+        """One plan / backup / commit of the wanted pages the index lacks and no other
+        store holds; returns what it did and the keys left to other stores in flight."""
+        size = self.index.page_size_tokens
         evicted = 0
         own = {group: frozenset(group_keys) for group, group_keys in keys.items()}
         dirty = self.planner.write_back_victims(self.planner.store_needs(keys, wanted), own)
@@ -382,11 +418,11 @@ class TieredCache:
         evicted += plan.evicted
         truncated = None if plan.truncated_to_pages is None else plan.truncated_to_pages * size
         if not plan.groups:
-            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated)
-        result = await self._backup(plan, fence)
+            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated), plan.waits
+        result = await self._backup(plan, fence, attachment)
         if not result.ok:
             self.planner.abort_store(plan)
-            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated)
+            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated), {}
         records = self.planner.commit_store(plan)
         to_l3 = {
             g: [r for r in rs if self.write_policy.on_store(r)]
@@ -395,9 +431,28 @@ class TieredCache:
         }
         queued = self.persist.offer(to_l3) if self.l3 is not None else 0
         stored = sum(len(rs) for rs in records.values())
-        return StoreResult(stored, queued, evicted, result.bytes_moved, result.seconds, truncated)
+        done = StoreResult(stored, queued, evicted, result.bytes_moved, result.seconds, truncated)
+        return done, plan.waits
 
-    async def _backup(self, plan: StorePlan, fence: Fence | None) -> OpResult:
+    async def _until_settled(self, waits: Mapping[str, frozenset[PageKey]]) -> None:
+        """Until no key of `waits` is pending: the stores holding them committed or aborted.
+        Each is bounded by its backup's deadline; a plan whose caller left is aborted at a
+        sweep once its copy ended, so the wait sweeps too (at `_SETTLE_POLL_S` at most)."""
+        while True:
+            self.planner.sweep()
+            if not self.planner.still_pending(waits):
+                return
+            ended = self._store_ended
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_SETTLE_POLL_S):
+                    await ended.wait()
+
+    def _store_plan_ended(self) -> None:
+        """The planner's hook: a store plan committed or aborted; wake the stores waiting."""
+        self._store_ended.set()
+        self._store_ended = asyncio.Event()
+
+    async def _backup(self, plan: StorePlan, fence: Fence | None, attachment: int) -> OpResult:
         """The plan's copies, after `fence`; on the caller's cancellation the plan is aborted
         when the backup ends (its copies write the reserved pages until then)."""
         request = {
@@ -405,7 +460,9 @@ class TieredCache:
             for g, s in plan.groups.items()
         }
         try:
-            handle = await self.embedded.scheduler.backup(request, fence=fence)
+            handle = await self.embedded.scheduler.backup(
+                request, fence=fence, attachment=attachment
+            )
         except BaseException:
             # refused, or the caller left: if its walk started, it writes the pages until it
             # ends, so they are given back then
@@ -506,12 +563,13 @@ class TieredCache:
         *,
         on_layer: LayerListener | None = None,
         skip_pages: int = 0,
+        attachment: int = DEFAULT_ATTACHMENT,
     ) -> tuple[OpHandle | None, Hit]:
         """Load the usable prefix into the given device pages; returns the handle (None when
         nothing beyond `skip_pages` hits) and the hit actually loaded — shorter than
         `lookup`'s when L3 pages could not be fetched in time, with those pages' positions in
         `hit.failed`. `skip_pages`: the engine's own device cache holds the prompt's first
-        pages; only later ones move."""
+        pages; only later ones move. `attachment`: whose device pools the pages are."""
         self._group()
         self._resync_if_due()
         size = self.index.page_size_tokens
@@ -547,7 +605,9 @@ class TieredCache:
             self.planner.release_load(plan)
             return None, Hit(size, 0, 0, {}, failed)
         try:
-            handle = await self.embedded.scheduler.load(request, on_layer=on_layer)
+            handle = await self.embedded.scheduler.load(
+                request, on_layer=on_layer, attachment=attachment
+            )
         except BaseException:
             self.planner.release_load(plan)  # the copies' own pins keep the pages meanwhile
             raise

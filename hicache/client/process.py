@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,12 @@ class SidecarProcess:
         log_path: Path | None = None,
         start_timeout_s: float = 60.0,
         new_session: bool = False,
+        command: Sequence[str] | None = None,
     ):
+        """`command`: the argv before `--config FILE` (default `python -m hicache serve`; a
+        harness such as `hicache.testing.serve.command(faults)`), which must print the same
+        `ready` line."""
+        self.command = list(command or [sys.executable, "-m", "hicache", "serve"])
         self.config = config
         self.new_session = new_session  # a session leader, as under systemd or a container
         self.env = {**os.environ, **(env or {})}
@@ -49,7 +54,7 @@ class SidecarProcess:
     def start(self) -> SidecarProcess:
         log = self.log_path.open("w")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "hicache", "serve", "--config", str(self.config)],
+            [*self.command, "--config", str(self.config)],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

@@ -1,5 +1,6 @@
 """The asyncio core: ops in, layer walks out. See scheduler.py for the lifecycle."""
 
+from hicache.scheduler.attachments import DEFAULT_ATTACHMENT
 from hicache.scheduler.clock import Clock, FakeClock, MonotonicClock
 from hicache.scheduler.handle import OpHandle
 from hicache.scheduler.moves import MovePolicy, OpRequestError
@@ -10,6 +11,7 @@ from hicache.scheduler.scheduler import Scheduler, SchedulerClosedError
 from hicache.scheduler.stats import DirectionStats, SchedulerStats
 
 __all__ = [
+    "DEFAULT_ATTACHMENT",
     "Clock",
     "DirectionStats",
     "FakeClock",

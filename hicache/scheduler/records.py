@@ -47,6 +47,7 @@ class OpRecord:
     expired: bool = False
     deadline_timer: Timer | None = None
     in_queue: bool = False
+    attachment: int = 0  # whose device pools its moves copy (Scheduler's attachments)
 
 
 @dataclass(eq=False)

@@ -26,6 +26,14 @@ on hear it through the counter while the walk is still ending (`OpHandle.wait_la
 and `_walk_done` still ends each op once, after the backend reported, so pins outlive every
 copy. A load that ends before its walk is submitted gets a `StoppedCounter`, so its layers
 raise too rather than return for pages nothing copied.
+
+Attachments: the device pools ops copy to and from are registered by attachment id — the
+constructor's under `DEFAULT_ATTACHMENT`, one set per engine in the sidecar
+(`attach_device_pools(pools, attachment=session_id)`) — and every op names the attachment
+whose pools it moves (`attachment=`), while the host tier, the budget and the walks are
+shared. `detach_device_pools(a)` drops one attachment once none of its ops is queued or in
+flight; `end_attachment(a)` cancels its ops, awaits their end (their pins go with them) and
+then drops it, leaving every other attachment's ops untouched.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from hicache.errors import HicacheError
 from hicache.memory import DevicePool, HostTier
 from hicache.model import LayerMap
 from hicache.scheduler.admission import reserve, select_pages
+from hicache.scheduler.attachments import DEFAULT_ATTACHMENT, Attachments
 from hicache.scheduler.budget import ByteBudget
 from hicache.scheduler.clock import Clock, MonotonicClock
 from hicache.scheduler.handle import OpHandle
@@ -90,7 +99,6 @@ class Scheduler:
     ):
         self.layer_map = layer_map
         self.backend = backend
-        self.device_pools = dict(device_pools)
         self.host_tier = host_tier
         self.page_size_tokens = page_size_tokens
         self.queue_depth = queue_depth
@@ -124,14 +132,15 @@ class Scheduler:
             tuple((s.group.name, s.local_id) for s in layer_map.slots(layer_id))
             for layer_id in layer_map.stage_layer_ids
         ]
-        self._geometries = {name: pool.geometry for name, pool in self.device_pools.items()}
-        missing = {g.name for g in layer_map.groups} - set(self.device_pools)
-        if missing or set(self.device_pools) - set(host_tier.pools):
+        missing = {g.name for g in layer_map.groups} - set(device_pools)
+        if missing or set(device_pools) - set(host_tier.pools):
             raise OpRequestError(
-                f"device pools {sorted(self.device_pools)} and host pools "
+                f"device pools {sorted(device_pools)} and host pools "
                 f"{sorted(host_tier.pools)} must cover the stage's groups "
                 f"{sorted(g.name for g in layer_map.groups)}"
             )
+        self._attachments = Attachments({n: pool.geometry for n, pool in device_pools.items()})
+        self._attachments.add(DEFAULT_ATTACHMENT, device_pools)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -173,8 +182,12 @@ class Scheduler:
         *,
         deadline_s: float | None = None,
         on_layer: LayerListener | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
     ) -> OpHandle:
-        return (await self.load_step([groups], deadline_s=deadline_s, on_layer=on_layer))[0]
+        handles = await self.load_step(
+            [groups], deadline_s=deadline_s, on_layer=on_layer, attachment=attachment
+        )
+        return handles[0]
 
     async def load_step(
         self,
@@ -182,6 +195,7 @@ class Scheduler:
         *,
         deadline_s: float | None = None,
         on_layer: LayerListener | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
     ) -> list[OpHandle]:
         """Loads of one engine step, merged into one walk. Returns once the walk is submitted
         (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work.
@@ -190,8 +204,8 @@ class Scheduler:
         (the sidecar's cross-process counter; `LayerListener`). A caller cancelled while this
         waits (for queue space or a walk slot) cancels its ops: nothing stays pinned, and no
         walk writes its device pages after it (one already submitted is cancelled and ends
-        when the backend reports it)."""
-        ops = self._admit_all(OpKind.LOAD, requests, deadline_s)
+        when the backend reports it). The device pages are `attachment`'s pools'."""
+        ops = self._admit_all(OpKind.LOAD, requests, deadline_s, attachment)
         try:
             await self._enqueue(WalkBatch(OpKind.LOAD, ops, on_layer=on_layer))
             # Fast path: start whatever is ready now, in this task, rather than a loop
@@ -211,6 +225,7 @@ class Scheduler:
         *,
         deadline_s: float | None = None,
         fence: Fence | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
     ) -> OpHandle:
         """Copy device pages to host pages — the ones the caller reserved in `host_pages`, or
         newly allocated ones — ordered after the producer's work: after `fence` (made with
@@ -219,10 +234,11 @@ class Scheduler:
         process), or, without one, after the work queued so far on the calling thread's
         current stream — right only when that is where the pages were written. The result's
         outcomes name the host pages (owned by the caller once DONE). A caller cancelled
-        while this waits for queue space cancels the op: its pages are freed."""
+        while this waits for queue space cancels the op: its pages are freed. The device
+        pages are `attachment`'s pools'."""
         if fence is None:
             fence = self.backend.producer_fence()  # now, on the caller's thread
-        ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s)
+        ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s, attachment)
         ops[0].fence = fence
         try:
             await self._enqueue(WalkBatch(OpKind.BACKUP, ops))
@@ -231,36 +247,49 @@ class Scheduler:
             raise
         return OpHandle(self, ops[0])
 
-    def attach_device_pools(self, device_pools: Mapping[str, DevicePool]) -> None:
-        """Serve another engine's device pools (the sidecar, when an engine re-attaches to a
-        namespace whose host pages outlived its predecessor). Only while no op is queued or
-        in flight: a walk never straddles two engines' memory."""
-        self._require_idle("swapped")
-        if set(device_pools) != set(self._geometries):
-            raise OpRequestError(
-                f"device pools {sorted(device_pools)} given; the stage's groups are "
-                f"{sorted(self._geometries)}"
-            )
-        for name, pool in device_pools.items():
-            if pool.geometry != self._geometries[name]:
-                raise OpRequestError(
-                    f"group {name!r}: the device pool's geometry {pool.geometry} differs from "
-                    f"the stage's {self._geometries[name]}"
-                )
-        self.device_pools = dict(device_pools)
+    @property
+    def device_pools(self) -> dict[str, DevicePool]:
+        """The default attachment's pools (an embedded engine's; none once detached)."""
+        return self._attachments.get(DEFAULT_ATTACHMENT)
 
-    def detach_device_pools(self) -> None:
-        """Forget the engine's device pools (it went away); ops fail until `attach`."""
-        self._require_idle("dropped")
-        self.device_pools = {}
+    @property
+    def attachments(self) -> tuple[int, ...]:
+        """The attachment ids whose device pools are registered now."""
+        return self._attachments.ids
 
-    def _require_idle(self, verb: str) -> None:
-        queued = sum(len(q) for q in self._queues.values())
-        if self._in_flight or queued:
-            raise OpRequestError(
-                f"device pools can be {verb} only while no op is queued or in flight; "
-                f"{len(self._in_flight)} walk(s) in flight, {queued} queued"
-            )
+    def live_ops(self, attachment: int) -> int:
+        """How many of `attachment`'s ops are admitted and not ended (queued or in flight)."""
+        return len(self._attachments.live(attachment))
+
+    def attach_device_pools(
+        self, device_pools: Mapping[str, DevicePool], *, attachment: int = DEFAULT_ATTACHMENT
+    ) -> None:
+        """Register an engine's device pools under `attachment` (the sidecar: one per engine
+        session of a namespace; its ops name it). Every group of the stage, each with the
+        stage's geometry. Replacing an attachment's pools is refused while one of its ops is
+        queued or in flight (a walk never straddles two sets of memory); other attachments'
+        ops go on meanwhile."""
+        self._attachments.add(attachment, device_pools)
+
+    def detach_device_pools(self, attachment: int = DEFAULT_ATTACHMENT) -> None:
+        """Forget `attachment`'s device pools (its engine went away); its later ops are
+        refused. Only once none of its ops is queued or in flight (`end_attachment` cancels
+        and awaits them first); other attachments are untouched."""
+        self._attachments.remove(attachment)
+
+    async def end_attachment(self, attachment: int, reason: str = "its engine detached") -> int:
+        """Cancel `attachment`'s ops (queued ones end now, running ones when their walk is
+        reported), await their end — their pins go with them — and drop its device pools.
+        Returns how many ops were cancelled."""
+        cancelled = 0
+        while live := self._attachments.live(attachment):  # none admitted meanwhile is left
+            for op in live:
+                self.cancel_op(op, reason)
+            cancelled += len(live)
+            await asyncio.gather(*(asyncio.shield(op.finished) for op in live))
+        self._set_idle()
+        self._attachments.remove(attachment)
+        return cancelled
 
     def cancel_op(self, op: OpRecord, reason: str = "cancelled before it started") -> None:
         """A queued op (or one admitted, not yet queued) ends now, CANCELLED with `reason`;
@@ -294,24 +323,34 @@ class Scheduler:
     # ---- admission: validate, select, reserve ---------------------------------------------
 
     def _admit_all(
-        self, kind: OpKind, requests: Sequence[Mapping[str, GroupPages]], deadline_s: float | None
+        self,
+        kind: OpKind,
+        requests: Sequence[Mapping[str, GroupPages]],
+        deadline_s: float | None,
+        attachment: int,
     ) -> list[OpRecord]:
         if self._tg is None or self._closing:
             raise SchedulerClosedError(
                 "the scheduler is not running; use `async with scheduler.running():`"
             )
+        device_pools = self._attachments.pools(attachment)
         ops: list[OpRecord] = []
         try:
             for request in requests:
-                ops.append(self._admit(kind, request, deadline_s))
+                ops.append(self._admit(kind, request, deadline_s, device_pools))
         except BaseException:
             for op in ops:  # all or nothing: undo the ops admitted before the bad one
                 release_pages(op, self.host_tier, keep_allocation=False)
             raise
+        self._attachments.admitted(attachment, ops)
         return ops
 
     def _admit(
-        self, kind: OpKind, request: Mapping[str, GroupPages], deadline_s: float | None
+        self,
+        kind: OpKind,
+        request: Mapping[str, GroupPages],
+        deadline_s: float | None,
+        device_pools: Mapping[str, DevicePool],
     ) -> OpRecord:
         timeout = self.op_timeout_s if deadline_s is None else deadline_s
         if timeout <= 0:
@@ -329,7 +368,7 @@ class Scheduler:
             loop.create_future(),
         )
         try:
-            reserve(op, self.backend, self.device_pools, self.host_tier)
+            reserve(op, self.backend, device_pools, self.host_tier)
         except BaseException:
             release_pages(op, self.host_tier, keep_allocation=False)
             raise
@@ -343,6 +382,10 @@ class Scheduler:
         if self._closing:
             for op in batch.ops:
                 self._finish(op, OpState.CANCELLED, error="scheduler shut down")
+            return
+        # ops cancelled while they waited for space (`end_attachment`) ended already
+        batch.ops = [op for op in batch.ops if not op.state.final]
+        if not batch.ops:
             return
         for op in batch.ops:
             op.deadline_timer = self.clock.call_later(
@@ -500,6 +543,7 @@ class Scheduler:
             self._space.set()
             self._wake.set()
         self._set_state(op, state)
+        self._attachments.ended(op)  # its copies have ended: its attachment's pools may go
         if op.deadline_timer is not None:
             op.deadline_timer.cancel()
         # the walk (if any) enqueued its wait long ago: drop the event now, before the caller

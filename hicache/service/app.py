@@ -24,7 +24,7 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from aiohttp import web
 
@@ -136,7 +136,15 @@ def _first_hicache_error(group: BaseExceptionGroup[BaseException]) -> HicacheErr
     return None
 
 
-async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
+async def serve(
+    loaded: LoadedConfig,
+    stop: asyncio.Event | None = None,
+    *,
+    backend_factory: Callable[[LoadedConfig], CopyBackend] | None = None,
+) -> int:
+    """Run the sidecar until `stop` (or SIGTERM / SIGINT); the exit code. `backend_factory`:
+    builds the copy backend instead of `device.kind`'s (a harness's, `hicache.testing.serve`);
+    serve owns and closes what it returns."""
     d = loaded.deployment
     configure(d.service.log_format)
     layer_map = loaded.layer_map()
@@ -154,7 +162,10 @@ async def serve(loaded: LoadedConfig, stop: asyncio.Event | None = None) -> int:
     ready = False
     try:
         with _starting(loaded, "device.kind", f"cannot start the {d.device.kind} copy backend"):
-            backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
+            if backend_factory is not None:
+                backend = backend_factory(loaded)
+            else:
+                backend = make_backend(d.device.kind, d.device.index, d.host.pin_chunk_bytes)
         store = _open_store(loaded)
         metrics = ServiceMetrics()
         metrics.page_size_tokens = d.model.page_size_tokens

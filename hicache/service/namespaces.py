@@ -1,15 +1,18 @@
 """`Namespace`: one engine namespace's cache in the sidecar (a tensor-parallel rank and tenant):
 its host tier, index and scheduler, outliving the engine sessions that attach to it.
 
-Lifecycle: built on the first `register_pools` of its namespace (the engine's mapped pools
-are the scheduler's device pools) -> its scheduler runs in a task of the service's TaskGroup ->
-an engine attaches (at most one at a time) and detaches (its device pools are dropped once its
-ops have ended; L2 pages and the index stay for the next engine of the namespace) -> `close`
-stops the scheduler after the service drains.
+Lifecycle: built on the first `register_pools` of its namespace -> its scheduler runs in a
+task of the service's TaskGroup -> any number of engine sessions attach (each one's mapped
+pools are a scheduler attachment under its session id: its loads copy into its own pools, its
+stores back up from them, while the host tier, the index and L3 are the namespace's, shared)
+and detach (`detach`: that session's ops are cancelled and awaited, its pools dropped; every
+other session's ops go on; L2 pages and the index stay) -> `close` stops the scheduler after
+the service drains.
 
 Each namespace copies on its pools' device: a TP rank's engine on GPU 3 gets host pools
 registered and staging allocated by the sidecar's backend for GPU 3 (`for_device`), not the
-one `device.index` names; a later engine of the namespace must bring pools on that device.
+one `device.index` names; every engine attaching to the namespace must bring pools on that
+device (checked per attachment).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ class NamespaceKey:
 class Namespace:
     key: NamespaceKey
     cache: TieredCache
-    owner: int | None = None  # session id attached now
+    attached: set[int] = field(default_factory=set)  # engine session ids attached now
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task[None] | None = None
 
@@ -82,6 +85,10 @@ class Namespace:
             l3_absent_ttl_s=d.cache.l3_absent_ttl_s,
             persist_queue_pages=d.cache.persist_queue_pages,
         )
+        # the first engine's pools built the stack; they are served as its attachment
+        # (`attach`), not as the scheduler's default one, so they go when that engine does
+        embedded.scheduler.detach_device_pools()
+        embedded.device_pools = {}
         namespace = cls(key, cache)
         started = asyncio.Event()
         namespace._task = tg.create_task(namespace._run(started), name=f"hicache-ns-{key}")
@@ -95,18 +102,23 @@ class Namespace:
             await self.cache.drain()
 
     def attach(self, session_id: int, device_pools: dict[str, DevicePool]) -> None:
-        """Serve an engine's pools; refused (ConfigError) when they are on another device
-        than the one this namespace copies on (its host tier and streams stay where they are)."""
+        """Serve an engine session's pools beside the others attached; refused (ConfigError)
+        when they are on another device than the one this namespace copies on (its host tier
+        and streams stay where they are)."""
         check_pools_device(device_pools, self.cache.embedded.backend)
-        self.cache.embedded.scheduler.attach_device_pools(device_pools)
-        self.cache.embedded.device_pools = dict(device_pools)
-        self.owner = session_id
+        self.cache.embedded.scheduler.attach_device_pools(device_pools, attachment=session_id)
+        self.attached.add(session_id)
 
-    def detach(self) -> None:
-        """Drop the engine's pools (its ops have ended); L2 and the index stay."""
-        self.cache.embedded.scheduler.detach_device_pools()
-        self.cache.embedded.device_pools = {}
-        self.owner = None
+    async def detach(self, session_id: int) -> int:
+        """Drop one engine session's pools once its ops have ended (any still queued or in
+        flight are cancelled and awaited: their pins go with them); other sessions' ops go
+        on, L2 and the index stay. Returns how many of its ops were cancelled."""
+        if session_id not in self.attached:
+            return 0
+        try:
+            return await self.cache.embedded.scheduler.end_attachment(session_id)
+        finally:
+            self.attached.discard(session_id)
 
     async def close(self) -> None:
         self._stop.set()

@@ -12,7 +12,6 @@ the index does not know) included."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import itertools
 import logging
@@ -94,19 +93,9 @@ class EngineOps:
                 "hello.layout: the engine's KV layout differs from the sidecar's model; "
                 + "; ".join(diffs),
             )
+        # any number of engine sessions share a namespace (replicas of one model side by
+        # side): each registers its own pools; the index, L2 and L3 are the namespace's
         key = NamespaceKey(args.tp_rank, args.tenant)
-        for other in list(self.sessions.values()):
-            if args.role == "engine" and other.key == key and other.ending is not None:
-                # an engine reconnecting: its old connection is gone, its session ending
-                with contextlib.suppress(Exception):  # its end logs its own failure
-                    await asyncio.shield(other.ending)
-        for other in self.sessions.values():
-            if args.role == "engine" and other.key == key and not other.lookup_only:
-                raise p.RequestError(
-                    p.ErrorCode.REFUSED,
-                    f"hello: namespace {key} is attached by {other.describe()}; one engine per "
-                    "namespace (give each tensor-parallel rank its tp_rank)",
-                )
         session.key, session.engine, session.pid = key, args.engine, args.pid
         session.lookup_only = args.role == "lookup"
         log.info(
@@ -330,17 +319,19 @@ class EngineOps:
 
     def _readable(self, session: Session, op: str) -> Namespace | None:
         """The namespace a lookup reads: an engine session's own, or for a 'lookup' session
-        the one its own engine's session (same `engine` name in hello) holds: None while no
-        such session does, so a scheduler never promises hits another engine would serve."""
+        its namespace while a session of its own engine (same `engine` name in hello) is
+        attached there: None while none is, so a scheduler never promises hits only another
+        engine could load."""
         if session.lookup_only:
             if session.key is None:
                 raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
             namespace = self.namespaces.get(session.key)
-            owner = None if namespace is None or namespace.owner is None else namespace.owner
-            engine = self.sessions.get(owner) if owner is not None else None
-            if engine is None or engine.engine != session.engine:
-                # no worker of *this* engine holds the namespace: its hits could not be
-                # loaded (another engine's worker owns it, or none does)
+            if namespace is None or not any(
+                (worker := self.sessions.get(sid)) is not None and worker.engine == session.engine
+                for sid in namespace.attached
+            ):
+                # no worker of *this* engine is attached: its hits could not be loaded
+                # (only other engines' workers are, or none is)
                 return None
             return namespace
         return self._ready(session, op)
@@ -553,7 +544,7 @@ class EngineOps:
                     )
         fence = self._store_fence(session, namespace, args.fence)
         result = await namespace.cache.store(
-            args.tokens, args.device_pages, snapshots=snapshots, fence=fence
+            args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
         )
         del fence  # an opened IPC event goes before the reply: the engine may then free its own
         self.metrics.evictions.inc(result.pages_evicted)
@@ -612,7 +603,11 @@ class EngineOps:
 
         try:
             handle, hit = await namespace.cache.load(
-                args.tokens, args.device_pages, on_layer=on_layer, skip_pages=args.skip_pages
+                args.tokens,
+                args.device_pages,
+                on_layer=on_layer,
+                skip_pages=args.skip_pages,
+                attachment=session.id,
             )
         except BaseException:
             row[2] = LoadState.FREE

@@ -7,7 +7,8 @@ order: lookup (by tokens; by page keys, `lookup_keys`; several, `lookup_many`) /
 prefetch / release / stats / heartbeat -> the socket closes or
 heartbeats stop -> `_end_session` cancels and awaits the session's loads (their pins go with
 them), detaches its pools and drops every mapping of the engine's memory; the namespace's L2
-pages and index stay for the next engine.
+pages and index stay for the other engines attached and the next ones. Many engine sessions
+may share a namespace: each one's end touches only its own loads, pins and pools.
 
 A request that fails validation, names a page outside the pool, or hits any error gets an
 error reply naming what is wrong; the connection and every other session carry on. Only an
@@ -309,8 +310,8 @@ class EngineServer(EngineOps):
         if running:
             await asyncio.gather(*(h.done() for h in running))
         namespace = session.namespace
-        if namespace is not None and namespace.owner == session.id:
-            namespace.detach()
+        if namespace is not None:  # its own pools only: other engines' ops go on
+            await namespace.detach(session.id)
         session.loads.clear()
         # the last references to the engine's memory: a dead engine's memfd is freed now
         session.pools = session.counters = session.namespace = None

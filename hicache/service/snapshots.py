@@ -28,6 +28,12 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
             ),
             "l2_bytes": pool.nbytes,
             "pinned_pages": cache.index.pinned_pages(group),
+            # host pages a copy still reads or writes, and pages allocated to an op in
+            # flight but not indexed: both 0 once every op has ended (nothing leaked)
+            "host_pinned_pages": pool.allocator.stats().pinned_pages,
+            "reserved_pages": pool.num_pages
+            - pool.allocator.stats().free_pages
+            - cache.index.l2_pages(group),
             "l3_pages_known": cache.index.l3_pages(group),
             "l3_only_pages": cache.index.l3_only_pages(group),
             "l3_pages_forgotten": cache.index.l3_forgotten[group],
@@ -36,7 +42,9 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "namespace": str(namespace.key),
         "l3_absent_remembered": len(cache.discovery.absent),
         "l3_absent_skipped_keys": cache.discovery.absent.skipped,
-        "attached_session": namespace.owner,
+        "attached_sessions": sorted(namespace.attached),
+        # device-pool sets the scheduler holds (one per attached engine session)
+        "attachments": len(cache.embedded.scheduler.attachments),
         "groups": groups,
         "queued_loads": sched.queued_loads,
         "queued_backups": sched.queued_backups,

@@ -4,9 +4,6 @@ events), the per-layer copy plan, and the layer-done counter. The only package t
 
 from __future__ import annotations
 
-import os
-
-from hicache.errors import ConfigError
 from hicache.transfer.backend import (
     NO_FENCE,
     READY,
@@ -61,21 +58,7 @@ __all__ = [
 
 
 def make_backend(kind: str, index: int = 0, pin_chunk_bytes: int = 64 * 2**30) -> CopyBackend:
-    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device).
-
-    Test-only: with the environment variable `fakes.FAULTS_ENV` set, a `FakeCopyBackend` with
-    the faults it names (CPU only), so a test can fail copies inside a `hicache serve` child.
-    """
-    from hicache.transfer.fakes import FAULTS_ENV, FakeCopyBackend
-
-    spec = os.environ.get(FAULTS_ENV)
-    if spec is not None:
-        if kind != "cpu":
-            raise ConfigError(
-                f"environment variable {FAULTS_ENV} (test-only copy faults) is set but "
-                f"device.kind is {kind!r}; the fake copy backend is CPU only"
-            )
-        return FakeCopyBackend.from_spec(spec)
+    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device)."""
     if kind == "cuda":
         from hicache.transfer.cuda_backend import CudaCopyBackend
 

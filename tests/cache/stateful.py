@@ -32,7 +32,8 @@ from hicache.cache import TieredCache
 from hicache.demo.content import check_page, fill_page, prefix_seed
 from hicache.embedded import EmbeddedCache
 from hicache.model import ExplicitLayout, LayerMap
-from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import FileBackend, GuardedStore
+from hicache.testing.faulty_storage import FaultyBackend
 
 PAGE = 4
 LAYOUT = ExplicitLayout.model_validate(

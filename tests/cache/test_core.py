@@ -19,8 +19,9 @@ from hicache.cache import CacheNotRunningError, TieredCache
 from hicache.embedded import EmbeddedCache
 from hicache.index.policies import WriteThroughSelective
 from hicache.model import LayerMap, load_layout
-from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import FileBackend, GuardedStore
 from hicache.storage.backend import Buffer
+from hicache.testing.faulty_storage import FaultyBackend
 from tests.conftest import shared_model
 from tests.test_tiered import PAGE, build, snapshot
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hicache.cache import TieredCache
-from hicache.storage import FaultyBackend
+from hicache.testing.faulty_storage import FaultyBackend
 from tests.test_tiered import PAGE, build, snapshot, wipe
 
 A = list(range(3 * PAGE))

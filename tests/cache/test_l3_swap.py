@@ -23,8 +23,9 @@ from hicache.cache import TieredCache
 from hicache.demo.content import check_page, fill_page, prefix_seed
 from hicache.embedded import EmbeddedCache
 from hicache.model import LayerMap
-from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import FileBackend, GuardedStore
 from hicache.storage.backend import Buffer
+from hicache.testing.faulty_storage import FaultyBackend
 from tests.cache.stateful import LAYOUT, PAGE, PROMPTS, lane_pages, state_slot
 from tests.cache.test_core import assert_consistent, worker_busy
 from tests.test_tiered import build, snapshot, wipe

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from hicache.cache.read_rate import ReadRate
 from hicache.config.schema import CacheSection
 from hicache.index.policies import AUTO_START_BYTES_PER_S, PREFETCH_POLICIES, Timeout
-from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import FileBackend, GuardedStore
+from hicache.testing.faulty_storage import FaultyBackend
 from tests.cache.test_core import assert_consistent
 from tests.cache.test_l3_swap import Gates, parked
 from tests.test_tiered import PAGE, build

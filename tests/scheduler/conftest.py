@@ -12,8 +12,8 @@ from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.scheduler import GroupPages
+from hicache.testing.fake_copies import FakeCopyBackend
 from hicache.transfer import CopyBackend
-from hicache.transfer.fakes import FakeCopyBackend
 from tests.conftest import shared_model
 
 PAGE = 2

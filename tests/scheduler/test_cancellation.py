@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from hicache.embedded import EmbeddedCache
 from hicache.scheduler import GroupPages, OpHandle, OpKind, OpState, Scheduler
+from hicache.testing.fake_copies import FakeCopyBackend
 from hicache.transfer import WalkSignals
-from hicache.transfer.fakes import FakeCopyBackend
 from tests.scheduler.conftest import (
     PAGE,
     assert_pinned_none,

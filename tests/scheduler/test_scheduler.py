@@ -19,7 +19,7 @@ from hicache.scheduler import (
     OpState,
     SchedulerClosedError,
 )
-from hicache.transfer.fakes import FakeCopyBackend
+from hicache.testing.fake_copies import FakeCopyBackend
 from tests.scheduler.conftest import (
     PAGE,
     assert_pinned_none,

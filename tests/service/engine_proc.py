@@ -9,7 +9,8 @@ Modes:
   load-loop    store one long prompt, then load it again and again (to be killed mid-load)
   store-loop   store prompt 0, 1, 2, ... printing each acknowledged index (the sidecar is
                SIGTERMed meanwhile)
-  verify       load prompts 0..N-1 and check every byte loaded; prints the counts
+  verify       load prompts --first.. (N of them) and check every byte loaded; prints the
+               counts
   bystander    roundtrips over --prompts prompts until the file --until exists, counting
                (never raising) errors, short loads and wrong bytes; rewrites --status with
                the totals after every round (the hostile-engine tests read it)
@@ -140,7 +141,9 @@ def main() -> int:
     )
     parser.add_argument("--config", required=True)
     parser.add_argument("--prompts", type=int, default=4)
-    parser.add_argument("--first", type=int, default=0, help="roundtrip: the first prompt id")
+    parser.add_argument(
+        "--first", type=int, default=0, help="the first prompt id (roundtrip, verify, bystander)"
+    )
     parser.add_argument("--tp-rank", type=int, default=0)
     parser.add_argument("--tenant", default="")
     parser.add_argument("--until", help="bystander: stop once this file exists")
@@ -189,7 +192,7 @@ def main() -> int:
             bystander(client, pools, args)
         else:
             verified = mismatches = hits = 0
-            for i in range(args.prompts):
+            for i in range(args.first, args.first + args.prompts):
                 got = load_and_verify(client, pools, prompt(i), pages_for(client, pools, 0, 6))
                 verified += got[0]
                 mismatches += got[1]

@@ -324,9 +324,12 @@ def test_lookup_sessions_share_an_engines_namespace(sidecar: SidecarProcess, dep
                 match=r"refused: register_pools: this session said hello with role 'lookup'; only an 'engine' session registers pools",
             ):
                 scheduler.register_pools(scheduler.create_pools(8))
-            # a second engine for the namespace is still refused
-            with pytest.raises(ClientError, match=r"namespace tp_rank=0 tenant='' is attached by"):
-                connect(sidecar.socket, loaded.layer_map(), **kwargs)
+            # another engine's worker attaches to the namespace beside this one: then that
+            # engine's scheduler is promised the shared hits, which its worker can load
+            other_kwargs = {**kwargs, "engine": "vllm:e2"}
+            with connect(sidecar.socket, loaded.layer_map(), **other_kwargs) as other:
+                other.register_pools(other.create_pools(8))
+                assert stranger.lookup(tokens).tokens_total == 64
             with pytest.raises(
                 ClientError, match=r"refused: load: this session said hello with role 'lookup'"
             ):

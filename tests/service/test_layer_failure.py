@@ -2,11 +2,11 @@
 stop (position, kind, cause) into the load's counter row at once, and the client's
 `wait_layer` raises `LayerLoadError` for that layer and every later one, naming the load, the
 global layer id and the cause, while the layers before it return. The sidecar runs with the
-test-only copy faults (`fakes.FAULTS_ENV`: a `FakeCopyBackend` failing or slowing loads)."""
+test-only copy faults (`python -m hicache.testing.serve --copy-faults`: a `FakeCopyBackend`
+failing or slowing loads)."""
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,8 +21,8 @@ from hicache.client.handle import LoadHandle
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
 from hicache.errors import LayerLoadError
+from hicache.testing import serve as fault_serve
 from hicache.transfer import LayerFailure, StopKind
-from hicache.transfer.fakes import FAULTS_ENV
 from tests.pages import split_store
 from tests.service.conftest import write_config
 
@@ -32,7 +32,7 @@ FAULT = r"InjectedFault: injected fault at layer position 2"
 
 def served(tmp_path: Path, faults: dict[str, object]) -> Iterator[tuple[SidecarProcess, Path]]:
     config = write_config(tmp_path)
-    proc = SidecarProcess(config, env={FAULTS_ENV: json.dumps(faults)}).start()
+    proc = SidecarProcess(config, command=fault_serve.command(faults)).start()
     try:
         yield proc, config
     finally:

@@ -34,7 +34,7 @@ from tests.conftest import REPO, shared_model
 
 if __name__ != "__main__":  # the test (an engine process needs neither)
     from hicache.client.process import SidecarProcess
-    from hicache.storage.local_servers import MooncakeMaster as MooncakeMasterType
+    from hicache.testing.local_servers import MooncakeMaster as MooncakeMasterType
     from tests.storage.servers import MooncakeMaster
 
     try:

@@ -28,7 +28,8 @@ from hicache.config import load_deployment
 from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.service import app
-from hicache.storage import FaultyBackend, GuardedStore
+from hicache.storage import GuardedStore
+from hicache.testing.faulty_storage import FaultyBackend
 from tests.service.conftest import write_config
 from tests.service.test_channel import ask, error_of, raw
 

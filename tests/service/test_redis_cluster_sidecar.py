@@ -36,7 +36,7 @@ if __name__ != "__main__":  # the test (an engine process needs none of this)
     import redis
 
     from hicache.client.process import SidecarProcess
-    from hicache.storage.local_servers import RedisClusterServers as ClusterType
+    from hicache.testing.local_servers import RedisClusterServers as ClusterType
     from tests.service.conftest import engine, engine_result
     from tests.storage.servers import RedisClusterServers
 

@@ -1,4 +1,4 @@
-"""Test wrappers over hicache.storage.local_servers: a missing server skips locally and fails
+"""Test wrappers over hicache.testing.local_servers: a missing server skips locally and fails
 in CI (where .ci/run installs it)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hicache.storage import local_servers
+from hicache.testing import local_servers
 
 
 def _unavailable(name: str) -> None:

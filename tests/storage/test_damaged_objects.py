@@ -28,8 +28,8 @@ import redis.asyncio as aioredis
 
 from hicache.service.snapshots import store_stats
 from hicache.storage import BreakerState, FileBackend, GuardedStore, object_format
-from hicache.storage.local_servers import RedisServer as RedisServerType
 from hicache.storage.redis_backend import RedisBackend
+from hicache.testing.local_servers import RedisServer as RedisServerType
 from tests.storage.servers import RedisServer
 
 REPO = Path(__file__).resolve().parents[2]

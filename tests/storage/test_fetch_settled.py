@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.storage import FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import FileBackend, GuardedStore
+from hicache.testing.faulty_storage import FaultyBackend
 
 KEY = b"k" * 16
 PAGE = 8192

@@ -14,7 +14,7 @@ import pytest
 import pytest_asyncio
 
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
-from hicache.storage.local_servers import MooncakeMaster as MooncakeMasterType
+from hicache.testing.local_servers import MooncakeMaster as MooncakeMasterType
 from tests.storage.servers import MooncakeMaster
 
 try:

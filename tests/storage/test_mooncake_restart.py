@@ -21,7 +21,7 @@ from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.storage import BreakerState, GuardedStore
-from hicache.storage.local_servers import MooncakeMaster as MooncakeMasterType
+from hicache.testing.local_servers import MooncakeMaster as MooncakeMasterType
 from tests.conftest import shared_model
 from tests.storage.prompt_engine import Engine, dense_cache
 from tests.storage.servers import MooncakeMaster

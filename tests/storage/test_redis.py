@@ -11,8 +11,8 @@ import pytest_asyncio
 import redis.asyncio as aioredis
 
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
-from hicache.storage.local_servers import RedisServer as RedisServerType
 from hicache.storage.redis_backend import RedisBackend
+from hicache.testing.local_servers import RedisServer as RedisServerType
 from tests.storage.servers import RedisServer
 
 

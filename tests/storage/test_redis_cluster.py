@@ -33,9 +33,9 @@ from hicache.config.schema import RedisStorage
 from hicache.errors import ConfigError, TierUnavailableError
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
 from hicache.storage.factory import make_backend
-from hicache.storage.local_servers import RedisClusterServers as ClusterType
 from hicache.storage.redis_cluster_backend import RedisClusterBackend
 from hicache.storage.redis_wire import is_failover, object_name
+from hicache.testing.local_servers import RedisClusterServers as ClusterType
 from tests.config.test_config import BASE, write
 from tests.storage.prompt_engine import Engine, dense_cache
 from tests.storage.servers import RedisClusterServers

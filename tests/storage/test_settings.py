@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hicache.storage import BreakerState, CircuitBreaker, FaultyBackend, FileBackend, GuardedStore
+from hicache.storage import BreakerState, CircuitBreaker, FileBackend, GuardedStore
+from hicache.testing.faulty_storage import FaultyBackend
 
 
 def test_defaults_are_unchanged(tmp_path: Path) -> None:

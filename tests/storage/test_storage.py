@@ -15,12 +15,12 @@ from hicache.errors import ObjectCorruptError
 from hicache.storage import (
     BreakerState,
     CircuitBreaker,
-    FaultyBackend,
     FileBackend,
     GuardedStore,
 )
 from hicache.storage.backend import Buffer
 from hicache.storage.object_format import HEADER_BYTES, decode, encode
+from hicache.testing.faulty_storage import FaultyBackend
 
 
 def test_object_format_round_trip_and_every_corruption() -> None:

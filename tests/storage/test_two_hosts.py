@@ -1,5 +1,5 @@
 """Cross-host prefix sharing (issue #17): two real `hicache serve` processes on two test hosts
-(network namespaces joined by a veth pair, `hicache.storage.netns_hosts`) sharing one L3: a
+(network namespaces joined by a veth pair, `hicache.testing.netns_hosts`) sharing one L3: a
 prompt stored through host A is a hit on host B and loads byte-exact; B's link cut while it
 loads gives misses and an open breaker, never an engine error or a crash, with /readyz
 "ready, degraded"; the link back, B hits again, byte-exact.
@@ -7,7 +7,7 @@ loads gives misses and an open breaker, never an engine error or a crash, with /
 Parametrised by `storage`: `mooncake` (a mooncake_master in A's namespace bound to A's
 address; each sidecar's Mooncake client names its own address, so A's pages lie in A's
 segment and B reads them over the veth) and `redis_cluster` (nodes in A's namespace; skipped
-until `hicache.storage.local_servers` has `RedisClusterServers`).
+until `hicache.testing.local_servers` has `RedisClusterServers`).
 
 The engines run outside both namespaces and reach each sidecar by its Unix socket; each is
 one long-lived process driven over stdin (`python -m tests.storage.test_two_hosts engine
@@ -195,8 +195,8 @@ class Engine:
 
 if __name__ != "__main__":  # the test (the engine process needs none of this)
     from hicache.client.process import SidecarProcess
-    from hicache.storage import local_servers, netns_hosts
-    from hicache.storage.netns_hosts import Host, TwoHosts
+    from hicache.testing import local_servers, netns_hosts
+    from hicache.testing.netns_hosts import Host, TwoHosts
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from hicache.embedded import EmbeddedCache
-from hicache.errors import ConfigError, LayerLoadError
+from hicache.errors import LayerLoadError
 from hicache.scheduler import GroupPages, OpResult, OpState
 from hicache.scheduler.handle import OpHandle
+from hicache.testing.fake_copies import FakeCopyBackend, InjectedFault
 from hicache.transfer import (
     CancelToken,
     CopyBackend,
@@ -29,10 +30,8 @@ from hicache.transfer import (
     Rows,
     StopKind,
     StoppedCounter,
-    make_backend,
 )
 from hicache.transfer.cpu_backend import WalkProgress
-from hicache.transfer.fakes import FAULTS_ENV, FakeCopyBackend, InjectedFault
 from tests.scheduler.conftest import assert_pinned_none, gate_opened_on_exit, pages_for, stack
 
 MODEL = "falcon_h1_7b.json"  # every layer owns an attention and a Mamba cache
@@ -148,37 +147,6 @@ def test_the_failure_names_the_cause_per_layer() -> None:
     )
     cancelled = LayerFailure.of(4, CopyCancelled("layer position 4: walk cancelled"))
     assert cancelled.cause(11, 9) == "cancelled"
-
-
-def test_the_test_only_fault_variable(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(FAULTS_ENV, '{"fail_load_layers": [2], "load_layer_delay_s": 0.01}')
-    made = make_backend("cpu")
-    try:
-        assert isinstance(made, FakeCopyBackend)
-        assert made.fail_load_layers == frozenset({2})
-        assert made.load_layer_delay_s == 0.01
-    finally:
-        made.close()
-    with pytest.raises(
-        ConfigError,
-        match=rf"^environment variable {FAULTS_ENV} \(test-only copy faults\) is set but "
-        r"device\.kind is 'cuda'; the fake copy backend is CPU only$",
-    ):
-        make_backend("cuda")
-    for spec, message in [
-        (
-            "[2]",
-            r"'\[2\]'; a JSON object with keys from \['fail_load_layers', 'load_layer_delay_s'\]",
-        ),
-        ('{"fail_load_layers": [-1]}', r"fail_load_layers \[-1\]; a list of layer positions >= 0"),
-        ('{"load_layer_delay_s": "1"}', r"load_layer_delay_s '1'; a number of seconds >= 0"),
-        ("{", r"'\{' is not JSON \(Expecting property name enclosed in double quotes\)"),
-    ]:
-        monkeypatch.setenv(FAULTS_ENV, spec)
-        with pytest.raises(ConfigError, match=rf"^environment variable {FAULTS_ENV} "):
-            make_backend("cpu")
-        with pytest.raises(ConfigError, match=rf"^.* \(test-only\): {message}$"):
-            FakeCopyBackend.from_spec(spec)
 
 
 # ---- the embedded handle -----------------------------------------------------------------

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import pytest
 
+from hicache.testing.fake_copies import FakeCopyBackend
 from hicache.transfer import CpuCopyBackend, Direction, LayerPart, workers
-from hicache.transfer.fakes import FakeCopyBackend
 
 
 class Counting(FakeCopyBackend):

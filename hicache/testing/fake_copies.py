@@ -12,9 +12,9 @@ layer waits at the gate skips that layer. A failed layer stops its walk (backend
 walk never reaches the positions after it: `fail_next({2, 4})` fails one walk at 2 and leaves
 4 armed for a later walk.
 
-Processes a test cannot reach into (a `hicache serve` child) get a fake with persistent
-faults from the test-only environment variable `FAULTS_ENV`, read in one place
-(`hicache.transfer.make_backend`); `from_spec` says what it may hold.
+Processes a test cannot reach into (a sidecar child) get a fake with persistent faults by
+running `python -m hicache.testing.serve --copy-faults JSON` instead of `hicache serve`;
+`from_spec` says what the JSON may hold. Nothing on the product's path reads a test switch.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from hicache.errors import ConfigError
 from hicache.transfer.backend import Direction, LayerPart
 from hicache.transfer.cpu_backend import CpuCopyBackend
 
-FAULTS_ENV = "_HICACHE_TEST_COPY_FAULTS"  # not HICACHE_*: that prefix is config overrides
 _SPEC_KEYS = {"fail_load_layers", "load_layer_delay_s"}
 
 
@@ -56,11 +55,11 @@ class FakeCopyBackend(CpuCopyBackend):
         super().__init__(staging_bytes=1 << 20)
 
     @classmethod
-    def from_spec(cls, spec: str) -> FakeCopyBackend:
-        """A fake from `FAULTS_ENV`'s value, a JSON object: `fail_load_layers` (stage-local
-        positions at which every load walk fails) and `load_layer_delay_s` (seconds before
-        each layer of a load walk: time for a test to cancel a load mid-walk)."""
-        where = f"environment variable {FAULTS_ENV} (test-only)"
+    def from_spec(cls, spec: str, where: str) -> FakeCopyBackend:
+        """A fake from a JSON object (`where`: what gave it, as errors name it):
+        `fail_load_layers` (stage-local positions at which every load walk fails) and
+        `load_layer_delay_s` (seconds before each layer of a load walk: time for a test to
+        cancel a load mid-walk)."""
         try:
             data = json.loads(spec)
         except json.JSONDecodeError as exc:

@@ -3,7 +3,7 @@
 on free ports and stopped by pid. Bound to 127.0.0.1 unless a caller names another host (the
 cluster's and `MooncakeMaster`'s `host`, with a `command_prefix` such as
 `("ip", "netns", "exec", NS)` to run them in a test host's network namespace,
-`hicache.storage.netns_hosts`); readiness is then probed through the same prefix."""
+`hicache.testing.netns_hosts`); readiness is then probed through the same prefix."""
 
 from __future__ import annotations
 
