@@ -8,12 +8,19 @@ full; LFM2 short conv + full), against a run of the same prompts with no connect
 - corruption: every L3 object is damaged on disk, a sidecar restart later the hit fails
   verification and vLLM recomputes;
 and greedy tokens and their logprobs equal the reference every time, with the hit counts vLLM
-reports asserted (`num_cached_tokens`; vLLM's own cache is reset, so they are hicache's).
+reports asserted (`num_cached_tokens`; vLLM's own cache is reset, so they are hicache's), and
+which data plane moved the pages (the sidecar straight into vLLM's blocks, or staging).
 
 Then faults and modes: the sidecar killed while an engine serves (no hits, same outputs, hits
 again once a sidecar is back), vLLM's default multi-process mode, and a detector: a second
 model with other weights served the first model's pages under one shared model name gives
-other outputs, so the comparisons above can fail.
+other outputs, so the comparisons above can fail. Then two engines of one model in processes
+of their own, attached to one sidecar at once: each hits what only the other has seen (both
+orders of start), one is killed in the middle of a load while the other keeps hitting, and
+outputs equal an engine's with the connector configured and nothing to load.
+
+Engines are long-lived where a test needs no fresh one (`EngineProcess`): the references are
+served by one plain engine per model kept for the module, the two-engine tests share theirs.
 
 vLLM is required here (dev.py installs it; `dev.py test` sets _HICACHE_REQUIRE_VLLM); without it,
 outside CI, the module skips.
