@@ -242,8 +242,8 @@ def bench_redis_cluster(hosts: TwoHosts, pages: Pages, workdir: Path) -> dict[st
 
     from redis.asyncio.cluster import RedisCluster
 
+    from hicache.assembly import storage_backend as make_backend
     from hicache.config.schema import RedisStorage
-    from hicache.storage.factory import make_backend
 
     servers = make(workdir, host=hosts.address["a"], command_prefix=hosts.command_prefix("a"))
     hosts.within("a", servers.start)  # its readiness probes, if any, from A's namespace

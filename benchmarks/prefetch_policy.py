@@ -34,8 +34,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from hicache.assembly import by_key
 from hicache.cache import TieredCache
-from hicache.embedded import EmbeddedCache
 from hicache.model import ExplicitLayout, LayerMap
 from hicache.scheduler import run
 from hicache.storage import FileBackend, GuardedStore
@@ -55,7 +55,7 @@ Deadline = float | Literal["auto"]
 
 def cache_over(engines: int, pages: int, policy: str, deadline: Deadline = "auto") -> TieredCache:
     """A fresh cache (empty index, empty L2) for `engines` engines of `pages`-page prompts."""
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         LayerMap(LAYOUT),
         dtype=torch.float16,
         page_size_tokens=PAGE,
@@ -63,9 +63,7 @@ def cache_over(engines: int, pages: int, policy: str, deadline: Deadline = "auto
         device_pages=engines * pages,
         host_pages_per_group={"full": 2 * engines * pages},  # room for every engine's fetch
     )
-    return TieredCache.build(
-        embedded, store=None, prefetch_policy=policy, prefetch_timeout_s=deadline
-    )
+    return by_key.tiered(embedded, store=None, prefetch_policy=policy, prefetch_timeout_s=deadline)
 
 
 def prompt(engine: int, n: int, tokens: int) -> list[int]:

@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from hicache.assembly import by_key
 from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import (
@@ -72,7 +73,7 @@ def build(layout: ModelLayout, page: int, pages: int, state_pages: int = 2) -> E
     layer_map = LayerMap(layout)
     geoms = [GroupGeometry(g, torch.float16, page) for g in layer_map.groups]
     per_page = sum(g.page_bytes for g in geoms)
-    return EmbeddedCache.build(
+    return by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=page,

@@ -47,12 +47,11 @@ from pathlib import Path
 
 import yaml
 
-from hicache.cache import TieredCache
+from hicache.assembly import embedded_cache
 from hicache.channel.protocol import frame
 from hicache.client import connect
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
-from hicache.embedded import EmbeddedCache
 from hicache.scheduler import run
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,8 +219,8 @@ class Consumer:
 
 
 async def embedded_trials(config: Path, tokens: list[int], results: list[float]) -> None:
-    embedded = EmbeddedCache.from_config(load_deployment(config))
-    cache = TieredCache.build(embedded)
+    cache = embedded_cache(load_deployment(config))
+    embedded = cache.embedded
     consumer = Consumer(list(embedded.layer_map.stage_layer_ids))
     async with cache.running():
         await cache.store(tokens, pages_of(embedded.geometries, 0))
@@ -238,6 +237,8 @@ async def embedded_trials(config: Path, tokens: list[int], results: list[float])
             results.append(time.perf_counter() - start)
             await asyncio.sleep(0)
     consumer.close()
+    if cache.l3 is not None:
+        await cache.l3.backend.close()
     embedded.close()
 
 

@@ -1,8 +1,10 @@
-"""`EmbeddedCache`: the whole in-process stack for one pipeline stage, built from a deployment
-or from parts: layer map -> geometries -> copy backend -> device pools (the engine's, or our
-own for the demo) -> host tier -> scheduler.
+"""`EmbeddedCache`: the whole in-process stack for one pipeline stage, built from plain
+settings (`StackSettings`, which `hicache.assembly` reads from a deployment): layer map ->
+geometries -> copy backend -> device pools (the engine's, or our own for the demo) -> host
+tier -> scheduler.
 
-Lifecycle: `EmbeddedCache.build(...)` (or `from_config`) allocates everything at start;
+Lifecycle: `EmbeddedCache.build(...)` (or `hicache.assembly.embedded_stack`) allocates
+everything at start;
 `async with cache.scheduler.running():` serves ops; `cache.close()` stops the copy backend
 (queued copies finish, its thread is joined). An engine that raises before `close()`, or
 never calls it, still exits: the backend's thread is a daemon, closed the same way at
@@ -21,14 +23,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.config.loader import LoadedConfig
-from hicache.config.schema import Deployment
 from hicache.errors import ConfigError
-from hicache.memory import CacheDtypes, DevicePool, GroupGeometry, HostTier
+from hicache.memory import CacheDtypes, DevicePool, GroupGeometry, HostTier, group_geometries
 from hicache.memory.host_pool import HostLayout
 from hicache.model import LayerMap
 from hicache.scheduler import Clock, MovePolicy, Scheduler
-from hicache.transfer import CopyBackend, make_backend
+from hicache.transfer import CopyBackend
 
 
 def pools_device(device_pools: Mapping[str, DevicePool]) -> torch.device:
@@ -84,6 +84,26 @@ def check_tp_rank(tp_rank: int, tp_size: int, where: str) -> None:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StackSettings:
+    """What a stack is built with: every value comes from the deployment's sections
+    (`hicache.assembly.stack_settings`), none has a default here (the schema's are the only
+    ones). `device_pages`: L1 pages per group the stack allocates when no engine gives pools
+    (`device.pool_capacity_bytes` over the page bytes of all groups)."""
+
+    dtypes: CacheDtypes
+    page_size_tokens: int
+    device_pages: int | Mapping[str, int]
+    host_capacity_bytes: int
+    host_layout: HostLayout
+    host_state_fraction: float
+    queue_depth: int
+    inflight_bytes: int
+    op_timeout_s: float
+    move_policy: MovePolicy
+    counter_ring_size: int
+
+
 @dataclass
 class EmbeddedCache:
     layer_map: LayerMap
@@ -102,33 +122,25 @@ class EmbeddedCache:
     def build(
         cls,
         layer_map: LayerMap,
+        settings: StackSettings,
         *,
-        dtype: torch.dtype | CacheDtypes,
-        page_size_tokens: int,
-        host_capacity_bytes: int,
-        device_pages: int | Mapping[str, int] = 64,
-        host_layout: HostLayout = "layer_first",
-        host_state_fraction: float = 0.25,
-        host_pages_per_group: Mapping[str, int] | None = None,
-        backend: CopyBackend | None = None,
+        backend: CopyBackend,
         device_pools: Mapping[str, DevicePool] | None = None,
-        queue_depth: int = 64,
-        inflight_bytes: int = 256 * 2**20,
-        op_timeout_s: float = 30.0,
-        move_policy: MovePolicy = "hybrid",
-        counter_ring_size: int = 3,
+        host_pages_per_group: Mapping[str, int] | None = None,
         clock: Clock | None = None,
         tp_rank: int | None = None,
     ) -> EmbeddedCache:
         """One stage of one tensor-parallel rank (`tp_rank` of the layout's tp_size: an
-        embedded engine is one rank, its layer map that rank's share, `shard_layout`)."""
-        tp_rank = rank_of(tp_rank, layer_map.layout.tp_size, "EmbeddedCache.build")
-        dtypes = dtype if isinstance(dtype, CacheDtypes) else CacheDtypes.uniform(dtype)
-        geometries = {
-            g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in layer_map.groups
-        }
-        backend = backend or make_backend("cpu")
+        embedded engine is one rank, its layer map that rank's share, `shard_layout`), on
+        `backend` (closed here if the build fails). `device_pools`: the engine's (else the
+        stack allocates `settings.device_pages`); `host_pages_per_group` fixes L2's pages
+        instead of dividing `settings.host_capacity_bytes` (tests)."""
+        device_pages = settings.device_pages
         try:
+            tp_rank = rank_of(tp_rank, layer_map.layout.tp_size, "EmbeddedCache.build")
+            geometries = group_geometries(
+                layer_map.groups, settings.dtypes, settings.page_size_tokens
+            )
             if device_pools is not None:
                 check_pools_device(device_pools, backend)
             else:
@@ -142,11 +154,11 @@ class EmbeddedCache:
                 }
             host_tier = HostTier.create(
                 list(geometries.values()),
-                host_capacity_bytes,
-                host_layout,
+                settings.host_capacity_bytes,
+                settings.host_layout,
                 backend.alloc_host,
                 pinned=backend.pins_host_memory,
-                state_fraction=host_state_fraction,
+                state_fraction=settings.host_state_fraction,
                 pages_per_group=host_pages_per_group,
             )
             scheduler = Scheduler(
@@ -154,12 +166,12 @@ class EmbeddedCache:
                 backend,
                 device_pools,
                 host_tier,
-                page_size_tokens=page_size_tokens,
-                queue_depth=queue_depth,
-                inflight_bytes=inflight_bytes,
-                op_timeout_s=op_timeout_s,
-                move_policy=move_policy,
-                counter_ring_size=counter_ring_size,
+                page_size_tokens=settings.page_size_tokens,
+                queue_depth=settings.queue_depth,
+                inflight_bytes=settings.inflight_bytes,
+                op_timeout_s=settings.op_timeout_s,
+                move_policy=settings.move_policy,
+                counter_ring_size=settings.counter_ring_size,
                 clock=clock,
             )
         except BaseException:
@@ -169,56 +181,31 @@ class EmbeddedCache:
             layer_map, geometries, backend, dict(device_pools), host_tier, scheduler, tp_rank
         )
 
-    @classmethod
-    def from_config(
-        cls, loaded: LoadedConfig, *, clock: Clock | None = None, tp_rank: int | None = None
-    ) -> EmbeddedCache:
-        """The stack with device pools of its own (`device.pool_capacity_bytes`); at
-        `model.tp_size` > 1, `tp_rank` says which rank's share it holds."""
-        d = loaded.deployment
-        return cls.from_deployment(d, loaded.layer_map(), clock=clock, tp_rank=tp_rank)
-
-    @classmethod
-    def from_deployment(
-        cls,
-        d: Deployment,
-        layer_map: LayerMap,
-        *,
-        backend: CopyBackend | None = None,
-        device_pools: Mapping[str, DevicePool] | None = None,
-        clock: Clock | None = None,
-        tp_rank: int | None = None,
-    ) -> EmbeddedCache:
-        """The stack a deployment describes, on a given copy backend and the engine's device
-        pools when given (the sidecar shares one backend between namespaces)."""
-        dtypes = CacheDtypes.of_model(d.model)
-        geometries = [
-            GroupGeometry.of(g, dtypes, d.model.page_size_tokens) for g in layer_map.groups
-        ]
-        per_page = sum(g.page_bytes for g in geometries)
-        if backend is None:
-            # bound to the pools' device when given (an engine's TP rank on its own GPU)
-            where = pools_device(device_pools) if device_pools else None
-            index = d.device.index if where is None or where.index is None else where.index
-            backend = make_backend(d.device.kind, index, d.host.pin_chunk_bytes)
-        return cls.build(
-            layer_map,
-            dtype=dtypes,
-            page_size_tokens=d.model.page_size_tokens,
-            host_capacity_bytes=d.host.capacity_bytes,
-            device_pages=max(1, d.device.pool_capacity_bytes // per_page),
-            host_layout=d.host.layout,
-            host_state_fraction=d.host.state_fraction,
-            backend=backend,
-            device_pools=device_pools,
-            queue_depth=d.scheduler.queue_depth,
-            inflight_bytes=d.scheduler.inflight_bytes,
-            op_timeout_s=d.scheduler.op_timeout_s,
-            move_policy=d.scheduler.move_policy,
-            counter_ring_size=d.scheduler.counter_ring_size,
-            clock=clock,
-            tp_rank=tp_rank,
-        )
+    def effective_settings(self) -> dict[str, object]:
+        """What this stack runs with, read back from its parts (not from what it was built
+        with), by the deployment key each comes from: the copy backend, L2's pools, the
+        scheduler's limits."""
+        pools = self.host_tier.pools
+        scheduler = self.scheduler
+        return {
+            "model.tp_rank": self.tp_rank,
+            "model.tp_size": self.tp_size,
+            "model.groups": {
+                n: (g.group.layer_ids, g.dtype_signature, g.page_bytes)
+                for n, g in self.geometries.items()
+            },
+            "model.page_size_tokens": scheduler.page_size_tokens,
+            "device.kind": self.backend.device.type,
+            "host.pinned": self.backend.pins_host_memory,
+            "host.prefault": getattr(self.backend, "prefault", True),
+            "host.layout": {n: p.layout for n, p in pools.items()},
+            "host.pages": {n: p.num_pages for n, p in pools.items()},
+            "scheduler.queue_depth": scheduler.queue_depth,
+            "scheduler.inflight_bytes": scheduler.inflight_bytes,
+            "scheduler.op_timeout_s": scheduler.op_timeout_s,
+            "scheduler.move_policy": scheduler.move_policy,
+            "scheduler.counter_ring_size": scheduler.counter_ring_size,
+        }
 
     def close(self) -> None:
         self.backend.close()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from hicache.assembly import geometries
 from hicache.config import format_bytes, load_deployment, parse_bytes
 from hicache.demo import (
     MIN_TOKEN_PAGES,
@@ -27,7 +28,7 @@ from hicache.demo import (
 )
 from hicache.demo.timeline import LayerSpan, LoadTimeline, render_html, render_png
 from hicache.demo.trace import TraceOptions
-from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.memory import GroupGeometry
 from hicache.memory.host_tier import budget_pages
 from tests.conftest import CONFIGS, REPO, shared_model
 
@@ -38,9 +39,7 @@ def _geometries(model: Path) -> tuple[list[GroupGeometry], int]:
     env = {**os.environ, "HICACHE_MODEL__CONFIG_PATH": str(model)}
     loaded = load_deployment(CONFIGS / "default.yaml", env=env)
     d = loaded.deployment
-    dtypes = CacheDtypes.of_model(d.model)
-    page = d.model.page_size_tokens
-    return [GroupGeometry.of(g, dtypes, page) for g in loaded.layer_map().groups], page
+    return list(geometries(d, loaded.layer_map()).values()), d.model.page_size_tokens
 
 
 def _models() -> list[Path]:

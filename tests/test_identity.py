@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import yaml
 
+from hicache.assembly import storage_backend as make_backend
 from hicache.cache import TieredCache
 from hicache.config import load_deployment
 from hicache.errors import ConfigError
-from hicache.storage.factory import make_backend
 from tests.conftest import shared_model
 from tests.test_tiered import build
 

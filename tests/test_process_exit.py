@@ -27,15 +27,15 @@ EXIT_WITHIN_S = 30.0  # importing torch takes a few seconds; a stuck process nev
 PRELUDE = """
 import asyncio, sys, threading, time
 import torch
-from hicache.embedded import EmbeddedCache
 from hicache.model import LayerMap, load_layout
 from hicache.scheduler import GroupPages
 from hicache.transfer import CpuCopyBackend, Direction
 from hicache.testing.fake_copies import FakeCopyBackend
+from hicache.assembly import by_key
 
 def build(backend=None):
     layer_map = LayerMap(load_layout(MODEL))
-    return EmbeddedCache.build(
+    return by_key.embedded(
         layer_map, dtype=torch.float16, page_size_tokens=2, host_capacity_bytes=1 << 22,
         device_pages=8, backend=backend,
     )

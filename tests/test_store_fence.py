@@ -20,11 +20,11 @@ import pytest
 import torch
 from pydantic import ValidationError
 
+from hicache.assembly import by_key
 from hicache.cache import TieredCache
 from hicache.channel import protocol as p
 from hicache.client.base import ClientBase, store_args
 from hicache.client.handle import ClientError
-from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.service.ops import EngineOps
@@ -71,7 +71,7 @@ class Recording(CpuCopyBackend):
 def build(backend: Recording) -> TieredCache:
     layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
     geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,
@@ -79,7 +79,7 @@ def build(backend: Recording) -> TieredCache:
         device_pages=16,
         backend=backend,
     )
-    return TieredCache.build(embedded)
+    return by_key.tiered(embedded)
 
 
 def store_kwargs(cache: TieredCache, tokens: list[int]) -> dict[str, Any]:
@@ -259,7 +259,7 @@ async def test_an_embedded_store_waits_for_kernels_on_the_engines_stream(how: st
     layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
     geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
     backend = CudaCopyBackend(0, staging_bytes=16 * 2**20)
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,
@@ -267,7 +267,7 @@ async def test_an_embedded_store_waits_for_kernels_on_the_engines_stream(how: st
         device_pages=16,
         backend=backend,
     )
-    cache = TieredCache.build(embedded)
+    cache = by_key.tiered(embedded)
     try:
         async with cache.running():
             torch.cuda.synchronize()

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.assembly import by_key
 from hicache.cache import TieredCache
-from hicache.embedded import EmbeddedCache
 from hicache.index import AbsentKeys
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
@@ -28,7 +28,7 @@ def build(
     layer_map = LayerMap(load_layout(shared_model(config)))
     geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
     per_page = sum(g.page_bytes for g in geoms)
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,
@@ -38,7 +38,10 @@ def build(
         },
     )
     faulty = FaultyBackend(FileBackend(tmp_path / "l3", capacity_bytes=1 << 30))
-    cache = TieredCache.build(embedded, store=GuardedStore(faulty), **kwargs)
+    cache = by_key.tiered(embedded, store=GuardedStore(faulty), **kwargs)
+    # no test of this builder is about the store's call timeout (1 s by default): generous,
+    # so an L3 call a busy machine delays is not a failed load (#26)
+    cache.l3.base_timeout_s = 30.0  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(0)
     for pool in embedded.device_pools.values():
         for layer in pool.tensors:
@@ -286,7 +289,7 @@ def build_rank(
     layer_map = LayerMap(shard_layout(load_layout(shared_model("deepseek_v32_exp.json")), 2))
     [geom] = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
     assert geom.group.replicated
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,
@@ -295,7 +298,7 @@ def build_rank(
         tp_rank=tp_rank,
     )
     backend = FileBackend(tmp_path / "l3", capacity_bytes=1 << 30)
-    cache = TieredCache.build(
+    cache = by_key.tiered(
         embedded,
         store=GuardedStore(backend),
         write_policy=write_policy,

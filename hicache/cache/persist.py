@@ -4,10 +4,12 @@ A store is acknowledged once L2 holds its pages; the pages the write policy want
 offered here and written behind it by one worker task (owned by the cache's TaskGroup, see
 `TieredCache.running`). Lifecycle: `offer` (never blocks: beyond `max_pages` waiting, the
 new pages are dropped and counted — back-pressure on a store would put L3's latency back on
-the engine's path) -> the worker takes up to `batch_pages` at a time and calls the writer
--> `idle()` returns once nothing is waiting or being written (tests, shutdown flush). A page
-evicted from L2 before its turn is skipped and counted; a write that fails is counted (the
-guarded store already turned it into "not stored"). When L3 is detached or replaced
+the engine's path; only pages really waiting count, not the entries left behind by pages
+withdrawn or replaced since, which the worker skips) -> the worker takes up to `batch_pages`
+at a time and calls the writer -> `idle()` returns once nothing is waiting or being
+written (tests, shutdown flush). A page evicted from L2 before its turn is skipped and
+counted; a write that fails is counted (the guarded store already turned it into "not
+stored"). When L3 is detached or replaced
 (`TieredCache.attach_l3`), `detach()` drops what waits — offered for the store that left —
 and counts it (`detached_pages`); the batch being written then finishes on that store.
 """
@@ -27,7 +29,7 @@ Writer = Callable[[Mapping[str, Sequence[PageRecord]]], Awaitable[tuple[int, int
 
 @dataclass(frozen=True, slots=True)
 class PersistStats:
-    queued_pages: int  # waiting now
+    queued_pages: int  # waiting now (withdrawn or replaced entries not counted)
     offered_pages: int
     dropped_pages: int  # the queue was full
     written_pages: int
@@ -62,20 +64,33 @@ class PersistQueue:
         for group, group_records in records.items():
             for record in group_records:
                 self._offered += 1
-                if len(self._items) >= self.max_pages:
-                    self._dropped += 1
-                    continue
                 slot = (group, record.key)
                 queued = self._waiting.get(slot)
                 if queued is record:
                     continue  # queued already
+                if queued is None and len(self._waiting) >= self.max_pages:
+                    self._dropped += 1  # (a record replacing a queued one takes its place)
+                    continue
                 self._waiting[slot] = record  # a stale record in `_items` is skipped
                 self._items.append((group, record))
                 accepted += 1
+        if len(self._items) > 2 * self.max_pages:
+            self._compact()
         if accepted:
             self._idle.clear()
             self._wakeup.set()
         return accepted
+
+    def _compact(self) -> None:
+        """Forget the entries of `_items` no longer waiting (withdrawn or replaced). Run when
+        `_items` passes twice the limit, it leaves at most `max_pages`: at least `max_pages`
+        offers pass between two runs, so each costs O(1) amortised and `_items` stays bounded
+        while the worker is held up (a slow L3) and stores withdraw and re-offer pages."""
+        self._items = deque(
+            (group, record)
+            for group, record in self._items
+            if self._waiting.get((group, record.key)) is record
+        )
 
     async def run(self, write: Writer) -> None:
         """The worker: write batches until cancelled (a batch in flight is finished first:
@@ -149,7 +164,7 @@ class PersistQueue:
 
     def stats(self) -> PersistStats:
         return PersistStats(
-            len(self._items),
+            len(self._waiting),
             self._offered,
             self._dropped,
             self._written,

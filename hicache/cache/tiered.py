@@ -32,7 +32,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from hicache.cache.discovery import Discovery
 from hicache.cache.keyers import page_keyers
@@ -41,6 +41,7 @@ from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner, StorePlan
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.cache.resync import Resync
+from hicache.cache.settings import CacheSettings, effective
 from hicache.embedded import EmbeddedCache, check_tp_rank
 from hicache.errors import HicacheError
 from hicache.index import (
@@ -96,9 +97,9 @@ class TieredCache:
         store: GuardedStore | None,
         write_policy: WritePolicy,
         prefetch_policy: PrefetchPolicy,
-        absent: AbsentKeys | None = None,
-        persist_queue_pages: int = 65_536,
-        tp_rank: int = 0,
+        absent: AbsentKeys,
+        persist_queue_pages: int,
+        tp_rank: int,
     ):
         self.embedded = embedded
         self.tp_rank = tp_rank
@@ -109,9 +110,8 @@ class TieredCache:
             if g.replicated and tp_rank != 0 and embedded.layer_map.layout.tp_size > 1
         )
         self.index = index
-        self.discovery = Discovery(
-            index, absent if absent is not None else AbsentKeys(2.0), lambda: self.l3
-        )
+        self.discovery = Discovery(index, absent, lambda: self.l3)
+        self.settings: CacheSettings | None = None  # what `build` was given
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
         allocators = {
@@ -166,28 +166,17 @@ class TieredCache:
     def build(
         cls,
         embedded: EmbeddedCache,
+        settings: CacheSettings,
         *,
-        store: GuardedStore | None = None,
-        model: str = "",
-        write_policy: str = "write_through",
-        prefetch_policy: str = "best_effort",
-        prefetch_timeout_s: float | Literal["auto"] = "auto",
-        prefetch_timeout_per_token_s: float = 2e-6,
-        prefetch_auto_headroom: float = 2.0,
-        prefetch_auto_floor_s: float = 0.01,
-        prefetch_timeout_max_s: float = 1.0,
-        eviction: str = "lru",
-        tenant_salt: str = "",
+        store: GuardedStore | None,
+        model: str,
         tp_rank: int | None = None,
-        key_algorithm: str = "xxh3_128",
-        l3_index_max_pages: int = 262_144,
-        l3_absent_ttl_s: float = 2.0,
-        persist_queue_pages: int = 65_536,
     ) -> TieredCache:
-        """A cache over `embedded` from settings by name (the `cache` section's); the
-        `prefetch_timeout_*` / `prefetch_auto_*` ones shape the `timeout` policy only.
-        `tp_rank` (default: the embedded stack's) is the rank this cache serves, one of its
-        layout's tp_size."""
+        """A cache over `embedded` with `settings` (the `cache` section's, read by
+        `hicache.assembly`); the `prefetch_timeout_*` / `prefetch_auto_*` ones shape the
+        `timeout` policy only. `model` is the weights' identity in every page key. `tp_rank`
+        (default: the embedded stack's) is the rank this cache serves, one of its layout's
+        tp_size."""
         if tp_rank is None:
             tp_rank = embedded.tp_rank
         check_tp_rank(tp_rank, embedded.layer_map.layout.tp_size, "TieredCache.build")
@@ -198,33 +187,41 @@ class TieredCache:
             embedded.layer_map,
             embedded.scheduler.move_policy,
             model=model,
-            tenant_salt=tenant_salt,
+            tenant_salt=settings.tenant_salt,
             tp_rank=tp_rank,
-            key_algorithm=key_algorithm,
+            key_algorithm=settings.key_algorithm,
         )
         rules, capacity = {}, {}
         for name in keyers:
             rules[name] = GroupRule.of(geometries[name].group)
             capacity[name] = embedded.host_tier.pool(name).num_pages
-        index = PrefixIndex(keyers, rules, capacity, page, eviction, l3_index_max_pages)
-        prefetch = prefetch_policy_named(
-            prefetch_policy,
-            timeout_s=prefetch_timeout_s,
-            per_token_s=prefetch_timeout_per_token_s,
-            headroom=prefetch_auto_headroom,
-            floor_s=prefetch_auto_floor_s,
-            max_s=prefetch_timeout_max_s,
+        index = PrefixIndex(
+            keyers, rules, capacity, page, settings.eviction, settings.l3_index_max_pages
         )
-        return cls(
+        prefetch = prefetch_policy_named(
+            settings.prefetch_policy,
+            timeout_s=settings.prefetch_timeout_s,
+            per_token_s=settings.prefetch_timeout_per_token_s,
+            headroom=settings.prefetch_auto_headroom,
+            floor_s=settings.prefetch_auto_floor_s,
+            max_s=settings.prefetch_timeout_max_s,
+        )
+        cache = cls(
             embedded,
             index,
             store,
-            WRITE_POLICIES[write_policy](),
+            WRITE_POLICIES[settings.write_policy](),
             prefetch,
-            AbsentKeys(l3_absent_ttl_s),
-            persist_queue_pages,
+            AbsentKeys(settings.l3_absent_ttl_s),
+            settings.persist_queue_pages,
             tp_rank,
         )
+        cache.settings = settings
+        return cache
+
+    def effective_settings(self) -> dict[str, object]:
+        """What this cache runs with, read back from its parts (`settings.effective`)."""
+        return effective(self)
 
     # ---- lifecycle --------------------------------------------------------------------------
 

@@ -289,8 +289,9 @@ def _config_torch_dtype(path: Path) -> str | None:
 
 
 def cmd_layout(args: argparse.Namespace) -> int:
+    from hicache.assembly import model_dtypes
     from hicache.config.sizes import format_bytes
-    from hicache.memory import CacheDtypes, GroupGeometry
+    from hicache.memory import CacheDtypes, group_geometries
     from hicache.memory.sizing import sizing
     from hicache.model.render import layout_json, layout_table
 
@@ -302,7 +303,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
     if deployment is not None:
         model = deployment.model
         dtypes = (
-            CacheDtypes.of_model(model)
+            model_dtypes(model)
             if args.dtype is None
             else CacheDtypes.from_names(args.dtype, model.state_dtype, model.ssm_state_dtype)
         )
@@ -313,7 +314,7 @@ def cmd_layout(args: argparse.Namespace) -> int:
         dtype = args.dtype or _config_torch_dtype(args.path) or "bfloat16"
         dtypes, capacity, fraction = CacheDtypes.from_names(dtype), None, 0.25
         page, dtype_label = args.page_size or 16, dtype
-    geometries = [GroupGeometry.of(g, dtypes, page) for g in layer_map.groups]
+    geometries = list(group_geometries(layer_map.groups, dtypes, page).values())
     rows = sizing(geometries, capacity, fraction)
     if args.json:
         print(json.dumps({**layout_json(layer_map, name, rows, page), "sizing": rows}))
@@ -339,7 +340,7 @@ def cmd_config(args: argparse.Namespace) -> int:
     loaded = load_deployment(args.file)
     layer_map = loaded.layer_map()
     if args.config_command == "validate":
-        from hicache.service.app import host_pages
+        from hicache.assembly import host_pages
 
         host_pages(loaded, layer_map)  # what `hicache serve` refuses before it starts
         print(

@@ -19,7 +19,7 @@ from hicache.channel.shm import SharedPools
 from hicache.client.handle import ClientError, LoadHandle, Lookup, SidecarUnreachableError
 from hicache.client.keys import KeySpec, PromptKeys
 from hicache.errors import ConfigError
-from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.memory import CacheDtypes, group_geometries
 from hicache.model import LayerMap
 
 _HOW = (
@@ -140,9 +140,7 @@ class ClientBase:
         self.dtype = dtype
         self.page_size_tokens = page_size_tokens
         dtypes = CacheDtypes.from_names(dtype, state_dtype, ssm_state_dtype)
-        self.geometries = {
-            g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in layer_map.groups
-        }
+        self.geometries = group_geometries(layer_map.groups, dtypes, page_size_tokens)
         self._hello = {
             "protocol": p.PROTOCOL_VERSION,
             "layout": p.layout_summary(layer_map, self.geometries, page_size_tokens),

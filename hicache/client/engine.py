@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.assembly import client_settings
 from hicache.channel import protocol as p
 from hicache.channel.shm import SharedPools
 from hicache.client.base import ClientBase, page_lists, parse_address, store_args, unreachable
@@ -308,13 +309,5 @@ def connect_deployment(loaded: LoadedConfig, **kwargs: Any) -> Client:
     expects: its socket (`service.socket_path`), its layer map (one rank's share at
     `model.tp_size`), dtypes, page size and token. Keywords override or add (`address`,
     `tp_rank`, `tenant`, `engine`, ...)."""
-    d = loaded.deployment
-    settings: dict[str, Any] = {
-        "dtype": d.model.dtype,
-        "state_dtype": d.model.state_dtype,
-        "ssm_state_dtype": d.model.ssm_state_dtype,
-        "page_size_tokens": d.model.page_size_tokens,
-        "token": d.service.token.get_secret_value() if d.service.token else None,
-    }
-    address = kwargs.pop("address", d.service.socket_path)
-    return Client(address, loaded.layer_map(), **(settings | kwargs))
+    settings = client_settings(loaded.deployment) | kwargs
+    return Client(settings.pop("address"), loaded.layer_map(), **settings)

@@ -25,7 +25,7 @@ from pydantic import (
 )
 
 from hicache.config.sizes import format_bytes, parse_bytes
-from hicache.config.urls import redacted_url
+from hicache.config.urls import cluster_seeds, redacted_url
 from hicache.model.explicit import LayerEntry
 
 ByteSize = Annotated[
@@ -140,7 +140,7 @@ class HostSection(Section):
 class L3Guard(Section):
     """Every L3 kind but none: call timeouts scaled by bytes, the breaker, the chunk size.
 
-    `GuardedStore` takes these (`hicache.storage.factory.make_store`): each call times out
+    `GuardedStore` takes these (`hicache.assembly.store_of`): each call times out
     after `base_timeout_s + bytes / min_bandwidth_bytes_per_s`; `breaker_failure_threshold`
     failures in a row open the breaker, `breaker_reset_after_s` later a trial call may close
     it; batches are cut into calls of about `chunk_bytes`."""
@@ -182,16 +182,6 @@ class L3Guard(Section):
         description="L3 batches are cut into calls of about this many bytes, each one timed "
         "(kind mooncake: 64MiB by default, as each of its calls pays a fixed cost)",
     )
-
-    def guard_settings(self) -> dict[str, Any]:
-        """`GuardedStore`'s keyword arguments."""
-        return {
-            "base_timeout_s": self.base_timeout_s,
-            "min_bandwidth_bytes_per_s": self.min_bandwidth_bytes_per_s,
-            "chunk_bytes": self.chunk_bytes,
-            "failure_threshold": self.breaker_failure_threshold,
-            "reset_after_s": self.breaker_reset_after_s,
-        }
 
 
 _L3_DIRECTORY = "a directory, or a path where one can be created, on a real filesystem"
@@ -279,26 +269,8 @@ class RedisStorage(L3Guard):
 
     @staticmethod
     def cluster_seeds(url: str) -> tuple[str, list[tuple[str, int]]]:
-        """A cluster URL as redis-py takes it: (the URL of the first seed alone, with the
-        scheme's `+cluster` dropped and the user, password, path and query kept; every seed's
-        (host, port), port 6379 where none is given). Raises ValueError naming the bad part."""
-        parts = urlsplit(url)
-        scheme = parts.scheme.removesuffix("+cluster")
-        userinfo, _, hosts = parts.netloc.rpartition("@")
-        seeds = []
-        for entry in hosts.split(","):
-            one = urlsplit(f"//{entry}")
-            if not one.hostname:
-                raise ValueError(f"seed {entry!r} names no host")
-            try:
-                port = one.port
-            except ValueError as exc:
-                raise ValueError(f"seed {entry!r}: {exc}") from None
-            seeds.append((one.hostname, 6379 if port is None else port))
-        first = hosts.split(",")[0]
-        netloc = f"{userinfo}@{first}" if userinfo else first
-        single = parts._replace(scheme=scheme, netloc=netloc).geturl()
-        return single, seeds
+        """`hicache.config.urls.cluster_seeds`."""
+        return cluster_seeds(url)
 
     @property
     def is_cluster(self) -> bool:

@@ -31,13 +31,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from hicache.assembly import geometries as deployment_geometries
 from hicache.client.process import SidecarProcess, SidecarStartError
 from hicache.config import format_bytes, load_deployment, parse_bytes
 from hicache.demo import timeline as timeline_mod
 from hicache.demo.timeline import LoadTimeline
 from hicache.demo.trace import TraceOptions
 from hicache.errors import ConfigError
-from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.memory import GroupGeometry
 from hicache.memory.host_tier import budget_pages
 
 DEMO_KV_BYTES = 96 * 2**20  # L2 for KV pages: small, so the trace spills to L3
@@ -369,11 +370,7 @@ def run_demo(
     out = sys.stdout
     model_env = {} if model is None else {"HICACHE_MODEL__CONFIG_PATH": str(model.resolve())}
     loaded = load_deployment(config, env={**os.environ, **model_env})
-    d = loaded.deployment
-    geometries = [
-        GroupGeometry.of(g, CacheDtypes.of_model(d.model), d.model.page_size_tokens)
-        for g in loaded.layer_map().groups
-    ]
+    geometries = list(deployment_geometries(loaded.deployment, loaded.layer_map()).values())
     try:
         given = None if host_bytes is None else parse_bytes(host_bytes)
     except ValueError as exc:
@@ -383,7 +380,7 @@ def run_demo(
         tiers = size_tiers(
             geometries,
             trace,
-            d.model.page_size_tokens,
+            geometries[0].page_size_tokens,
             host_bytes=given,
             state_fraction=state_fraction,
             device_pages=device_pages,

@@ -340,7 +340,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
     args = parser.parse_args(argv)
     loaded = load_deployment(args.config)
-    d = loaded.deployment
     opts = TraceOptions(**{k: getattr(args, k) for k in asdict(TraceOptions())})
     trace = build_trace(opts)
     client = connect_deployment(loaded, address=args.socket, engine="hicache-demo")
@@ -356,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
         client.register_pools(pools)
-        engine = SyntheticEngine(client, pools, d.model.page_size_tokens, args.prefill_tokens_per_s)
+        engine = SyntheticEngine(client, pools, client.page_size_tokens, args.prefill_tokens_per_s)
         emit("start", requests=len(trace), device_pages=args.device_pages)
         started = time.perf_counter()
         for i, request in enumerate(trace):

@@ -128,6 +128,7 @@ class PrefixIndex:
                 f"eviction policy {eviction!r} is not known; allowed: {sorted(EVICTION_POLICIES)}"
             )
         self.keyers = dict(keyers)
+        self.eviction = eviction
         self.rules = dict(rules)
         self.capacity = dict(l2_capacity_pages)
         self.page_size_tokens = page_size_tokens

@@ -80,7 +80,7 @@ from hicache.integrations.vllm_shared_kv import (
     share_in_place,
 )
 from hicache.integrations.vllm_worker import WorkerSide
-from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.memory import CacheDtypes, GroupGeometry, group_geometries
 from hicache.memory.geometry import dtype_name
 
 if TYPE_CHECKING:
@@ -391,9 +391,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._client_args["state_dtype"],
             self._client_args["ssm_state_dtype"],
         )
-        geometries = {
-            g.name: GroupGeometry.of(g, cache_dtypes, self.page) for g in self.layer_map.groups
-        }
+        geometries = group_geometries(self.layer_map.groups, cache_dtypes, self.page)
         bindings = bind_layers(
             self.layer_map, geometries, kv_caches, self._layer_ids, vllm_group, state_specs
         )

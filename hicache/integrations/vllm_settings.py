@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hicache.assembly import engine_channel
 from hicache.config import load_deployment
 from hicache.errors import ConfigError
 
@@ -51,10 +52,8 @@ class ConnectorSettings:
                     f"{where}: give 'config' (the sidecar's deploy.yaml) or 'address' (its "
                     "socket path or tcp://host:port)"
                 )
-            service = load_deployment(Path(config)).deployment.service
-            address = str(service.socket_path)
-            if token is None and service.token is not None:
-                token = service.token.get_secret_value()
+            address, configured = engine_channel(load_deployment(Path(config)).deployment)
+            token = configured if token is None else token
         staging = None
         if extra.get("staging_pages") is not None:
             staging = int(_positive(extra, "staging_pages", 1))

@@ -4,7 +4,7 @@ pins). Never calls the CUDA API itself; pinning and device work go through
 `hicache.transfer`."""
 
 from hicache.memory.device_pool import DevicePool
-from hicache.memory.geometry import CacheDtypes, GroupGeometry, torch_dtype
+from hicache.memory.geometry import CacheDtypes, GroupGeometry, group_geometries, torch_dtype
 from hicache.memory.host_pool import HostPool
 from hicache.memory.host_tier import HostTier, HostTierReport
 from hicache.memory.page_allocator import PageAllocator
@@ -17,5 +17,6 @@ __all__ = [
     "HostTier",
     "HostTierReport",
     "PageAllocator",
+    "group_geometries",
     "torch_dtype",
 ]

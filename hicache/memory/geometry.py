@@ -6,17 +6,18 @@ conv, ssm, ...); every size here is derived from the layout and the dtypes, neve
 Engines keep hybrid state in dtypes of its own (vLLM's `mamba_cache_dtype` and
 `mamba_ssm_cache_dtype`, SGLang's `mamba_ssm_dtype`: often a float32 SSM state beside a bf16 or
 fp8 KV cache), so a geometry has a dtype per tensor: `GroupGeometry.of(group, dtypes, page)`
-resolves them from the deployment's `CacheDtypes`.
+resolves them from a `CacheDtypes`. `group_geometries` is the one place a layout's groups get
+their geometries (the embedded stack, the sidecar, its clients, the CLI, the demo, vLLM).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
-from hicache.config.schema import ModelSection
 from hicache.errors import ConfigError
 from hicache.model import CacheGroup
 
@@ -71,10 +72,6 @@ class CacheDtypes:
         state_dtype = None if state is None else torch_dtype(state)
         ssm = state_dtype if ssm_state is None else torch_dtype(ssm_state)
         return cls(torch_dtype(kv), state_dtype, ssm)
-
-    @classmethod
-    def of_model(cls, model: ModelSection) -> CacheDtypes:
-        return cls.from_names(model.dtype, model.state_dtype, model.ssm_state_dtype)
 
     def for_tensor(self, token_cache: bool, tensor: str) -> torch.dtype:
         if token_cache:
@@ -188,3 +185,11 @@ class GroupGeometry:
     def page_bytes(self) -> int:
         """One page across all of this group's layers (one page_first record)."""
         return self.page_bytes_per_layer * self.num_layers
+
+
+def group_geometries(
+    groups: Iterable[CacheGroup], dtypes: CacheDtypes, page_size_tokens: int
+) -> dict[str, GroupGeometry]:
+    """Each group's geometry by name, in the layout's order: the one way a stack, the sidecar,
+    a client, the CLI and the demo size a group's pages."""
+    return {g.name: GroupGeometry.of(g, dtypes, page_size_tokens) for g in groups}

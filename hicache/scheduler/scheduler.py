@@ -89,11 +89,11 @@ class Scheduler:
         host_tier: HostTier,
         *,
         page_size_tokens: int,
-        queue_depth: int = 64,
-        inflight_bytes: int = 256 * 2**20,
-        op_timeout_s: float = 30.0,
-        move_policy: MovePolicy = "hybrid",
-        counter_ring_size: int = 3,
+        queue_depth: int,
+        inflight_bytes: int,
+        op_timeout_s: float,
+        move_policy: MovePolicy,
+        counter_ring_size: int,
         backup_walks_in_flight: int = 1,
         clock: Clock | None = None,
     ):
@@ -107,7 +107,9 @@ class Scheduler:
         self.clock: Clock = clock or MonotonicClock()
         self.recorder = StatsRecorder(len(layer_map.stage_layer_ids))
         self._budget = ByteBudget(inflight_bytes)
+        self.inflight_bytes = inflight_bytes
         self._ring = CounterRing(counter_ring_size)
+        self.counter_ring_size = counter_ring_size
         # Walks handed to the backend, per kind. Bounded so the backend's own FIFO never
         # becomes the real queue: a load must not wait behind every backup already handed over.
         self._walk_limit = {OpKind.LOAD: counter_ring_size, OpKind.BACKUP: backup_walks_in_flight}

@@ -30,16 +30,13 @@ import logging
 from typing import Any
 
 from aiohttp import web
-from pydantic import TypeAdapter, ValidationError
 
-from hicache.config.schema import Deployment, L3Guard, RedisStorage, StorageSection
-from hicache.config.urls import redacted_url
+from hicache.assembly.sidecar import StorageBodyError
 from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage.breaker import BreakerState
-from hicache.storage.factory import guarded, make_backend
 
 log = logging.getLogger("hicache.service.admin")
 
@@ -48,16 +45,6 @@ ADMIN_OFF = (
     "HICACHE_SERVICE__TOKEN) and send 'Authorization: Bearer <service.token>', or set "
     "service.admin_without_token: true to let every local user call them"
 )
-
-
-def redacted_config(deployment: Deployment) -> dict[str, Any]:
-    data: dict[str, Any] = deployment.model_dump(mode="json")
-    storage = data.get("storage", {})
-    if isinstance(storage.get("url"), str):
-        storage["url"] = redacted_url(storage["url"])
-    if data["service"].get("token") is not None:
-        data["service"]["token"] = "***"
-    return data
 
 
 class ControlApi:
@@ -97,7 +84,7 @@ class ControlApi:
             degraded.append(
                 {
                     "tier": "l3",
-                    "kind": self.server.deployment.storage.kind,
+                    "kind": self.server.plan.storage_kind,
                     "breaker": breaker,
                     "effect": f"L3 breaker {breaker['state']} ({trying}); loads serve L2 only",
                 }
@@ -115,7 +102,7 @@ class ControlApi:
                 for ns in self.server.namespaces.values()
                 for g in ns.cache.index.rules
             ),
-            "l3": self.server.deployment.storage.kind if store is not None else "none",
+            "l3": self.server.plan.storage_kind if store is not None else "none",
             "l3_breaker": None if breaker is None else breaker["state"],
         }
         return web.json_response(body, status=200 if not problems else 503)
@@ -127,7 +114,7 @@ class ControlApi:
         )
 
     async def config(self, request: web.Request) -> web.Response:
-        return web.json_response(redacted_config(self.server.deployment))
+        return web.json_response(self.server.plan.config_json())
 
     async def stats(self, request: web.Request) -> web.Response:
         store = self.server.store
@@ -205,38 +192,29 @@ class ControlApi:
     async def l3_attach(self, request: web.Request) -> web.Response:
         body = request.can_read_body
         self._authorize(request, "l3_attach", section="body" if body else "configured")
-        section = self.server.deployment.storage
-        if body:
-            try:
-                section = TypeAdapter(StorageSection).validate_python(await request.json())
-            except ValidationError as exc:
-                problem = "; ".join(
-                    f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()
-                )
-                self._audit(request, "l3_attach", f"refused: {problem}", True, section="body")
-                raise web.HTTPBadRequest(text="storage section: " + problem) from None
-            except ValueError as exc:  # not JSON
-                self._audit(request, "l3_attach", "refused: body is not JSON", True, section="body")
-                raise web.HTTPBadRequest(
-                    text=f"storage section: the body is not JSON ({exc}); allowed: a storage "
-                    "section as a JSON object, or no body for the configured one"
-                ) from None
-        asked: dict[str, Any] = {"section": "body" if body else "configured", "kind": section.kind}
-        if isinstance(section, RedisStorage):
-            asked["url"] = redacted_url(section.url)
         try:
-            backend = make_backend(section)
+            attach = self.server.plan.attach_request(await request.json() if body else None)
+        except StorageBodyError as exc:
+            problem = str(exc)
+            self._audit(request, "l3_attach", f"refused: {problem}", True, section="body")
+            raise web.HTTPBadRequest(text="storage section: " + problem) from None
+        except ValueError as exc:  # not JSON
+            self._audit(request, "l3_attach", "refused: body is not JSON", True, section="body")
+            raise web.HTTPBadRequest(
+                text=f"storage section: the body is not JSON ({exc}); allowed: a storage "
+                "section as a JSON object, or no body for the configured one"
+            ) from None
+        asked = attach.asked
+        try:
+            store = attach.open()
         except Exception as exc:
             self._audit(request, "l3_attach", f"failed: {exc!r}", True, **asked)
             raise
-        store = None
-        if backend is not None and isinstance(section, L3Guard):
-            store = guarded(backend, section)
         old = self.server.set_store(store)
         if old is not None:
             await old.backend.close()
-        self._audit(request, "l3_attach", f"attached {section.kind}", **asked)
-        return web.json_response({"l3": section.kind})
+        self._audit(request, "l3_attach", f"attached {attach.kind}", **asked)
+        return web.json_response({"l3": attach.kind})
 
 
 async def start_http(

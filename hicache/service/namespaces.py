@@ -20,11 +20,10 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass, field
 
+from hicache.assembly.sidecar import SidecarPlan
 from hicache.cache import TieredCache
-from hicache.config import Deployment
-from hicache.embedded import EmbeddedCache, check_pools_device, pools_device
+from hicache.embedded import check_pools_device
 from hicache.memory import DevicePool
-from hicache.model import LayerMap
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
@@ -50,45 +49,25 @@ class Namespace:
     async def start(
         cls,
         key: NamespaceKey,
-        deployment: Deployment,
-        model_name: str,
-        layer_map: LayerMap,
+        plan: SidecarPlan,
         backend: CopyBackend,
         store: GuardedStore | None,
         device_pools: dict[str, DevicePool],
         tg: asyncio.TaskGroup,
     ) -> Namespace:
-        d = deployment
         # the namespace copies on its pools' device (a TP rank's GPU), whatever device.index
         # says: the sidecar's backend gives a sibling per device, closed with it
-        backend = backend.for_device(pools_device(device_pools))
-        embedded = EmbeddedCache.from_deployment(
-            d, layer_map, backend=backend, device_pools=device_pools, tp_rank=key.tp_rank
-        )
-        cache = TieredCache.build(
-            embedded,
-            store=store,
-            model=model_name,
-            write_policy=d.cache.write_policy,
-            prefetch_policy=d.cache.prefetch_policy,
-            prefetch_timeout_s=d.cache.prefetch_timeout_s,
-            prefetch_timeout_per_token_s=d.cache.prefetch_timeout_per_token_s,
-            prefetch_auto_headroom=d.cache.prefetch_auto_headroom,
-            prefetch_auto_floor_s=d.cache.prefetch_auto_floor_s,
-            prefetch_timeout_max_s=d.cache.prefetch_timeout_max_s,
-            eviction=d.cache.eviction,
-            # a separator, so ("a", "bc") and ("ab", "c") never share keys
-            tenant_salt=f"{d.cache.tenant_salt}\x00{key.tenant}",
+        cache = plan.namespace_cache(
+            tenant=key.tenant,
             tp_rank=key.tp_rank,
-            key_algorithm=d.cache.key_algorithm,
-            l3_index_max_pages=d.cache.l3_index_max_pages,
-            l3_absent_ttl_s=d.cache.l3_absent_ttl_s,
-            persist_queue_pages=d.cache.persist_queue_pages,
+            backend=backend,
+            store=store,
+            device_pools=device_pools,
         )
         # the first engine's pools built the stack; they are served as its attachment
         # (`attach`), not as the scheduler's default one, so they go when that engine does
-        embedded.scheduler.detach_device_pools()
-        embedded.device_pools = {}
+        cache.embedded.scheduler.detach_device_pools()
+        cache.embedded.device_pools = {}
         namespace = cls(key, cache)
         started = asyncio.Event()
         namespace._task = tg.create_task(namespace._run(started), name=f"hicache-ns-{key}")

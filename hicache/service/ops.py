@@ -20,12 +20,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from hicache.assembly import ServiceSettings
+from hicache.assembly.sidecar import SidecarPlan
 from hicache.cache.keyers import page_keyers
 from hicache.channel import protocol as p
 from hicache.channel.counters import CounterFile, LoadState
 from hicache.channel.shm import map_pools
-from hicache.config import Deployment
-from hicache.config.schema import ServiceSection
 from hicache.errors import HicacheError
 from hicache.index import KEY_BYTES, Hit, PackedKeys
 from hicache.memory import DevicePool, GroupGeometry
@@ -54,8 +54,8 @@ class DeferToAwait(Exception):
 
 class EngineOps:
     # set by EngineServer.__init__
-    deployment: Deployment
-    service: ServiceSection
+    plan: SidecarPlan
+    service: ServiceSettings
     layer_map: LayerMap
     model_name: str
     backend: CopyBackend
@@ -129,7 +129,7 @@ class EngineOps:
 
     def _check_tp(self, args: p.Hello) -> None:
         """The engine's tensor-parallel size is the deployment's, its rank one of them."""
-        ours = self.deployment.model.tp_size
+        ours = self.plan.tp_size
         if args.tp_size != ours:
             raise p.RequestError(
                 p.ErrorCode.REFUSED,
@@ -154,22 +154,22 @@ class EngineOps:
             keyers = page_keyers(
                 self.geometries,
                 self.layer_map,
-                self.deployment.scheduler.move_policy,
+                self.plan.move_policy,
                 model=self.model_name,
-                tenant_salt=f"{self.deployment.cache.tenant_salt}\x00{key.tenant}",
+                tenant_salt=self.plan.key_salt(key.tenant),
                 tp_rank=key.tp_rank,
-                key_algorithm=self.deployment.cache.key_algorithm,
+                key_algorithm=self.plan.key_algorithm,
             )
             roots = {group: keyer.root for group, keyer in keyers.items()}
         return {
-            "algorithm": self.deployment.cache.key_algorithm,
-            "page_size_tokens": self.deployment.model.page_size_tokens,
+            "algorithm": self.plan.key_algorithm,
+            "page_size_tokens": self.plan.page_size_tokens,
             "roots": roots,
         }
 
     async def _register_pools(self, session: Session, args: p.RegisterPools) -> dict[str, Any]:
         """The CPU data plane: the engine's pool is a sealed memfd of its own we map."""
-        if self.deployment.device.kind != "cpu":
+        if self.plan.device_kind != "cpu":
             raise p.RequestError(
                 p.ErrorCode.REFUSED,
                 "register_pools: this sidecar copies on CUDA (device.kind: cuda); export the "
@@ -223,7 +223,7 @@ class EngineOps:
         self, session: Session, args: p.RegisterCudaPools
     ) -> dict[str, Any]:
         """The CUDA data plane: the engine's pool tensors arrive as CUDA IPC handles."""
-        if self.deployment.device.kind != "cuda":
+        if self.plan.device_kind != "cuda":
             raise p.RequestError(
                 p.ErrorCode.REFUSED,
                 "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu); share the "
@@ -289,9 +289,7 @@ class EngineOps:
             if namespace is None:
                 namespace = await Namespace.start(
                     session.key,
-                    self.deployment,
-                    self.model_name,
-                    self.layer_map,
+                    self.plan,
                     self.backend,
                     self.store,
                     pools,
@@ -385,7 +383,7 @@ class EngineOps:
         namespace = self._readable(session, "lookup")
         if namespace is None:
             return self._lookup_reply(
-                Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens)
+                Hit(self.plan.page_size_tokens, 0, 0, {}, {}), len(args.tokens)
             )
         cache = namespace.cache
         hit = cache.lookup(args.tokens)
@@ -397,7 +395,7 @@ class EngineOps:
         namespace = self._readable(session, "lookup")
         if namespace is None:
             return self._lookup_reply(
-                Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {}), len(args.tokens)
+                Hit(self.plan.page_size_tokens, 0, 0, {}, {}), len(args.tokens)
             )
         cache = namespace.cache
         await cache.discover(args.tokens)
@@ -406,7 +404,7 @@ class EngineOps:
     def _packed_keys(self, args: p.KeyLookup, where: str) -> tuple[dict[str, PackedKeys], int]:
         """A key lookup's blobs, checked: every cached group, whole keys, the same count in
         each, at most MAX_TOKENS tokens' worth; and the prompt's length they imply."""
-        page = self.deployment.model.page_size_tokens
+        page = self.plan.page_size_tokens
         missing = sorted(set(self.key_groups) - set(args.keys))
         unknown = sorted(set(args.keys) - set(self.key_groups))
         if missing or unknown:
@@ -519,7 +517,7 @@ class EngineOps:
         return replies
 
     def _no_hit(self) -> Hit:
-        return Hit(self.deployment.model.page_size_tokens, 0, 0, {}, {})
+        return Hit(self.plan.page_size_tokens, 0, 0, {}, {})
 
     def _lookup_reply(self, hit: Hit, asked: int) -> dict[str, Any]:
         self.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked)

@@ -31,12 +31,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+from hicache.assembly.sidecar import SidecarPlan
 from hicache.cache.keyers import page_keyers
 from hicache.channel import protocol as p
-from hicache.config import Deployment
 from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
-from hicache.memory import CacheDtypes, GroupGeometry
-from hicache.model import LayerMap
 from hicache.service.connection import EngineConnection
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
@@ -83,30 +81,23 @@ InlineHandler = Callable[[Session, Any], dict[str, Any]]
 class EngineServer(EngineOps):
     def __init__(
         self,
-        deployment: Deployment,
-        layer_map: LayerMap,
+        plan: SidecarPlan,
         backend: CopyBackend,
         store: GuardedStore | None,
         tg: asyncio.TaskGroup,
         metrics: ServiceMetrics,
-        *,
-        model_name: str,
     ):
-        self.deployment = deployment
-        self.model_name = model_name  # in every page key: the weights' identity
-        self.service = deployment.service
-        self.layer_map = layer_map
+        self.plan = plan  # what this sidecar serves, read from the deployment by assembly
+        self.model_name = plan.model_name  # in every page key: the weights' identity
+        self.service = plan.service
+        self.layer_map = layer_map = plan.layer_map
         self.backend = backend
         self.store = store
         self.metrics = metrics
         self._tg = tg
-        dtypes = CacheDtypes.of_model(deployment.model)
-        page = deployment.model.page_size_tokens
-        self.geometries = {g.name: GroupGeometry.of(g, dtypes, page) for g in layer_map.groups}
-        self.layout = p.layout_summary(layer_map, self.geometries, page)
-        self.key_groups = tuple(
-            page_keyers(self.geometries, layer_map, deployment.scheduler.move_policy)
-        )
+        self.geometries = plan.geometries
+        self.layout = p.layout_summary(layer_map, self.geometries, plan.page_size_tokens)
+        self.key_groups = tuple(page_keyers(self.geometries, layer_map, plan.move_policy))
         self.namespaces: dict[NamespaceKey, Namespace] = {}
         self.sessions: dict[int, Session] = {}
         self._session_ids = itertools.count(1)

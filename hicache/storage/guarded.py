@@ -140,6 +140,26 @@ class GuardedStore:
         self._head_arena: memoryview | None = None
         self._get_lock = asyncio.Lock()
 
+    def effective_settings(self) -> dict[str, object]:
+        """What this store runs with, by the deployment key each comes from: the backend
+        (its kind, where it is, its prefix and budget where it has them), the call timeouts,
+        the chunk size and the breaker's thresholds."""
+        backend = self.backend
+        where = {
+            f"storage.{attr}": str(getattr(backend, attr))
+            for attr in ("root", "where", "master_address", "key_prefix", "capacity_bytes")
+            if hasattr(backend, attr)
+        }
+        return {
+            "storage.backend": type(backend).__name__,
+            **where,
+            "storage.base_timeout_s": self.base_timeout_s,
+            "storage.min_bandwidth_bytes_per_s": self.min_bandwidth,
+            "storage.chunk_bytes": self.chunk_bytes,
+            "storage.breaker_failure_threshold": self.breaker.failure_threshold,
+            "storage.breaker_reset_after_s": self.breaker.reset_after_s,
+        }
+
     @property
     def objects_damaged(self) -> int:
         """Things met where an object should be that were not one (the backend's count)."""

@@ -39,8 +39,7 @@ import redis.cluster
 from redis.crc import key_slot
 from redis.exceptions import AskError, BusyLoadingError, MovedError, ResponseError
 
-from hicache.config.schema import RedisStorage
-from hicache.config.urls import redacted_url
+from hicache.config.urls import cluster_seeds, redacted_url
 from hicache.errors import TierUnavailableError
 from hicache.storage.backend import Buffer
 from hicache.storage.redis_reads import RedisReads
@@ -76,7 +75,7 @@ class RedisClusterBackend(RedisReads):
         self.url = url
         self.where = redacted_url(url)  # what messages show: never the password
         self.key_prefix = key_prefix
-        self._single_url, self.seeds = RedisStorage.cluster_seeds(url)
+        self._single_url, self.seeds = cluster_seeds(url)
         self._options: dict[str, object] = {
             "max_connections": max_connections,
             "socket_timeout": socket_timeout_s,

@@ -57,10 +57,14 @@ __all__ = [
 ]
 
 
-def make_backend(kind: str, index: int = 0, pin_chunk_bytes: int = 64 * 2**30) -> CopyBackend:
-    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device)."""
+def make_backend(
+    kind: str, index: int = 0, pin_chunk_bytes: int = 64 * 2**30, *, prefault: bool = True
+) -> CopyBackend:
+    """The backend for `device.kind`: "cpu", or "cuda" (needs a CUDA device). `prefault`:
+    the CPU backend touches every host page at allocation (CUDA always does, before pinning).
+    """
     if kind == "cuda":
         from hicache.transfer.cuda_backend import CudaCopyBackend
 
         return CudaCopyBackend(index, pin_chunk_bytes=pin_chunk_bytes)
-    return CpuCopyBackend()
+    return CpuCopyBackend(prefault=prefault)

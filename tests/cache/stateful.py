@@ -28,9 +28,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from hicache.cache import TieredCache
+from hicache.assembly import by_key
 from hicache.demo.content import check_page, fill_page, prefix_seed
-from hicache.embedded import EmbeddedCache
 from hicache.model import ExplicitLayout, LayerMap
 from hicache.storage import FileBackend, GuardedStore
 from hicache.testing.faulty_storage import FaultyBackend
@@ -74,7 +73,7 @@ class Driver:
     def __init__(self, root: Path, seed: int):
         self.loop = asyncio.new_event_loop()
         layer_map = LayerMap(LAYOUT)
-        self.embedded = EmbeddedCache.build(
+        self.embedded = by_key.embedded(
             layer_map,
             dtype=torch.float32,
             page_size_tokens=PAGE,
@@ -86,7 +85,7 @@ class Driver:
             FileBackend(root, capacity_bytes=1 << 28), seed=seed, vectored=True
         )
         self.store = GuardedStore(self.faulty, base_timeout_s=0.05)
-        self.cache = TieredCache.build(
+        self.cache = by_key.tiered(
             self.embedded, store=self.store, prefetch_policy="timeout", write_policy="write_through"
         )
         self._inbox: asyncio.Queue[tuple[Coroutine[Any, Any, Any], asyncio.Future[Any]]]

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 import torch
 
+from hicache.assembly import by_key
 from hicache.cache import CacheNotRunningError, TieredCache
-from hicache.embedded import EmbeddedCache
 from hicache.index.policies import WriteThroughSelective
 from hicache.model import LayerMap, load_layout
 from hicache.storage import FileBackend, GuardedStore
@@ -54,7 +55,8 @@ class GatedBackend(FaultyBackend):
 
 async def worker_busy(cache: TieredCache) -> None:
     """Until the persist worker is writing a batch (it waits at a closed gate then)."""
-    for _ in range(1000):
+    deadline = time.monotonic() + 60  # bounds a hang only (#26: a busy machine)
+    while time.monotonic() < deadline:
         if cache.persist.writing:
             return
         await asyncio.sleep(0.001)
@@ -290,7 +292,7 @@ async def test_full_attention_only_caches_the_full_group_alone(tmp_path: Path) -
     no page of them. Before, their host pages were reserved, never written, and indexed
     (and persisted) as valid."""
     layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,
@@ -298,7 +300,7 @@ async def test_full_attention_only_caches_the_full_group_alone(tmp_path: Path) -
         device_pages=16,
         move_policy="full_attention_only",
     )
-    cache = TieredCache.build(embedded)
+    cache = by_key.tiered(embedded)
     try:
         async with cache.running():
             tokens = list(range(4 * PAGE))

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from hicache.assembly import by_key
 from hicache.cache import TieredCache
 from hicache.demo.content import check_page, fill_page, prefix_seed
-from hicache.embedded import EmbeddedCache
 from hicache.model import LayerMap
 from hicache.storage import FileBackend, GuardedStore
 from hicache.storage.backend import Buffer
@@ -36,7 +36,7 @@ ALL_PROMPTS = [*PROMPTS, *MORE]
 
 
 def swap_cache(root: Path, prefetch_policy: str = "wait_complete") -> TieredCache:
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         LayerMap(LAYOUT),
         dtype=torch.float32,
         page_size_tokens=PAGE,
@@ -44,7 +44,7 @@ def swap_cache(root: Path, prefetch_policy: str = "wait_complete") -> TieredCach
         device_pages=16 * LANES,
         host_pages_per_group={"full": 10, "sliding": 8, "linear": 6},
     )
-    return TieredCache.build(embedded, store=l3_over(root, seed=0), prefetch_policy=prefetch_policy)
+    return by_key.tiered(embedded, store=l3_over(root, seed=0), prefetch_policy=prefetch_policy)
 
 
 def l3_over(root: Path, seed: int, latency_s: float = 0.0) -> GuardedStore:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from hicache.assembly import host_pages, open_store, store_of
 from hicache.config import load_deployment
 from hicache.config.capacity import LONG_PROMPT_TOKENS, TOO_SMALL, capacity_warnings
 from hicache.errors import ConfigError
-from hicache.service.app import _open_store, host_pages
-from hicache.storage.factory import make_store
 from tests.conftest import REPO
 
 
@@ -158,11 +157,11 @@ def test_the_deployments_l3_guard_settings_reach_the_guarded_store(tmp_path: Pat
         "HICACHE_STORAGE__BREAKER_RESET_AFTER_S": "12.5",
     }
     loaded = load_deployment(write(tmp_path, text), env=env)
-    for store in (_open_store(loaded), make_store(loaded.deployment.storage)):
+    for store in (open_store(loaded), store_of(loaded.deployment.storage)):
         assert store is not None
         assert (store.base_timeout_s, store.min_bandwidth, store.chunk_bytes) == (0.2, 2e6, 4 << 20)
         assert (store.breaker.failure_threshold, store.breaker.reset_after_s) == (5, 12.5)
-    defaults = _open_store(load_deployment(write(tmp_path, "storage:\n  path: l3\n"), env={}))
+    defaults = open_store(load_deployment(write(tmp_path, "storage:\n  path: l3\n"), env={}))
     assert defaults is not None
     assert (defaults.base_timeout_s, defaults.min_bandwidth, defaults.chunk_bytes) == (
         1.0,
@@ -171,7 +170,7 @@ def test_the_deployments_l3_guard_settings_reach_the_guarded_store(tmp_path: Pat
     )
     assert (defaults.breaker.failure_threshold, defaults.breaker.reset_after_s) == (3, 5.0)
     assert (
-        make_store(load_deployment(write(tmp_path, "storage:\n  kind: none\n")).deployment.storage)
+        store_of(load_deployment(write(tmp_path, "storage:\n  kind: none\n")).deployment.storage)
         is None
     )
 

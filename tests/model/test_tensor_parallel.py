@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from hicache.assembly import by_key
 from hicache.cache.keyers import page_keyers
 from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, GroupGeometry
@@ -226,8 +227,6 @@ def test_a_tensor_parallel_stack_must_say_its_rank() -> None:
     refused, one built with it serves that rank."""
     import torch
 
-    from hicache.embedded import EmbeddedCache
-
     layer_map = LayerMap(shard_layout(load_layout(shared_model("llama-3.1-8b.json")), 2))
     kwargs: dict[str, Any] = {
         "dtype": torch.float16,
@@ -236,12 +235,12 @@ def test_a_tensor_parallel_stack_must_say_its_rank() -> None:
         "device_pages": 4,
     }
     with pytest.raises(ConfigError) as err:
-        EmbeddedCache.build(layer_map, **kwargs)
+        by_key.embedded(layer_map, **kwargs)
     assert str(err.value) == (
         "EmbeddedCache.build: the layout is one rank's share of model.tp_size 2; say which "
         "rank this stack serves (tp_rank=0..1)"
     )
-    stack = EmbeddedCache.build(layer_map, tp_rank=1, **kwargs)
+    stack = by_key.embedded(layer_map, tp_rank=1, **kwargs)
     try:
         assert stack.tp_rank == 1
     finally:

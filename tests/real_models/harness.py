@@ -48,6 +48,7 @@ from transformers.cache_utils import (
     LinearAttentionCacheLayerMixin,
 )
 
+from hicache.assembly import by_key
 from hicache.memory import DevicePool
 from hicache.model import LayerMap, load_layout
 from hicache.model.layout import CacheGroup
@@ -651,12 +652,10 @@ async def run_embedded(
     """Store A, NaN the pools, look up and load, restore, continue, compare (module doc).
     With `l3_dir`, L2 is emptied after the store so the load comes from L3. `skip_pages`: the
     engine holds the first pages itself (written back after the NaN fill) and loads the rest."""
-    from hicache.cache import TieredCache
-    from hicache.embedded import EmbeddedCache
     from hicache.storage import FileBackend, GuardedStore
 
     sizes = pool_sizes(tm, case)
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         tm.layer_map,
         dtype=torch.float32,
         page_size_tokens=case.page,
@@ -667,7 +666,7 @@ async def run_embedded(
     store = None
     if l3_dir is not None:
         store = GuardedStore(FileBackend(l3_dir, capacity_bytes=1 << 30))
-    cache = TieredCache.build(
+    cache = by_key.tiered(
         embedded,
         store=store,
         prefetch_policy="wait_complete" if store is not None else "best_effort",

@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 
 import torch
 
+from hicache.assembly import by_key
 from hicache.scheduler import OpRequestError
 from tests.real_models.families import FAMILIES, SLIDING_FAMILIES, STATE_FAMILIES
 from tests.real_models.harness import (
@@ -205,18 +206,16 @@ async def test_a_snapshot_off_a_page_boundary_or_past_the_prompt_is_refused(
 ) -> None:
     """A 14-token prompt at P=4 can file snapshots for 4, 8 and 12 tokens only: 14 (not a page
     boundary), 16 (past the prompt) and 0 are refused with the group and the length named."""
-    from hicache.cache import TieredCache
-    from hicache.embedded import EmbeddedCache
 
     tm = zoo.get("qwen3_next")
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         tm.layer_map,
         dtype=torch.float32,
         page_size_tokens=4,
         host_capacity_bytes=8 << 20,
         device_pages={"full": 8, "linear": 4},
     )
-    cache = TieredCache.build(embedded)
+    cache = by_key.tiered(embedded)
     try:
         async with cache.running():
             tokens = list(range(1, 15))
@@ -233,18 +232,16 @@ async def test_a_store_without_snapshots_gives_a_state_model_no_hit(zoo: Zoo, fa
     """Token pages alone cannot serve a state model: without a snapshot nothing hits (the old
     API filed the engine's one state slot under the prompt's last full page, whatever length
     it held)."""
-    from hicache.cache import TieredCache
-    from hicache.embedded import EmbeddedCache
 
     tm = zoo.get(family)
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         tm.layer_map,
         dtype=torch.float32,
         page_size_tokens=4,
         host_capacity_bytes=8 << 20,
         device_pages={g.name: 8 if g.kind.is_token_cache else 4 for g in tm.groups()},
     )
-    cache = TieredCache.build(embedded)
+    cache = by_key.tiered(embedded)
     try:
         async with cache.running():
             tokens = list(range(1, 15))

@@ -127,7 +127,7 @@ def test_loaded_from_the_sidecars_l3_after_l2_is_emptied(
 
     def clear_l2() -> None:
         # L3 is written behind the acked store: wait until nothing is queued or being written
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # bounds a hang only (#26: a busy machine)
         while time.monotonic() < deadline:
             with urllib.request.urlopen(sidecar.http + "/v1/stats", timeout=10) as reply:
                 stats = json.loads(reply.read())

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from hicache.assembly import by_key
 from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
@@ -37,7 +38,7 @@ def stack(
     device_pages = {
         g.name: token_pages if g.group.kind.is_token_cache else state_pages for g in geoms
     }
-    cache = EmbeddedCache.build(
+    cache = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,

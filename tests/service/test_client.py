@@ -65,7 +65,8 @@ async def test_async_client_round_trip(sidecar: SidecarProcess, deploy: Path) ->
                 assert torch.equal(t[8 * 16 : 11 * 16], t[:48])
         stats = await client.stats()
         assert stats["load"]["ops"] == 1
-        for _ in range(100):  # the release the handle sent is on the loop; let it through
+        deadline = time.monotonic() + 60  # bounds a hang only (#26: a busy machine)
+        while time.monotonic() < deadline:  # the release the handle sent is on the loop
             if not sidecar.get_json("/v1/stats")["sessions"][0]["loads_unreleased"]:
                 break
             await asyncio.sleep(0.01)
@@ -165,13 +166,14 @@ def test_hung_engine_is_dropped_after_the_heartbeat_timeout(
         os.kill(hung.pid, signal.SIGSTOP)  # alive, socket open, silent
         stopped = time.monotonic()
         while sidecar.get_json("/v1/stats")["sessions"]:
-            assert time.monotonic() - stopped < 2.0 + 5.0, "not dropped after the timeout"
+            # dropped at all (60 s past the timeout bounds a hang, not how fast: a busy machine)
+            assert time.monotonic() - stopped < 2.0 + 60.0, "not dropped after the timeout"
             time.sleep(0.1)
         waited = time.monotonic() - stopped
         assert waited >= 1.5  # heartbeat_timeout_s is 2: not before it (minus poll slack)
         # the refused ops left no pin; the writes to L3 behind the acked store pin their pages
         # while L3 reads them, and let go when written
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # bounds a hang only (#26: a busy machine)
         while True:
             stats = sidecar.get_json("/v1/stats")
             pins = [g["pinned_pages"] for g in stats["namespaces"][0]["groups"].values()]
@@ -247,7 +249,7 @@ def test_too_few_device_pages_is_a_clear_error(sidecar: SidecarProcess, deploy: 
         assert client.store(tokens, *store_args(0, 4))["pages_stored"] == 5  # nothing was pinned
         # the refused ops left no pin; the writes to L3 behind the acked store pin their pages
         # while L3 reads them, and let go when written
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # bounds a hang only (#26: a busy machine)
         while True:
             stats = sidecar.get_json("/v1/stats")
             pins = [g["pinned_pages"] for g in stats["namespaces"][0]["groups"].values()]
@@ -336,7 +338,7 @@ def test_lookup_sessions_share_an_engines_namespace(sidecar: SidecarProcess, dep
                 scheduler.load(tokens, pages(0, 4))
         # the worker is gone (its session ends a moment after close): no hits promised until
         # a worker of this engine is back
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # bounds a hang only (#26: a busy machine)
         while scheduler.lookup(tokens).tokens_total and time.monotonic() < deadline:
             time.sleep(0.02)
         assert scheduler.lookup(tokens).tokens_total == 0

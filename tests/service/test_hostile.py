@@ -323,11 +323,10 @@ def _metric(arena: Arena, name: str) -> float:
 
 def _hello(sock: socket.socket, arena: Arena, tenant: str) -> None:
     loaded = load_deployment(arena.config)
-    from hicache.memory import CacheDtypes, GroupGeometry
+    from hicache.assembly import geometries as deployment_geometries
 
-    dtypes = CacheDtypes.of_model(loaded.deployment.model)
     layer_map = loaded.layer_map()
-    geometries = {g.name: GroupGeometry.of(g, dtypes, 16) for g in layer_map.groups}
+    geometries = deployment_geometries(loaded.deployment, layer_map)
     hello = {
         "protocol": p.PROTOCOL_VERSION,
         "layout": p.layout_summary(layer_map, geometries, 16),

@@ -141,14 +141,14 @@ def test_readyz_is_ready_but_degraded_behind_an_open_breaker(tmp_path: Path) -> 
 
 class _ReadinessInputs:
     """What `/readyz` reads of an `EngineServer`: whether it listens, its store, its
-    namespaces and deployment (a real server's readiness runs in the tests above)."""
+    namespaces and plan (a real server's readiness runs in the tests above)."""
 
     def __init__(self, store: GuardedStore | None, listening: bool):
         self.store = store
         self.listening = listening
         self.draining = False
         self.namespaces: dict[str, object] = {}
-        self.deployment = SimpleNamespace(storage=SimpleNamespace(kind="file"))
+        self.plan = SimpleNamespace(storage_kind="file")
 
 
 async def _readyz(inputs: _ReadinessInputs) -> tuple[int, dict[str, Any]]:
@@ -214,15 +214,16 @@ def test_exposed_listener_requires_a_token(tmp_path: Path, host: str) -> None:
 
 
 class _AdminInputs:
-    """What the admin endpoints read of an `EngineServer`: its deployment and service
-    section, namespaces (none: clears drop nothing) and the store it swaps."""
+    """What the admin endpoints read of an `EngineServer`: its plan and service settings,
+    namespaces (none: clears drop nothing) and the store it swaps."""
 
     def __init__(self, tmp_path: Path, env: dict[str, str], **service: Any):
+        from hicache.assembly.sidecar import sidecar_plan
         from hicache.config import load_deployment
 
         loaded = load_deployment(write_config(tmp_path, **service), env=env)
-        self.deployment = loaded.deployment
-        self.service = loaded.deployment.service
+        self.plan = sidecar_plan(loaded)
+        self.service = self.plan.service
         self.namespaces: dict[str, object] = {}
         self.store: GuardedStore | None = None
 

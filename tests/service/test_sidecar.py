@@ -41,7 +41,9 @@ def test_killed_engine_releases_pins_and_a_second_engine_works(
     time.sleep(0.5)  # loads are running back to back
     first.kill()
     first.wait()
-    deadline = time.monotonic() + 2 * 2.0  # heartbeat_timeout_s is 2 in the test config
+    # the dead engine's socket closes at once (the heartbeat, 2 s here, is the fallback); the
+    # deadline bounds a hang only (#26: a busy machine)
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         stats = sidecar.get_json("/v1/stats")
         pinned = sum(g["pinned_pages"] for ns in stats["namespaces"] for g in ns["groups"].values())

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
+from hicache.assembly import by_key
 from hicache.cache import TieredCache
 from hicache.demo.content import check_page, fill_page, prefix_seed
-from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.storage import GuardedStore
@@ -24,14 +24,14 @@ def dense_cache(store: GuardedStore, page: int, prompt_pages: int) -> TieredCach
     a load's pages; loads wait for L3 (`wait_complete`), so a hit is a hit."""
     layer_map = LayerMap(load_layout(shared_model("qwen2_7b.json")))
     geoms = [GroupGeometry(g, torch.float16, page) for g in layer_map.groups]
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=page,
         host_capacity_bytes=2 * prompt_pages * sum(g.page_bytes for g in geoms),
         device_pages={g.name: 2 * prompt_pages for g in geoms},
     )
-    return TieredCache.build(embedded, store=store, prefetch_policy="wait_complete")
+    return by_key.tiered(embedded, store=store, prefetch_policy="wait_complete")
 
 
 class Engine:

@@ -16,8 +16,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hicache.assembly import by_key
 from hicache.cache import TieredCache
-from hicache.embedded import EmbeddedCache
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.storage import BreakerState, GuardedStore
@@ -132,14 +132,14 @@ async def test_what_l2_holds_is_back_in_l3_after_the_master_restarts_empty(
     store = GuardedStore(backend, reset_after_s=1.0)
     layer_map = LayerMap(load_layout(shared_model("qwen2_7b.json")))
     geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,
         host_capacity_bytes=len(PROMPTS) * PROMPT_PAGES * sum(g.page_bytes for g in geoms),
         device_pages={g.name: 2 * PROMPT_PAGES for g in geoms},
     )
-    cache = TieredCache.build(embedded, store=store, prefetch_policy="wait_complete")
+    cache = by_key.tiered(embedded, store=store, prefetch_policy="wait_complete")
     engine = Engine(cache, PAGE, PROMPT_PAGES)
     try:
         async with cache.running():

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from hicache.assembly import by_key
 from hicache.errors import ConfigError, TransferError
 from hicache.memory import DevicePool, GroupGeometry, HostPool
 from hicache.memory.host_pool import HostLayout
@@ -229,12 +230,11 @@ def test_a_backend_serves_its_own_device_only() -> None:
 
 
 def test_embedded_refuses_pools_on_another_device_than_its_backend() -> None:
-    from hicache.embedded import EmbeddedCache
 
     pool = meta_pool()
     layer_map, geometry = tiny_layout()
     with pytest.raises(ConfigError, match=r"device pools on meta, but the copy backend copies"):
-        EmbeddedCache.build(
+        by_key.embedded(
             layer_map,
             dtype=torch.float16,
             page_size_tokens=4,
@@ -492,14 +492,13 @@ def test_a_backend_gives_one_backend_per_device() -> None:
 
 @gpu
 def test_embedded_binds_the_backend_to_the_pools_device_and_refuses_others() -> None:
-    from hicache.embedded import EmbeddedCache
 
     layer_map, geometry = tiny_layout()
     cuda_pool = DevicePool.allocate(geometry, 4, "cuda")
     with pytest.raises(
         ConfigError, match=r"device pools on cuda:0, but the copy backend copies on cpu"
     ):
-        EmbeddedCache.build(
+        by_key.embedded(
             layer_map,
             dtype=torch.float16,
             page_size_tokens=4,
@@ -510,7 +509,7 @@ def test_embedded_binds_the_backend_to_the_pools_device_and_refuses_others() -> 
     with pytest.raises(
         ConfigError, match=r"device pools on cpu, but the copy backend copies on cuda:0"
     ):
-        EmbeddedCache.build(
+        by_key.embedded(
             layer_map,
             dtype=torch.float16,
             page_size_tokens=4,

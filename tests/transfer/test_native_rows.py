@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import stat
 import sys
 import threading
 import time
@@ -348,3 +349,152 @@ def test_a_cache_folder_of_another_user_is_refused(
     kernel, why = native.try_load(folder)
     assert kernel is None
     assert why == f"cache folder {folder} belongs to uid 12345, not to this user (0)"
+
+
+def test_a_folder_above_the_cache_writable_by_others_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Whoever can write a folder above the cache can rename it away and put their own in its
+    place: every folder on the way is checked, not only the cache folder."""
+    pretend_compiler(monkeypatch)
+    open_to_all = tmp_path / "open_to_all"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    folder = open_to_all / "mine" / "cache"
+    folder.mkdir(mode=0o700, parents=True)
+    (open_to_all / "mine").chmod(0o700)
+    kernel, why = native.try_load(folder)
+    assert kernel is None
+    assert why == (
+        f"folder {open_to_all} on the way to cache folder {folder} is writable by group or "
+        f"others (uid {os.getuid()}, mode 777): allowed only sticky and owned by root"
+    )
+    assert list(folder.iterdir()) == []  # nothing built
+
+
+def test_a_symlinked_folder_above_the_cache_is_checked_where_it_points(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pretend_compiler(monkeypatch)
+    open_to_all = tmp_path / "open_to_all"
+    (open_to_all / "real").mkdir(parents=True)
+    open_to_all.chmod(0o777)
+    link = tmp_path / "link"
+    link.symlink_to(open_to_all / "real")
+    folder = link / "cache"
+    kernel, why = native.try_load(folder)
+    assert kernel is None
+    assert why is not None
+    assert why.startswith(f"folder {open_to_all} on the way to cache folder {folder} is writable")
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root's folder")
+def test_a_sticky_folder_of_root_above_the_cache_is_allowed(tmp_path: Path) -> None:
+    """As /tmp: others can add entries there, but not rename or remove ours."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    kernel, why = native.try_load(sticky / "cache")
+    assert kernel is not None, why
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to chown")
+def test_a_folder_above_the_cache_of_another_user_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pretend_compiler(monkeypatch)
+    theirs = tmp_path / "theirs"
+    folder = theirs / "cache"
+    folder.mkdir(mode=0o700, parents=True)
+    theirs.chmod(0o755)
+    os.chown(theirs, 12345, 12345)
+    kernel, why = native.try_load(folder)
+    assert kernel is None
+    assert why == (
+        f"folder {theirs} on the way to cache folder {folder} belongs to uid 12345, mode 755: "
+        "only root (0) or this user (0) may own it"
+    )
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="needs root to chown")
+def test_a_symlink_of_another_user_in_a_sticky_folder_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """In a sticky folder the owner of an entry may replace it: a link someone else owns there
+    could be pointed elsewhere."""
+    pretend_compiler(monkeypatch)
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    real = tmp_path / "real"
+    real.mkdir(mode=0o700)
+    link = sticky / "link"
+    link.symlink_to(real)
+    os.lchown(link, 12345, 12345)
+    folder = link / "cache"
+    kernel, why = native.try_load(folder)
+    assert kernel is None
+    assert why == (
+        f"{link} on the way to cache folder {folder}, in a folder others can write to, belongs "
+        f"to uid 12345, mode {stat.S_IMODE(os.lstat(link).st_mode):o}: only root (0) or this "
+        "user (0) may own it"
+    )
+
+
+def test_the_library_checked_is_the_one_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The library is opened once and loaded by its descriptor: a file put in its place after
+    the checks (by name) is not what runs."""
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    folder = tmp_path / "cache"
+    built, why = native.try_load(folder)
+    assert built is not None, why
+    target = built.path
+    opened: list[str] = []
+    real_cdll = native.ctypes.CDLL
+
+    def swap_then_load(name: str, *args: object, **kwargs: object) -> object:
+        opened.append(name)
+        target.unlink()  # after the checks: someone swaps the file at that name
+        target.write_bytes(b"not a library")
+        return real_cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(native.ctypes, "CDLL", swap_then_load)
+    kernel, why = native.try_load(folder)
+    assert kernel is not None, why  # the file that was checked, loaded through its descriptor
+    assert opened
+    assert opened[0].startswith(("/proc/self/fd/", "/dev/fd/"))
+
+
+def test_a_library_that_is_a_symlink_is_not_loaded(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pretend_compiler(monkeypatch)
+    folder = tmp_path / "cache"
+    folder.mkdir(mode=0o700)
+    elsewhere = tmp_path / "elsewhere.so"
+    elsewhere.write_bytes(b"not a library")
+    elsewhere.chmod(0o700)
+    planted = native.library_path(folder, ["/nonexistent/cc"])
+    planted.symlink_to(elsewhere)
+    kernel, why = native.try_load(folder)
+    assert kernel is None
+    assert why == f"library {planted} is not a file"
+
+
+def test_a_refused_cache_is_named_where_the_row_kernel_is_reported(
+    monkeypatch: pytest.MonkeyPatch, fresh_state: None, tmp_path: Path
+) -> None:
+    pretend_compiler(monkeypatch)
+    open_to_all = tmp_path / "open_to_all"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(open_to_all))
+    assert native.load() is None
+    name = row_kernel_name()
+    assert name.startswith(f"numpy (no native kernel: folder {open_to_all} on the way to ")
+    assert "allowed only sticky and owned by root" in name

@@ -11,9 +11,19 @@ Building: `$CC` (split like a shell word list) or the first of cc, gcc, clang on
 holds the hash of the source and of the build command, and the platform, so an edited source
 or another machine's cache is never loaded by mistake. It is compiled to a temporary name in
 the same folder and renamed into place (atomic: a concurrent process sees the whole library
-or none). The folder must be a real directory owned by this user and writable by nobody else,
-and so must the library file; otherwise nothing is built or loaded there (someone else could
-swap the code we would run).
+or none).
+
+Trust (`_untrusted_path`, `_unsafe_file`): someone who can rename or replace any folder on the
+way to the library can swap the code we would run, so every folder looked up to reach it is
+checked, from `/` down, symlinks followed as the kernel follows them (the folder holding a link
+is checked before the link is read, then the folders of its target): each must be owned by
+root or by this user and writable by no one else — but for a sticky folder owned by root
+(`/tmp`: others may add entries there, not rename or remove ours), where the entry we look up
+in it must be ours or root's. The cache folder itself must be a real directory (no symlink)
+owned by this user, mode without group/other write; so must the library file. Nothing is
+built or loaded where any check fails. The library is then opened once, `O_NOFOLLOW`, its
+descriptor checked with `fstat`, and that same file loaded by descriptor
+(`/proc/self/fd/N`, `/dev/fd/N` where there is no /proc): no second lookup by name.
 
 When there is no compiler, the build fails, or the cache is unsafe, `load()` returns None,
 logs one warning saying why, and rows.py uses its numpy kernels; `why_not()` keeps the
@@ -23,6 +33,7 @@ reason. Nothing here runs at import: a fresh install needs no compiler.
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -88,20 +99,97 @@ def compiler() -> list[str] | None:
     return None
 
 
+def _mode(st: os.stat_result) -> str:
+    return f"uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}"
+
+
+def _writable_by_others(st: os.stat_result) -> bool:
+    return bool(st.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
+
+
+def _unsafe_stat(st: os.stat_result, path: Path | str, kind: str) -> str | None:
+    """Why a `kind` ("cache folder" or "library") with this stat must not be trusted (None:
+    it is safe): not the kind of file expected (a symlink in its place included), not ours,
+    or writable by others."""
+    wanted = stat.S_ISDIR if kind == "cache folder" else stat.S_ISREG
+    if not wanted(st.st_mode):
+        return f"{kind} {path} is not a {'directory' if kind == 'cache folder' else 'file'}"
+    if st.st_uid != os.getuid():
+        return f"{kind} {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
+    if _writable_by_others(st):
+        return f"{kind} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
 def _unsafe(path: Path, kind: str) -> str | None:
-    """Why `path` must not be trusted (None: it is safe): not ours, writable by others, or not
-    the kind of file we expect (a symlink in its place included)."""
+    """`_unsafe_stat` of `path` itself (not followed if it is a symlink)."""
     try:
         st = os.lstat(path)
     except OSError as exc:
         return f"{kind} {path} cannot be inspected ({exc.strerror})"
-    wanted = stat.S_ISDIR if kind == "cache folder" else stat.S_ISREG
-    if not wanted(st.st_mode):
-        return f"{kind} {path} is not a {'directory' if kind == 'cache folder' else 'file'}"
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        return f"{kind} {path} belongs to uid {st.st_uid}, not to this user ({os.getuid()})"
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return f"{kind} {path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return _unsafe_stat(st, path, kind)
+
+
+_MAX_LINKS = 40  # as Linux's path lookup: a loop of symlinks ends here
+
+
+def _untrusted_path(folder: Path) -> str | None:
+    """Why the folders looked up to reach `folder` must not be trusted (None: they can be).
+    Walks the absolute path from `/` as the kernel does, following symlinks: every folder an
+    entry is looked up in must be owned by root or by this user and not writable by group or
+    others — unless it is sticky and owned by root (`/tmp`), where the entry looked up (a
+    folder or a symlink) must itself be owned by root or by this user. `folder` itself is
+    looked up, not judged here (`_unsafe` does that: it must be ours, and no symlink)."""
+    trusted_uids = {0, os.getuid()}
+    pending = list((folder if folder.is_absolute() else Path.cwd() / folder).parts[1:])
+    here, links = Path("/"), 0
+    while pending:  # `here`: a folder with no symlink in its path, where `pending[0]` is next
+        try:
+            here_st = os.stat(here)
+        except OSError as exc:
+            return f"folder {here} cannot be inspected ({exc.strerror})"
+        shared = False  # others may add entries here: the one we look up must be trusted
+        if here_st.st_uid not in trusted_uids:
+            return (
+                f"folder {here} on the way to cache folder {folder} belongs to "
+                f"{_mode(here_st)}: only root (0) or this user ({os.getuid()}) may own it"
+            )
+        if _writable_by_others(here_st):
+            if not (here_st.st_mode & stat.S_ISVTX and here_st.st_uid == 0):
+                return (
+                    f"folder {here} on the way to cache folder {folder} is writable by group "
+                    f"or others ({_mode(here_st)}): allowed only sticky and owned by root"
+                )
+            shared = True
+        name = pending.pop(0)
+        if name in ("", "."):
+            continue
+        if name == "..":  # `here` has no symlinks in it: its parent is its lexical parent
+            here = here.parent
+            continue
+        entry = here / name
+        try:
+            st = os.lstat(entry)
+            target = os.readlink(entry) if stat.S_ISLNK(st.st_mode) else ""
+        except OSError as exc:
+            return f"{entry} on the way to {folder} cannot be inspected ({exc.strerror})"
+        if shared and st.st_uid not in trusted_uids:
+            return (
+                f"{entry} on the way to cache folder {folder}, in a folder others can write "
+                f"to, belongs to {_mode(st)}: only root (0) or this user ({os.getuid()}) may own it"
+            )
+        if stat.S_ISLNK(st.st_mode):
+            links += 1
+            if links > _MAX_LINKS:
+                return f"more than {_MAX_LINKS} symlinks on the way to cache folder {folder}"
+            pending[:0] = list(Path(target).parts)
+            if os.path.isabs(target):
+                pending.pop(0)  # the leading "/"
+                here = Path("/")
+            continue
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{entry} on the way to cache folder {folder} is not a directory"
+        here = entry
     return None
 
 
@@ -139,8 +227,33 @@ def _build(cc: list[str], target: Path) -> str | None:
             os.unlink(tmp)
 
 
-def _open(path: Path) -> NativeKernel:
-    lib = ctypes.CDLL(str(path))  # CDLL (not PyDLL): every call releases the GIL
+def _fd_path(fd: int) -> str:
+    """A name the dynamic loader resolves to the open file `fd` itself."""
+    return f"/proc/self/fd/{fd}" if os.path.isdir("/proc/self/fd") else f"/dev/fd/{fd}"
+
+
+def _open_checked(path: Path) -> tuple[ctypes.CDLL | None, str | None]:
+    """Open the library once (`O_NOFOLLOW`), check that open file (`fstat`), and load it by its
+    descriptor: what was checked is what runs, whatever the name points to meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return None, f"library {path} is not a file"  # a symlink in its place
+        return None, f"library {path} cannot be opened ({exc.strerror})"
+    try:
+        reason = _unsafe_stat(os.fstat(fd), path, "library")
+        if reason:
+            return None, reason
+        try:
+            return ctypes.CDLL(_fd_path(fd)), None  # CDLL (not PyDLL): calls release the GIL
+        except OSError as exc:
+            return None, f"{path.name} cannot be loaded: {exc}"
+    finally:
+        os.close(fd)  # the loader has mapped it: the descriptor is not needed any more
+
+
+def _open(path: Path, lib: ctypes.CDLL) -> NativeKernel:
     if lib.hicache_rowcopy_version() != VERSION:
         raise OSError(f"{path.name} is version {lib.hicache_rowcopy_version()}, not {VERSION}")
     fn = lib.hicache_copy_rows
@@ -191,7 +304,7 @@ def try_load(folder: Path | None = None) -> tuple[NativeKernel | None, str | Non
         folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     except OSError as exc:
         return None, f"cache folder {folder} cannot be made ({exc.strerror})"
-    reason = _unsafe(folder, "cache folder")
+    reason = _untrusted_path(folder) or _unsafe(folder, "cache folder")
     if reason:
         return None, reason
     target = library_path(folder, cc)
@@ -199,11 +312,11 @@ def try_load(folder: Path | None = None) -> tuple[NativeKernel | None, str | Non
         reason = _build(cc, target)
         if reason:
             return None, reason
-    reason = _unsafe(target, "library")
-    if reason:
+    lib, reason = _open_checked(target)
+    if lib is None:
         return None, reason
     try:
-        kernel = _open(target)
+        kernel = _open(target, lib)
     except (OSError, AttributeError) as exc:
         return None, f"{target.name} cannot be loaded: {exc}"
     reason = _self_test(kernel)
