@@ -92,6 +92,15 @@ class GroupManifest(Msg):
         list[Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=16)]],
         Field(max_length=4096),
     ]
+    # per layer, per tensor: bytes between page rows (the engine's own KV memory shared in
+    # place, e.g. vLLM's blocks); absent: contiguous `[slots, *shape]` tensors
+    page_strides: (
+        Annotated[
+            list[Annotated[list[Annotated[int, Field(ge=1)]], Field(max_length=16)]],
+            Field(max_length=4096),
+        ]
+        | None
+    ) = None
 
 
 Fd = Annotated[int, Field(ge=0, le=(1 << 31) - 1)]
@@ -197,6 +206,9 @@ class Heartbeat(Msg):
     layer_stall_s: Annotated[
         list[Annotated[float, Field(ge=0, le=3600)]], Field(max_length=4096)
     ] = []
+    # loads the engine recomputed since the last heartbeat because its own staging pool had
+    # too few free pages (sent only when nonzero: older sidecars refuse unknown keys)
+    loads_starved: int = Field(default=0, ge=0, le=1 << 31)
 
 
 ARGS: dict[str, type[Msg]] = {

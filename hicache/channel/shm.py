@@ -8,7 +8,11 @@ Every such memfd is created by the ENGINE (`sealed_memfd`), sized once and seale
 included, can shrink it afterwards, so no mapping of it can ever fault (a truncated shared file
 delivers SIGBUS to every process touching the lost pages — a sidecar serving many
 engines must not die of one). Pool layout: per cache group, per layer, per tensor one contiguous
-`[slots, *shape]` tensor, each at a 4 KiB-aligned offset.
+`[slots, *shape]` tensor, each at a 4 KiB-aligned offset; or, where the manifest gives
+`page_strides` (an engine's own KV memory shared in place, e.g. vLLM's blocks, K and V side by
+side), per tensor its page rows at that stride from its offset (rows in bounds; tensors of
+such a pool may share bytes, as vLLM's cache groups overlay one allocation: only the engine's
+own memory is at stake).
 
 `register_pools` sends descriptor NUMBERS in the engine's own fd table, never paths. The sidecar
 opens `/proc/<pid>/fd/<n>` where `<pid>` is the Unix socket's peer, as the kernel reports it
@@ -175,6 +179,8 @@ class SharedPools:
     num_pages: dict[str, int]
     offsets: dict[str, list[list[int]]]  # group -> layer -> offset per tensor (geometry order)
     buffer: torch.Tensor
+    # group -> layer -> bytes from one page's row to the next, per tensor; None: contiguous
+    page_strides: dict[str, list[list[int]]] | None = None
 
     @classmethod
     def create(
@@ -206,17 +212,19 @@ class SharedPools:
         return cls(fd, nbytes, dict(geometries), pages, offsets, buffer)
 
     def manifest(self) -> dict[str, Any]:
+        strides = self.page_strides or {}
         return {
             "fd": self.fd,
             "nbytes": self.nbytes,
             "groups": {
                 name: {"num_pages": self.num_pages[name], "offsets": self.offsets[name]}
+                | ({"page_strides": strides[name]} if name in strides else {})
                 for name in self.geometries
             },
         }
 
     def device_pools(self) -> dict[str, DevicePool]:
-        return _views(self.buffer, self.geometries, self.num_pages, self.offsets)
+        return _views(self.buffer, self.geometries, self.num_pages, self.offsets, self.page_strides)
 
     def close(self) -> None:
         """Close the descriptor (idempotent); the tensors stay valid while referenced."""
@@ -230,13 +238,23 @@ def _views(
     geometries: Mapping[str, GroupGeometry],
     num_pages: Mapping[str, int],
     offsets: Mapping[str, Sequence[Sequence[int]]],
+    page_strides: Mapping[str, Sequence[Sequence[int]]] | None = None,
 ) -> dict[str, DevicePool]:
     pools = {}
     for name, geom in geometries.items():
         layers = []
-        for layer_offsets in offsets[name]:
+        strides = (page_strides or {}).get(name)
+        for local_id, layer_offsets in enumerate(offsets[name]):
             tensors = {}
-            for (tensor, shape), offset in zip(geom.tensors, layer_offsets, strict=True):
+            for index, ((tensor, shape), offset) in enumerate(
+                zip(geom.tensors, layer_offsets, strict=True)
+            ):
+                if strides is not None:  # page rows at a stride: the engine's own layout
+                    rows = (num_pages[name], geom.row_bytes(tensor))
+                    tensors[tensor] = buffer.as_strided(
+                        rows, (strides[local_id][index], 1), buffer.storage_offset() + offset
+                    )
+                    continue
                 size = _tensor_bytes(geom, num_pages[name], tensor)
                 slots = num_pages[name] * geom.slots_per_page
                 flat = buffer[offset : offset + size].view(geom.dtype_of(tensor))
@@ -261,25 +279,49 @@ def map_pools(
             f"groups {sorted(groups)} given; the layout's groups are {sorted(geometries)}"
         )
     spans: list[tuple[int, int, str]] = []
+    strided = any(entry.get("page_strides") is not None for entry in groups.values())
     for name, geom in geometries.items():
         entry = groups[name]
         pages, offsets = entry["num_pages"], entry["offsets"]
-        if len(offsets) != geom.num_layers:
+        strides = entry.get("page_strides")
+        if strided and strides is None:
             raise PoolManifestError(
-                f"groups.{name}.offsets: {len(offsets)} layers; the group has {geom.num_layers}"
+                f"groups.{name}: no page_strides; give them for every group or for none"
+            )
+        if len(offsets) != geom.num_layers or (
+            strides is not None and len(strides) != len(offsets)
+        ):
+            raise PoolManifestError(
+                f"groups.{name}.offsets: {len(offsets)} layers"
+                + ("" if strides is None else f", page_strides: {len(strides)}")
+                + f"; the group has {geom.num_layers}"
             )
         for local_id, layer_offsets in enumerate(offsets):
-            if len(layer_offsets) != len(geom.tensors):
+            layer_strides = None if strides is None else strides[local_id]
+            if len(layer_offsets) != len(geom.tensors) or (
+                layer_strides is not None and len(layer_strides) != len(geom.tensors)
+            ):
                 raise PoolManifestError(
-                    f"groups.{name}.offsets[{local_id}]: {len(layer_offsets)} tensors; "
-                    f"expected {len(geom.tensors)} ({', '.join(t for t, _ in geom.tensors)})"
+                    f"groups.{name}.offsets[{local_id}]: {len(layer_offsets)} tensors"
+                    + ("" if layer_strides is None else f", page_strides: {len(layer_strides)}")
+                    + f"; expected {len(geom.tensors)} ({', '.join(t for t, _ in geom.tensors)})"
                 )
-            for (tensor, _), offset in zip(geom.tensors, layer_offsets, strict=True):
+            for index, ((tensor, _), offset) in enumerate(
+                zip(geom.tensors, layer_offsets, strict=True)
+            ):
                 where = f"groups.{name}.offsets[{local_id}] ({tensor})"
                 size = _tensor_bytes(geom, pages, tensor)
                 itemsize = geom.dtype_of(tensor).itemsize
                 if offset % itemsize:
                     raise PoolManifestError(f"{where}: offset {offset} is not {itemsize}-aligned")
+                if layer_strides is not None:
+                    stride, row = layer_strides[index], geom.row_bytes(tensor)
+                    if stride < row or stride % itemsize:
+                        raise PoolManifestError(
+                            f"groups.{name}.page_strides[{local_id}] ({tensor}): {stride}; "
+                            f"allowed: a multiple of {itemsize} of at least the row's {row} bytes"
+                        )
+                    size = (pages - 1) * stride + row
                 if offset + size > nbytes:
                     raise PoolManifestError(
                         f"{where}: bytes {offset}..{offset + size} run past the pool's {nbytes}"
@@ -287,7 +329,7 @@ def map_pools(
                 spans.append((offset, offset + size, where))
     spans.sort()
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
-        if start < end:
+        if start < end and not strided:  # strided pools are the engine's own overlaid memory
             raise PoolManifestError(f"{second} overlaps {first}")
     # no slack: an engine must not make the sidecar map more than its tensors (address space)
     needed = max(_align(max((end for _, end, _ in spans), default=0)), ALIGN_BYTES)
@@ -305,4 +347,5 @@ def map_pools(
     memory = map_peer_fd(peer_pid, manifest["fd"], nbytes, "fd", alive)
     pages_of = {name: groups[name]["num_pages"] for name in geometries}
     offsets = {n: groups[n]["offsets"] for n in geometries}
-    return _views(memory.tensor, geometries, pages_of, offsets), memory.identity
+    strides = {n: groups[n]["page_strides"] for n in geometries} if strided else None
+    return _views(memory.tensor, geometries, pages_of, offsets, strides), memory.identity

@@ -114,7 +114,7 @@ class AsyncClient(ClientBase):
         while not self._closed:
             await asyncio.sleep(interval)
             try:
-                await self.call("heartbeat", {"layer_stall_s": self._take_stalls()})
+                await self.call("heartbeat", self._heartbeat_args())
             except (ClientError, ConnectionError, OSError, TimeoutError):
                 continue
 

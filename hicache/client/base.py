@@ -162,6 +162,7 @@ class ClientBase:
         self._pending_counters: CounterFile | None = None  # sent, not yet acknowledged
         self.generation = 0
         self.stalls: list[float] = []
+        self.loads_starved = 0  # since the last heartbeat: `starved()`
         # CUDA pools: their device, and the last stores' fence events, kept alive past their
         # replies (an imported IPC event must never outlive the engine's original)
         self.cuda_device: Any = None
@@ -306,6 +307,18 @@ class ClientBase:
     def _take_stalls(self) -> list[float]:
         stalls, self.stalls = self.stalls[:4096], self.stalls[4096:]
         return stalls
+
+    def starved(self, loads: int = 1) -> None:
+        """The engine recomputed `loads` loads for want of staging pages of its own: counted
+        by the sidecar (`/v1/stats`, `hicache_engine_loads_starved_total`) at the next
+        heartbeat."""
+        self.loads_starved += loads
+
+    def _heartbeat_args(self) -> dict[str, Any]:
+        starved, self.loads_starved = self.loads_starved, 0
+        return {"layer_stall_s": self._take_stalls()} | (
+            {"loads_starved": starved} if starved else {}
+        )
 
     def create_pools(self, num_pages: int | Mapping[str, int]) -> SharedPools:
         """The engine's KV pool in a sealed memfd, laid out as the sidecar expects."""

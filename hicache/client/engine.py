@@ -180,7 +180,7 @@ class Client(ClientBase):
         interval = max(0.05, float(self.session.get("heartbeat_timeout_s", 30.0)) / 3)
         while not self._closed.wait(interval):
             try:
-                self.call("heartbeat", {"layer_stall_s": self._take_stalls()})
+                self.call("heartbeat", self._heartbeat_args())
             except Exception:  # the next call reconnects or reports; nothing to do here
                 continue
 

@@ -11,9 +11,10 @@ vLLM makes one connector per process and role. The scheduler role (EngineCore) a
 keys it computes once per request with the sidecar's keyers and extends as the request grows
 (`lookup_keys`; a sidecar without them is asked by tokens) — and plans each step's loads and
 stores (`vllm_plan.py`); the worker role (Worker) binds vLLM's KV tensors
-(`vllm_binding.py`) and moves pages through a staging pool the sidecar maps
-(`vllm_worker.py`). The two halves share nothing but vLLM's per-step metadata, so they work
-the same in vLLM's multi-process mode and with VLLM_ENABLE_V1_MULTIPROCESSING=0.
+(`vllm_binding.py`) and registers vLLM's own blocks with the sidecar, which copies between L2
+and them (`vllm_shared_kv.py`; a staging pool where it cannot, `vllm_worker.py`). The two
+halves share nothing but vLLM's per-step metadata, so they work the same in vLLM's
+multi-process mode and with VLLM_ENABLE_V1_MULTIPROCESSING=0.
 
 Extra config keys (`kv_connector_extra_config`):
     config          the sidecar's deploy.yaml: its socket (or TCP port) and token
@@ -22,7 +23,10 @@ Extra config keys (`kv_connector_extra_config`):
     tenant          hicache namespace; default "vllm-<platform>-<attention isa>" since pages
                     hold vLLM's packed block bytes, which differ per backend and ISA
     load_timeout_s  how long one layer may take to land before the load is recomputed (10)
-    staging_pages   staging pages per token group (default: one max_model_len prompt + 2)
+    staging_pages   copy through a staging pool of this many pages per token group instead
+                    of the sidecar copying straight into vLLM's blocks (the default where
+                    it can: dense and one-group-per-kind models; else staging, sized for
+                    max_num_seqs concurrent max_model_len loads)
     retry_after_s   wait between reconnect attempts while the sidecar is down (1)
     load_mode       auto (layerwise for one KV-cache group, else async), layerwise, async,
                     whole (synchronous, the forward starts once every layer landed: no
@@ -40,7 +44,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +62,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from hicache.channel.protocol import ErrorCode
 from hicache.client import Client, ClientError, Lookup, PromptKeys
 from hicache.errors import ConfigError, HicacheError
-from hicache.integrations.vllm_binding import StateSpec, bind_layers
+from hicache.integrations.vllm_binding import LayerBinding, StateSpec, bind_layers
 from hicache.integrations.vllm_layout import (
     default_tenant,
     layer_map_of,
@@ -68,8 +72,15 @@ from hicache.integrations.vllm_layout import (
 )
 from hicache.integrations.vllm_plan import Scheduled, StepBook, StepMeta
 from hicache.integrations.vllm_settings import ConnectorSettings
+from hicache.integrations.vllm_shared_kv import (
+    SharedKv,
+    SharedKvError,
+    blocks_device_pools,
+    blocks_pools,
+    share_in_place,
+)
 from hicache.integrations.vllm_worker import WorkerSide
-from hicache.memory import CacheDtypes, group_geometries
+from hicache.memory import CacheDtypes, GroupGeometry, group_geometries
 from hicache.memory.geometry import dtype_name
 
 if TYPE_CHECKING:
@@ -148,6 +159,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.worker: WorkerSide | None = None
             self._layer_ids: dict[str, int] = {}
+            self._shared_kv: SharedKv | None = None
 
     @staticmethod
     def _async_loads(mode: str, kv_cache_config: KVCacheConfig) -> bool:
@@ -383,11 +395,18 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         bindings = bind_layers(
             self.layer_map, geometries, kv_caches, self._layer_ids, vllm_group, state_specs
         )
-        token_pages = self.settings.staging_pages or (-(-self._max_model_len // self.page) + 2)
+        # staging (where it is used) serves a full batch of concurrent loads: max_num_seqs
+        # prompts of max_model_len, never more pages than vLLM has blocks (loads land in
+        # them), plus the scratch page; a memfd's pages cost memory only once written
+        batch_pages = self._max_num_seqs * -(-self._max_model_len // self.page)
+        token_pages = self.settings.staging_pages or (
+            min(batch_pages, int(self._kv_cache_config.num_blocks)) + 1
+        )
         staging = {
             g.name: (token_pages if g.kind.is_token_cache else 2 * self._max_num_seqs + 2)
             for g in self.layer_map.groups
         }
+        register, stream = self._direct(bindings, geometries)
         self.worker = WorkerSide(
             self.layer_map,
             bindings,
@@ -398,8 +417,48 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             retry_after_s=self.settings.retry_after_s,
             state_load_block=state_load_block,
             state_store_block=state_store_block,
+            register=register,
+            store_stream=stream,
         )
         self.worker.client()
+
+    def _direct(
+        self, bindings: dict[int, LayerBinding], geometries: dict[str, GroupGeometry]
+    ) -> tuple[Callable[[Client], None] | None, Callable[[], Any]]:
+        """How the sidecar reaches vLLM's blocks: directly (CPU: the KV memory shared in
+        place; CUDA: IPC handles), or None: through a staging pool, when a hicache group's
+        layers lie in several vLLM KV-cache groups (each with its own block ids: one page id
+        cannot name them all), `staging_pages` is set, or the memory cannot be shared."""
+        spans = {
+            g.name: sorted({bindings[i].vllm_group for i in g.layer_ids})
+            for g in self.layer_map.groups
+        }
+        why = None
+        if self.settings.staging_pages is not None:
+            why = "kv_connector_extra_config.staging_pages is set"
+        elif any(len(v) > 1 for v in spans.values()):
+            why = f"hicache groups span several vLLM KV-cache groups ({spans})"
+        device = next(iter(bindings.values())).blocks.device
+        if why is None and device.type == "cuda":
+            from hicache.transfer.cuda_ipc import current_stream
+
+            cuda_pools = blocks_device_pools(bindings, geometries)
+            log.info("hicache: vLLM's CUDA blocks registered by IPC handle (no staging)")
+            return (lambda c: c.register_cuda_pools(cuda_pools)), (lambda: current_stream(device))
+        memory = None
+        if why is None:
+            try:
+                memory = self._shared_kv = share_in_place(bindings)
+            except SharedKvError as exc:
+                why = str(exc)
+        if memory is None:
+            log.info("hicache: staging vLLM's blocks (%s)", why)
+            return None, lambda: None
+        log.info("hicache: vLLM's KV memory shared in place (no staging)")
+        # a pool (and descriptor) per client: a client closes its pool with itself
+        return (lambda c: c.register_pools(blocks_pools(memory, bindings, geometries))), (
+            lambda: None
+        )
 
     def _step(self) -> StepMeta:
         meta = self._get_connector_metadata()
@@ -413,6 +472,12 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker.start_async_loads(self._step().loads)
         else:
             self.worker.start_loads(self._step().loads, whole=self.settings.load_mode == "whole")
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before every step's forward: what earlier steps' stores read of vLLM's blocks is
+        read before vLLM frees, zeroes or refills any of them."""
+        if self.worker is not None:
+            self.worker.before_forward()
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self.worker is not None:

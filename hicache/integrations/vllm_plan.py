@@ -89,6 +89,11 @@ class StepBook:
         self._loads: dict[str, LoadJob] = {}
         self._stored_pages: dict[str, int] = {}  # per running request: pages hicache has
         self._l2_tokens: dict[str, int] = {}  # per matched request: of its hit, in L2
+        # per matched request, until its next scheduled step: the whole pages hicache held at
+        # its latest lookup. vLLM's own prefix hit may reach further (hicache evicted those
+        # pages, restarted, or never saw them); those pages are stored from vLLM's blocks,
+        # or every later page of the request is unreachable (a lookup stops at a gap)
+        self._held_pages: dict[str, int] = {}
         self._after: dict[str, int] = {}  # per running request: tokens with KV after its step
         self.lookups = 0
         self.hit_tokens = 0
@@ -103,6 +108,7 @@ class StepBook:
         in_l2, hit = self._lookup(tokens[: len(tokens) - 1])
         hit -= hit % self.page
         self._l2_tokens[req_id] = in_l2
+        self._held_pages[req_id] = hit // self.page
         return max(0, hit - local_tokens)
 
     def allocated(
@@ -137,12 +143,19 @@ class StepBook:
             if load is not None:
                 meta.loads.append(load)
             done = req.computed_before // self.page
-            # pages hicache holds already: a load's, or what earlier steps stored
-            have = max(done, self._stored_pages.get(req.req_id, 0))
-            if req.computed_before < self._after.get(req.req_id, 0):
+            # hicache's whole pages at the lookup before this step, if vLLM asked for one
+            looked_up = self._held_pages.pop(req.req_id, None)
+            if req.req_id not in self._after:
+                # its first step: of vLLM's own prefix hit (the first `done` pages) hicache
+                # holds only what the lookup found (nothing known without one)
+                have = min(done, looked_up or 0)
+            elif req.computed_before < self._after[req.req_id]:
                 # vLLM rolled the request back (a failed load, a preemption): what the last
                 # steps computed is being recomputed, and is stored again as it is
-                have = done
+                have = done if looked_up is None else min(done, looked_up)
+            else:
+                # pages hicache holds already: a load's, or what earlier steps stored
+                have = max(done, self._stored_pages.get(req.req_id, 0))
             if load is not None:
                 have = max(have, len(load.tokens) // self.page)
             # unclipped: a state's snapshot is taken only when exactly this many tokens are in
@@ -166,5 +179,6 @@ class StepBook:
     def finished(self, req_id: str) -> None:
         self._loads.pop(req_id, None)
         self._l2_tokens.pop(req_id, None)
+        self._held_pages.pop(req_id, None)
         self._after.pop(req_id, None)
         self._stored_pages.pop(req_id, None)

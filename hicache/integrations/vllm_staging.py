@@ -31,6 +31,11 @@ class Staging:
                 return None
             return {g: [self._free[g].pop() for _ in range(n)] for g, n in wanted.items()}
 
+    def free(self) -> dict[str, int]:
+        """Free pages per group now (the scratch page is never free)."""
+        with self._lock:
+            return {g: len(ids) for g, ids in self._free.items()}
+
     def give(self, pages: Mapping[str, Sequence[int]]) -> None:
         with self._lock:
             for g, ids in pages.items():
@@ -39,21 +44,30 @@ class Staging:
 
 @dataclass
 class WorkerCounters:
+    # "direct": the sidecar copies between L2 and vLLM's blocks; "staging": through staging
+    data_plane: str = ""
     loads: int = 0
     load_failures: int = 0
     pages_loaded: int = 0
     stores: int = 0
     store_failures: int = 0
     stores_skipped_staging: int = 0
+    loads_starved: int = 0  # loads recomputed because staging had too few free pages
     stores_skipped_failed_load: int = 0
     staging_quarantined: int = 0
     pages_stored: int = 0
+    stores_unconfirmed: int = 0  # no reply, and the session did not end in time
+    loads_unconfirmed: int = 0  # did not end in time, and had not ended before the next step
     # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
-    # into vLLM's blocks, the forward blocked in wait_layer, whole stores (copy + sidecar)
+    # into vLLM's blocks (0 when direct), the forward blocked in wait_layer, stores from start
+    # to reply (on our store thread when direct), and what vLLM's steps waited for stores
+    # (staging: the copy and the reply; direct: sending, and the replies not in yet when the
+    # next step began)
     load_request_s: float = 0.0
     load_copy_s: float = 0.0
     layer_wait_s: float = 0.0
     store_s: float = 0.0
+    store_on_step_s: float = 0.0
     errors: list[str] = field(default_factory=list)
     stats_unwritable: bool = False
 

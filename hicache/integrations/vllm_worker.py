@@ -1,21 +1,28 @@
 """The worker half of the vLLM connector, without vLLM: executes each step's loads and stores
-between vLLM's blocks and the sidecar, through a staging pool the sidecar maps.
+between vLLM's blocks and the sidecar.
 
-Why staging: on CPU vLLM allocates its KV cache as private memory, which the sidecar cannot
-map. The worker owns a staging pool in shared memory, laid out as hicache's device pool and
-registered with the sidecar; the sidecar moves pages between it and L2 (and L3) exactly as for
-any engine, with all of its transactional guarantees, and the worker copies whole blocks
-between staging and vLLM's tensors (one memcpy per block and layer). See docs/design.md.
+Direct (the default where it can be: CPU with vLLM's KV memory shared in place, or CUDA by
+IPC handle; `vllm_shared_kv.py`): vLLM's blocks are the pool the sidecar maps, page ids are
+vLLM's block ids, and the sidecar's copies (L2 -> blocks for a load, blocks -> L2 for a store)
+are the only ones, made in its own process. Staging (the fallback: another allocator, or a
+hicache group whose layers span several vLLM KV-cache groups, each with its own block ids):
+the worker owns a staging pool laid out as hicache's device pool, the sidecar moves pages
+between it and L2, and the worker copies whole blocks between staging and vLLM's tensors on
+vLLM's thread. Either way every transactional guarantee of the sidecar holds unchanged. See
+docs/design.md.
 
 Lifecycle per engine step (all on vLLM's worker thread):
-    worker.start_loads(meta.loads)   # start_load_kv: the sidecar loads into staging
+    worker.before_forward()          # handle_preemptions: stores of earlier steps answered,
+                                     # loads that overran ended, before vLLM writes blocks
+    worker.start_loads(meta.loads)   # start_load_kv: the sidecar loads (blocks or staging)
     worker.wait_layer(layer_id)      # wait_for_layer_load, from the forward: the layer landed
-                                     # in staging, then is copied into vLLM's blocks
-    worker.finish_loads()            # wait_for_save: every layer copied, handles released
-    worker.store(meta.stores)        # wait_for_save: vLLM blocks -> staging -> sidecar (L2 ack)
+                                     # (staging: then copied into vLLM's blocks)
+    worker.finish_loads()            # wait_for_save: loads ended, handles released
+    worker.store(meta.stores)        # wait_for_save: direct: sent, not waited for; staging:
+                                     # blocks -> staging -> sidecar (L2 ack)
     worker.take_load_errors()        # get_block_ids_with_load_errors: vLLM recomputes these
     worker.start_async_loads(...)    # multi-group models: loads between steps, and
-    worker.poll_async()              # get_transfer_results: those that ended, copied
+    worker.poll_async()              # get_transfer_results: those that ended (staging: copied)
 
 Nothing here raises into vLLM: a sidecar that is down, restarted or slow turns loads into
 reported load errors (vLLM recomputes) and stores into counted skips; the client reconnects on
@@ -31,12 +38,14 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from hicache.client import Client, ClientError, LoadHandle
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
 from hicache.integrations.vllm_plan import NULL_BLOCK, LoadJob, StoreJob
 from hicache.integrations.vllm_staging import Staging, WorkerCounters
+from hicache.integrations.vllm_stores import Stores
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 
@@ -76,14 +85,21 @@ class WorkerSide:
         retry_after_s: float = 1.0,
         state_load_block: Callable[[Sequence[int], int], int],
         state_store_block: Callable[[Sequence[int], int], int | None],
+        register: Callable[[Client], None] | None = None,
+        store_stream: Callable[[], Any] = lambda: None,
     ):
+        """`register`: registers vLLM's own blocks with a new client (direct); None: the
+        worker registers a staging pool of `staging_pages` per group instead.
+        `store_stream`: CUDA, vLLM's current stream (a store's fence); CPU, None."""
         self.layer_map = layer_map
         self.bindings = dict(bindings)
         self.page = page_size_tokens
         self.load_timeout_s = load_timeout_s
         self.retry_after_s = retry_after_s
-        self.staging = Staging(staging_pages)
-        self._staging_pages = dict(staging_pages)
+        self.direct = register is not None
+        self._register = register
+        self.staging = Staging({} if self.direct else staging_pages)
+        self._staging_pages = {} if self.direct else dict(staging_pages)
         self._connect = connect
         self._client: Client | None = None
         self._pools: dict[str, DevicePool] = {}
@@ -104,7 +120,22 @@ class WorkerSide:
         # requests whose load failed this step: their pages computed over stale blocks
         # must not be stored (vLLM recomputes them next step)
         self.failed_requests: set[str] = set()
-        self.counters = WorkerCounters()
+        self.counters = WorkerCounters(data_plane="direct" if self.direct else "staging")
+        self.stores = Stores(
+            layer_map,
+            bindings,
+            self.counters,
+            state_store_block,
+            page_size_tokens=page_size_tokens,
+            staging=None if self.direct else self.staging,
+            pools=lambda: self._pools,
+            stream=store_stream,
+            settle_timeout_s=6 * load_timeout_s,
+            retry_after_s=retry_after_s,
+        )
+        # direct loads that had not ended when the step did: they may still write vLLM's
+        # blocks, which vLLM reuses (recomputing, or for another request) from the next step
+        self._unended: list[tuple[str, LoadHandle]] = []
 
     # ---- the sidecar ----------------------------------------------------------------------
 
@@ -119,8 +150,11 @@ class WorkerSide:
         client = None
         try:
             client = self._connect()
-            pools = client.create_pools(self._staging_pages)
-            client.register_pools(pools)
+            if self._register is not None:
+                self._register(client)
+            else:
+                pools = client.create_pools(self._staging_pages)
+                client.register_pools(pools)
         except (HicacheError, OSError) as exc:
             if client is not None:  # hello went through: end that session, drop the file
                 with contextlib.suppress(Exception):
@@ -135,11 +169,39 @@ class WorkerSide:
             log.info("hicache sidecar reachable again")
         self._down = False
         self._client = client
-        self._pools = pools.device_pools()
+        if self._register is None:
+            self._pools = pools.device_pools()
         return client
+
+    def before_forward(self) -> None:
+        """vLLM's `handle_preemptions`, before this step's forward (and any zeroing or reuse of
+        a freed block): every earlier store answered, every overrun load ended."""
+        self.stores.drain(self._client)
+        self._await_unended()
+
+    def _await_unended(self) -> None:
+        if not self._unended:
+            return
+        deadline = time.monotonic() + self.stores.settle_timeout_s
+        for req_id, handle in self._unended:
+            try:
+                while handle.state() == "running" and time.monotonic() < deadline:
+                    time.sleep(self.retry_after_s / 20)
+                ended = handle.state() != "running"
+            except Exception:  # the connection is gone: its session's loads were cancelled
+                ended = True
+            if not ended:
+                self.counters.loads_unconfirmed += 1
+                self.counters.error(
+                    f"request {req_id}: its load did not end in {self.stores.settle_timeout_s:g}"
+                    " s more; vLLM goes on writing the blocks it named"
+                )
+        self._unended = []
 
     def close(self) -> None:
         self.finish_loads()
+        self.stores.drain(self._client)
+        self.stores.close()
         for active in self._async.values():
             if active.handle is not None:
                 with contextlib.suppress(Exception):
@@ -201,6 +263,8 @@ class WorkerSide:
         self._copy(active, layer_id)
 
     def _copy(self, active: _ActiveLoad, layer_id: int) -> None:
+        if not active.moves:  # direct: the sidecar's copy was the only one
+            return
         started = time.perf_counter()
         for move in active.moves.get(layer_id, ()):
             move.binding.from_staging(self._pools[move.binding.group], move.pages, move.blocks)
@@ -245,6 +309,8 @@ class WorkerSide:
                     handle.cancel()
         if ended:
             self.staging.give(active.staging)
+        elif self.direct and handle is not None:
+            self._unended.append((active.job.req_id, handle))
         else:
             self.counters.staging_quarantined += sum(len(p) for p in active.staging.values())
         active.staging = {}
@@ -332,11 +398,20 @@ class WorkerSide:
         if client is None:
             active.failed = True
             return active
+        if self.direct:
+            blocks = self._direct_pages(job, pages)
+            if blocks is None:
+                active.failed = True
+                return active
+            return self._request(client, job, active, blocks, {})
         staging = self.staging.take(wanted)
         if staging is None:
+            self.counters.loads_starved += 1
+            client.starved()
             self.counters.error(
-                f"request {job.req_id}: its load needs {wanted} staging pages, more than are "
-                f"free of {self._staging_pages}; recomputed (raise staging_pages)"
+                f"request {job.req_id}: its load needs {wanted} staging pages; free now: "
+                f"{self.staging.free()} of {self._staging_pages}; recomputed (raise "
+                "staging_pages)"
             )
             active.failed = True
             return active
@@ -375,6 +450,36 @@ class WorkerSide:
                         [b for _, b in pairs],
                     )
                 )
+        return self._request(client, job, active, device_pages, staging)
+
+    def _direct_pages(self, job: LoadJob, pages: int) -> dict[str, list[int]] | None:
+        """A direct load's pages: vLLM's block ids (a token group's null blocks are positions
+        vLLM dropped from a window; the sidecar's window selection never writes them)."""
+        device_pages: dict[str, list[int]] = {}
+        for g in self.layer_map.groups:
+            ids = job.block_ids[self.bindings[g.layer_ids[0]].vllm_group]
+            if g.kind.is_token_cache:
+                device_pages[g.name] = list(ids[:pages])
+                continue
+            block = self._state_load_block(ids, pages)
+            if block == NULL_BLOCK:  # vLLM gave no block for the state: never write block 0
+                self.counters.error(
+                    f"request {job.req_id}: vLLM gave group {g.name!r}'s state no block for a "
+                    f"snapshot after {pages} pages; recomputed"
+                )
+                return None
+            device_pages[g.name] = [block]
+        return device_pages
+
+    def _request(
+        self,
+        client: Client,
+        job: LoadJob,
+        active: _ActiveLoad,
+        device_pages: dict[str, list[int]],
+        staging: dict[str, list[int]],
+    ) -> _ActiveLoad:
+        pages = len(job.tokens) // self.page
         started = time.perf_counter()
         try:
             if job.from_l3:  # bring L3's pages to L2 first: the load itself waits briefly
@@ -386,6 +491,8 @@ class WorkerSide:
             if isinstance(exc, TimeoutError):  # the sidecar may be filling staging still
                 self.counters.staging_quarantined += sum(len(p) for p in staging.values())
                 active.staging = {}
+                if self.direct:  # or vLLM's blocks: settled before the next forward
+                    self.stores.unsettle()
             return active
         finally:
             self.counters.load_request_s += time.perf_counter() - started
@@ -408,97 +515,6 @@ class WorkerSide:
         """The step's stores, after `finish_loads`; then the step's failed loads are
         forgotten (vLLM recomputes those requests from the failed block on)."""
         try:
-            self._store_all(jobs)
+            self.stores.submit(self.client() if jobs else None, jobs, self.failed_requests)
         finally:
             self.failed_requests.clear()
-
-    def _store_all(self, jobs: Sequence[StoreJob]) -> None:
-        if not jobs:
-            return
-        client = self.client()
-        if client is None:
-            self.counters.store_failures += len(jobs)
-            return
-        started = time.perf_counter()
-        for job in jobs:
-            if job.req_id in self.failed_requests:
-                # its pages were computed over blocks the load never filled
-                self.counters.stores_skipped_failed_load += 1
-                continue
-            self._store_one(client, job)
-        self.counters.store_s += time.perf_counter() - started
-
-    def _store_one(self, client: Client, job: StoreJob) -> None:
-        full = len(job.tokens) // self.page
-        snapshot_blocks: dict[int, int] = {}  # vLLM group -> block holding the state now
-        plan: dict[str, list[int]] = {}  # hicache token group -> positions with a block
-        for g in self.layer_map.groups:
-            layer_ids = [i for i in g.layer_ids if i in self.bindings]
-            vgroups = sorted({self.bindings[i].vllm_group for i in layer_ids})
-            if g.kind.is_token_cache:
-                plan[g.name] = [
-                    i
-                    for i in range(job.first_page, full)
-                    if all(job.block_ids[v][i] != NULL_BLOCK for v in vgroups)
-                ]
-            elif job.computed_after == len(job.tokens):
-                for v in vgroups:
-                    block = self._state_store_block(job.block_ids[v], full)
-                    if block is not None and block != NULL_BLOCK:
-                        snapshot_blocks[v] = block
-        state_groups = [
-            g.name
-            for g in self.layer_map.groups
-            if not g.kind.is_token_cache
-            and all(
-                self.bindings[i].vllm_group in snapshot_blocks
-                for i in g.layer_ids
-                if i in self.bindings
-            )
-            and job.computed_after == len(job.tokens)
-        ]
-        wanted = {g: len(pos) for g, pos in plan.items()} | {g: 1 for g in state_groups}
-        staging = self.staging.take(wanted)
-        if staging is None:
-            self.counters.stores_skipped_staging += 1
-            self.counters.error(
-                f"request {job.req_id}: its store needs {wanted} staging pages, more than are "
-                f"free of {self._staging_pages}; not stored (raise staging_pages)"
-            )
-            return
-        try:
-            device_pages: dict[str, list[int | None]] = {}
-            for name, positions in plan.items():
-                where = dict(zip(positions, staging[name], strict=True))
-                device_pages[name] = [where.get(i) for i in range(full)]
-            for binding in self.bindings.values():
-                pool = self._pools[binding.group]
-                if binding.group in plan:
-                    positions = plan[binding.group]
-                    if not positions:
-                        continue
-                    ids = job.block_ids[binding.vllm_group]
-                    binding.to_staging(
-                        pool,
-                        [ids[i] for i in positions],
-                        staging[binding.group],
-                    )
-                elif binding.group in state_groups:
-                    binding.to_staging(
-                        pool,
-                        [snapshot_blocks[binding.vllm_group]],
-                        staging[binding.group],
-                    )
-            snapshots = {g: {len(job.tokens): staging[g][0]} for g in state_groups}
-            # No fence: the staging pool is shared host memory, and `to_staging`'s copies are
-            # blocking (`copy_` without non_blocking), so with vLLM's blocks on a GPU they end,
-            # on the host, after vLLM's kernels on the current stream; the pages are written
-            # before the request leaves (the CPU contract of `Client.store`).
-            client.store(list(job.tokens), device_pages, snapshots)
-            self.counters.stores += 1
-            self.counters.pages_stored += sum(len(p) for p in plan.values())
-        except (HicacheError, OSError) as exc:
-            self.counters.store_failures += 1
-            self.counters.error(f"request {job.req_id}: store failed: {exc}")
-        finally:
-            self.staging.give(staging)

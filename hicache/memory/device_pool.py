@@ -4,6 +4,12 @@ Per local layer, one tensor per name (K, V, latent, index K, conv, ssm, ...) sha
 `[num_slots, *slot_shape]`. Wrapping checks every shape, dtype and layout against the group's
 geometry and names what is wrong. Copies see each tensor as byte rows, one row per page
 (`rows()`), so page moves are dtype-agnostic (bf16, fp16, fp32, fp8-as-uint8, ...).
+
+An engine whose pages are not laid out slot-major per tensor (vLLM keeps a layer's K and V
+bytes side by side in each block, blocks at a stride) gives a tensor as its page rows
+instead: a uint8 `[num_pages, page_bytes]` view, each row contiguous, rows at any stride of at
+least a row. Such a pool is copied like any other; only its `tensors` are
+rows, not typed slots.
 """
 
 from __future__ import annotations
@@ -23,6 +29,21 @@ def page_rows(tensor: torch.Tensor, slots_per_page: int) -> torch.Tensor:
     return flat.view(torch.uint8).view(tensor.shape[0] // slots_per_page, -1)
 
 
+def _is_page_rows(t: torch.Tensor, row_bytes: int) -> bool:
+    """A uint8 `[pages, row_bytes]` view whose rows are contiguous and do not overlap."""
+    return (
+        t.dtype == torch.uint8
+        and t.dim() == 2
+        and t.shape[1] == row_bytes
+        and t.stride(1) == 1
+        and (t.shape[0] <= 1 or t.stride(0) >= row_bytes)
+    )
+
+
+def _is_slots(t: torch.Tensor, shape: Sequence[int]) -> bool:
+    return t.dim() == 1 + len(shape) and tuple(t.shape[1:]) == tuple(shape) and t.is_contiguous()
+
+
 class DevicePool:
     def __init__(self, geometry: GroupGeometry, layers: Sequence[Mapping[str, torch.Tensor]]):
         self.geometry = geometry
@@ -34,6 +55,7 @@ class DevicePool:
             )
         names = [name for name, _ in geometry.tensors]
         num_slots: int | None = None
+        given_rows: set[tuple[int, str]] = set()  # (local id, tensor) given as page rows
         for local_id, tensors in enumerate(layers):
             layer_id = group.layer_ids[local_id]
             if sorted(tensors) != sorted(names):
@@ -44,6 +66,17 @@ class DevicePool:
             for name, shape in geometry.tensors:
                 t = tensors[name]
                 where = f"group {group.name!r} layer {layer_id} tensor {name!r}"
+                if _is_page_rows(t, geometry.row_bytes(name)) and not _is_slots(t, shape):
+                    pages = t.shape[0]
+                    if num_slots is None:
+                        num_slots = pages * geometry.slots_per_page
+                    if pages * geometry.slots_per_page != num_slots:
+                        raise PoolShapeError(
+                            f"{where}: {pages} page rows; the pool's other tensors hold "
+                            f"{num_slots // geometry.slots_per_page} pages"
+                        )
+                    given_rows.add((local_id, name))
+                    continue
                 if num_slots is None:
                     num_slots = t.shape[0] if t.dim() else 0
                 want = (num_slots, *shape)
@@ -71,7 +104,13 @@ class DevicePool:
         self.device = next(iter(layers[0].values())).device
         self.tensors = [dict(t) for t in layers]
         self._rows = [
-            {name: page_rows(t[name], geometry.slots_per_page) for name in names} for t in layers
+            {
+                name: t[name]
+                if (local_id, name) in given_rows
+                else page_rows(t[name], geometry.slots_per_page)
+                for name in names
+            }
+            for local_id, t in enumerate(layers)
         ]
         self._layer_rows = [tuple(r[name] for name in names) for r in self._rows]
 

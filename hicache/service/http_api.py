@@ -132,6 +132,8 @@ class ControlApi:
                 ],
                 "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
                 "l3": store_stats(store),
+                # loads engines recomputed for want of their own staging pages (heartbeats)
+                "engine_loads_starved": self.metrics.loads_starved_count,
                 # the CPU backend's row-copy kernel (native C, or numpy and why); None on CUDA
                 "row_kernel": getattr(self.server.backend, "row_kernel", None),
             }

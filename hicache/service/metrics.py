@@ -86,8 +86,20 @@ class ServiceMetrics:
             ["reason"],
             registry=r,
         )
+        self.loads_starved = Counter(
+            "hicache_engine_loads_starved",
+            "Loads engines recomputed for want of free pages in their own staging pool "
+            "(reported by engines with heartbeats; raise their staging size)",
+            registry=r,
+        )
+        self.loads_starved_count = 0  # the same, for /v1/stats
         self.page_size_tokens = 1
         self._requests: dict[str, Any] = {}  # children bound once (labels() takes a lock)
+
+    def starved(self, loads: int) -> None:
+        if loads:
+            self.loads_starved.inc(loads)
+            self.loads_starved_count += loads
 
     def request(self, op: str, seconds: float) -> None:
         child = self._requests.get(op)

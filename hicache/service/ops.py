@@ -668,6 +668,7 @@ class EngineOps:
     def _heartbeat(self, session: Session, args: p.Heartbeat) -> dict[str, Any]:
         for stall in args.layer_stall_s:
             self.metrics.layer_stall.observe(stall)
+        self.metrics.starved(args.loads_starved)
         return {"now": time.time()}
 
     # ---- session end --------------------------------------------------------------------------

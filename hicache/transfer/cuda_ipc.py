@@ -94,6 +94,12 @@ def pools_device(pools: Mapping[str, DevicePool]) -> torch.device:
     return next(iter(devices))
 
 
+def current_stream(device: torch.device) -> torch.cuda.Stream:
+    """The calling thread's current stream on `device` (an engine's compute stream, read on
+    its own thread, for a store sent from another)."""
+    return torch.cuda.current_stream(device)
+
+
 def export_fence(
     device: torch.device, stream: torch.cuda.Stream | None = None
 ) -> tuple[torch.cuda.Event, bytes]:

@@ -1,18 +1,27 @@
 """The vLLM connector's parts that need no vLLM: the scheduler-side step book, the layer
-binding and its errors, the staging pages, and the extra-config checks."""
+binding and its errors, the staging pages, the worker half against a fake sidecar client
+(stores and loads through staging), and the extra-config checks."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from hicache.channel.shm import SharedPools
+from hicache.client import ClientError, connect
+from hicache.client.process import SidecarProcess
 from hicache.errors import ConfigError, PoolShapeError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
-from hicache.integrations.vllm_plan import Scheduled, StepBook
+from hicache.integrations.vllm_layout import state_load_block, state_store_block
+from hicache.integrations.vllm_plan import LoadJob, Scheduled, StepBook, StoreJob
 from hicache.integrations.vllm_settings import ConnectorSettings
 from hicache.integrations.vllm_staging import Staging
+from hicache.integrations.vllm_worker import WorkerSide
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap, load_layout
 from tests.conftest import shared_model
@@ -87,6 +96,26 @@ def test_a_loaded_prefix_is_not_stored_again() -> None:
     [store] = meta.stores
     assert store.first_page == 2
     assert len(store.tokens) == 12
+
+
+def test_vllms_own_prefix_hit_is_stored_where_hicache_lacks_it() -> None:
+    """vLLM served two pages from its own cache; hicache holds only the first (evicted,
+    restarted, or another instance's L2 never had them). The first step stores from page 1:
+    otherwise page 1 is never in hicache and no later page of the prompt can ever hit (a
+    lookup stops at the first missing page)."""
+    b, _ = book(hit=4)
+    assert b.matched("r", list(range(13)), 8) == 0  # nothing beyond vLLM's own hit
+    [store] = b.step([Scheduled("r", list(range(13)), 8, 5, [[5, 6, 7, 8]])]).stores
+    assert (store.first_page, len(store.tokens)) == (1, 12)
+    # without a lookup (vLLM never asked: nothing known) the whole prefix goes
+    b2, _ = book()
+    [store] = b2.step([Scheduled("s", list(range(13)), 8, 5, [[5, 6, 7, 8]])]).stores
+    assert store.first_page == 0
+    # hicache holding all of vLLM's hit: only the new page
+    b3, _ = book(hit=8)
+    b3.matched("t", list(range(13)), 8)
+    [store] = b3.step([Scheduled("t", list(range(13)), 8, 5, [[5, 6, 7, 8]])]).stores
+    assert store.first_page == 2
 
 
 def _geometries(layer_map: LayerMap) -> dict[str, GroupGeometry]:
@@ -188,6 +217,219 @@ def test_staging_takes_all_or_nothing_and_never_hands_out_the_scratch_page() -> 
     staging.give(got)
     assert staging.take({"full": 3, "conv": 2}) is None
     assert staging.take({"full": 3, "conv": 1}) is not None
+
+
+class _Handle:
+    """A load the fake sidecar accepted: every layer landed, ended `done`."""
+
+    def __init__(self, tokens: int):
+        self.tokens = tokens
+        self.ended = False
+
+    def wait_layer(self, layer_id: int, timeout_s: float) -> None:
+        return None
+
+    def done(self, timeout_s: float) -> str:
+        self.ended = True
+        return "done"
+
+    def state(self) -> str:
+        return "done"
+
+    def cancel(self) -> None:
+        return None
+
+
+class _FakeClient:
+    """The sidecar client the worker half uses, recording what it was asked; `store_error`
+    is raised by the next stores."""
+
+    def __init__(self, geometries: Mapping[str, GroupGeometry]):
+        self.geometries = dict(geometries)
+        self.stores: list[dict[str, list[int | None]]] = []
+        self.loads: list[dict[str, list[int]]] = []
+        self.store_error: Exception | None = None
+        self.loads_starved = 0
+        self.stats_calls = 0
+        self.stats_refusals = 0
+        self.store_gate: threading.Event | None = None  # a store waits for it, when set
+        self.store_entered = threading.Event()
+        self.stores_finished = 0
+
+    def create_pools(self, num_pages: Mapping[str, int]) -> SharedPools:
+        return SharedPools.create(self.geometries, num_pages)
+
+    def register_pools(self, pools: SharedPools) -> None:
+        return None
+
+    def store(
+        self,
+        tokens: Sequence[int],
+        device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Mapping[int, int]] | None = None,
+        stream: Any = None,
+    ) -> dict[str, Any]:
+        self.stores.append({g: list(p) for g, p in device_pages.items()})
+        self.store_entered.set()
+        if self.store_gate is not None:
+            self.store_gate.wait()
+        if self.store_error is not None:
+            raise self.store_error
+        self.stores_finished += 1
+        return {}
+
+    def load(
+        self, tokens: Sequence[int], device_pages: Mapping[str, Sequence[int]], skip_pages: int
+    ) -> _Handle:
+        self.loads.append({g: list(p) for g, p in device_pages.items()})
+        return _Handle(len(tokens))
+
+    def prefetch(self, tokens: Sequence[int]) -> int:
+        return 0
+
+    def starved(self, loads: int = 1) -> None:
+        self.loads_starved += loads
+
+    def stats(self) -> dict[str, Any]:
+        self.stats_calls += 1
+        if self.stats_refusals:
+            self.stats_refusals -= 1
+            raise ClientError("refused", "register_pools: this memory is registered by session 1")
+        return {}
+
+    def close(self) -> None:
+        return None
+
+
+def _worker(
+    staging_pages: int, blocks: int = 8, direct: bool = False
+) -> tuple[WorkerSide, _FakeClient]:
+    layer_map, geometries = _llama()
+    caches = _vllm_caches(layer_map, blocks)
+    bound = bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
+    client = _FakeClient(geometries)
+    worker = WorkerSide(
+        layer_map,
+        bound,
+        lambda: client,  # type: ignore[arg-type,return-value]
+        {"full": staging_pages},
+        page_size_tokens=16,
+        retry_after_s=0.01,
+        state_load_block=state_load_block,
+        state_store_block=state_store_block,
+        register=(lambda c: None) if direct else None,
+    )
+    return worker, client
+
+
+def test_direct_loads_and_stores_name_vllms_blocks_and_copy_nothing() -> None:
+    worker, client = _worker(staging_pages=4, direct=True)
+    worker.start_loads([LoadJob("a", tuple(range(48)), 1, ((5, 6, 7, 0),))])
+    worker.wait_layer(max(worker.bindings))
+    worker.finish_loads()
+    assert client.loads == [{"full": [5, 6, 7]}]  # block ids, the skipped one included
+    worker.store([StoreJob("a", tuple(range(64)), 3, ((5, 6, 7, 2),), 64)])
+    worker.before_forward()
+    assert client.stores == [{"full": [None, None, None, 2]}]
+    assert worker.counters.load_copy_s == 0
+    assert worker.counters.data_plane == "direct"
+    assert worker.counters.stores == 1
+
+
+def test_a_direct_store_leaves_the_step_and_the_next_forward_waits_for_its_reply() -> None:
+    """wait_for_save returns with the store still in the sidecar's hands; before the next
+    forward (which may overwrite a block the store reads) its reply is in."""
+    worker, client = _worker(staging_pages=4, direct=True)
+    client.store_gate = threading.Event()
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32)])  # returns: not waited
+    assert client.stores_finished == 0
+    seen: list[int] = []
+
+    def next_step() -> None:
+        worker.before_forward()
+        seen.append(client.stores_finished)  # what had finished when it let the forward go
+
+    step = threading.Thread(target=next_step)
+    step.start()
+    client.store_entered.wait(timeout=60)
+    client.store_gate.set()
+    step.join(timeout=60)
+    assert seen == [1]
+
+
+def test_a_direct_store_with_no_reply_waits_until_its_session_ended() -> None:
+    """No reply in time: the sidecar may still read vLLM's blocks. The next forward waits
+    until a reconnect registered vLLM's memory again (refused while the old session lives)."""
+    worker, client = _worker(staging_pages=4, direct=True)
+    client.store_error = TimeoutError("timed out")
+    client.stats_refusals = 2
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32)])
+    worker.before_forward()
+    assert client.stats_calls == 3  # refused twice, then the memory was ours again
+    assert worker.counters.store_failures == 1
+    assert worker.counters.stores_unconfirmed == 0
+    worker.before_forward()
+    assert client.stats_calls == 3  # settled: nothing more to wait for
+
+
+def test_a_store_that_timed_out_keeps_its_staging_pages_from_the_next_store() -> None:
+    """No reply in time: the sidecar may still be backing the store up from its staging
+    pages. Handed to the next step's store, they would be overwritten while it reads them,
+    and another prompt's bytes filed under the first prompt's keys."""
+    worker, client = _worker(staging_pages=6)
+    client.store_error = TimeoutError("timed out")
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 3),), 32)])
+    [first] = client.stores
+    client.store_error = None
+    worker.store([StoreJob("b", tuple(range(100, 132)), 0, ((4, 5, 6),), 32)])
+    [_, second] = client.stores
+    assert not set(first["full"]) & set(second["full"]), (first, second)
+    assert worker.counters.staging_quarantined == 2
+    assert worker.counters.store_failures == 1
+    # a store the sidecar answered (even with an error) gives its pages back
+    client.store_error = ClientError("busy", "every L2 page is pinned")
+    worker.store([StoreJob("c", tuple(range(200, 264)), 0, ((1, 2, 3, 4, 5),), 64)])
+    assert worker.staging.free() == {"full": 3}
+
+
+def test_a_starved_load_is_counted_and_says_what_was_free() -> None:
+    worker, client = _worker(staging_pages=4)
+    jobs = [
+        LoadJob(name, tuple(range(32)), 0, ((1 + 2 * i, 2 + 2 * i, 0),))
+        for i, name in enumerate(("a", "b"))
+    ]
+    worker.start_loads(jobs)
+    assert len(client.loads) == 1  # the second found one free page of the three
+    assert worker.counters.loads_starved == 1
+    assert client.loads_starved == 1  # told to the sidecar with the next heartbeat
+    assert worker.counters.errors[-1] == (
+        "request b: its load needs {'full': 2} staging pages; free now: {'full': 1} of "
+        "{'full': 4}; recomputed (raise staging_pages)"
+    )
+    worker.wait_layer(max(worker.bindings))
+    assert worker.take_load_errors() == {3, 4}  # b's blocks: vLLM recomputes them
+    assert worker.staging.free() == {"full": 3}
+
+
+def test_starved_loads_reach_the_sidecars_stats_and_metrics(tmp_path: Path) -> None:
+    """What engines report with their heartbeats: `/v1/stats` and Prometheus both count it."""
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(
+        f"model:\n  config_path: {shared_model('llama-3.1-8b.json')}\n  page_size_tokens: 16\n"
+        "host:\n  capacity_bytes: 16MiB\n"
+        f"storage:\n  kind: file\n  path: {tmp_path / 'l3'}\n"
+        f"service:\n  socket_path: {tmp_path / 'e.sock'}\n  http_port: 0\n"
+    )
+    with SidecarProcess(deploy) as sidecar:
+        layer_map = LayerMap(load_layout(shared_model("llama-3.1-8b.json")))
+        with connect(sidecar.socket, layer_map, heartbeat=False) as client:
+            client.starved(2)
+            client.call("heartbeat", client._heartbeat_args())
+            client.call("heartbeat", client._heartbeat_args())  # nothing new: not sent again
+        assert sidecar.get_json("/v1/stats")["engine_loads_starved"] == 2
+        status, metrics = sidecar.get("/metrics")
+    assert status == 200
+    assert "hicache_engine_loads_starved_total 2.0" in metrics
 
 
 @pytest.mark.parametrize(

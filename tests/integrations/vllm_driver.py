@@ -1,6 +1,7 @@
 """Run vLLM (the CPU build) on a tiny model in a process of its own and report what it did.
 
     python -m tests.integrations.vllm_driver PLAN.json OUT.json
+    python -m tests.integrations.vllm_driver --serve PLAN.json    # long-lived, see `serve`
 
 PLAN: {"model": dir, "max_model_len": int, "max_tokens": int, "multiprocess": bool,
        "connector": {extra config} | null, "rounds": [[[token ids], ...], ...],
@@ -13,7 +14,9 @@ OUT: {"rounds": [[{"output": [ids], "logprobs": [float], "cached": n}, ...], ...
 Each round is one `LLM.generate` call (greedy). `cached` is vLLM's `num_cached_tokens`:
 after `reset_prefix_cache()` vLLM's own cache is empty, so a nonzero count is tokens the
 connector loaded. One process per engine instance: two engines in one process share vLLM's
-global state, and a second instance is what an L3 hit across engines needs anyway.
+global state, and a second instance is what an L3 hit across engines needs anyway. `--serve`
+keeps one engine up for many rounds, driven over stdin (`serve`): tests share it where they
+need no fresh engine, and two of them run side by side against one sidecar.
 """
 
 from __future__ import annotations
@@ -49,13 +52,14 @@ def _bind_ranks(tp_size: int) -> None:
     )
 
 
-def run(plan: dict[str, Any]) -> dict[str, Any]:
+def _llm(plan: dict[str, Any]) -> Any:
+    """The engine a plan describes (in this process; started once)."""
     _env()
     if plan.get("tensor_parallel_size", 1) > 1:
         _bind_ranks(int(plan["tensor_parallel_size"]))
     if not plan.get("multiprocess", False):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kwargs: dict[str, Any] = {}
@@ -79,10 +83,36 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         tensor_parallel_size=plan.get("tensor_parallel_size", 1),
         **kwargs,
     )
-    start_s = time.perf_counter() - started
-    params = SamplingParams(
-        temperature=0.0, max_tokens=plan.get("max_tokens", 8), ignore_eos=True, logprobs=0
-    )
+    llm.start_s = time.perf_counter() - started
+    return llm
+
+
+def _round(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[dict[str, Any]]:
+    """One `generate` call (greedy): per prompt its tokens, their logprobs and vLLM's
+    `num_cached_tokens`."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [
+        {
+            "output": list(o.outputs[0].token_ids),
+            # the chosen token's logprob per step: tokens alone miss a slightly wrong
+            # state (these random models' distributions are flat)
+            "logprobs": [
+                float(step[token].logprob)
+                for step, token in zip(
+                    o.outputs[0].logprobs or [], o.outputs[0].token_ids, strict=True
+                )
+            ],
+            "cached": int(o.num_cached_tokens or 0),
+        }
+        for o in outputs
+    ]
+
+
+def run(plan: dict[str, Any]) -> dict[str, Any]:
+    llm = _llm(plan)
     rounds = []
     timings = []
     for index, prompts in enumerate(plan["rounds"]):
@@ -92,26 +122,45 @@ def run(plan: dict[str, Any]) -> dict[str, Any]:
         if hook:
             _hook(hook)
         t0 = time.perf_counter()
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        rounds.append(_round(llm, prompts, plan.get("max_tokens", 8)))
         timings.append(time.perf_counter() - t0)
-        rounds.append(
-            [
-                {
-                    "output": list(o.outputs[0].token_ids),
-                    # the chosen token's logprob per step: tokens alone miss a slightly wrong
-                    # state (these random models' distributions are flat)
-                    "logprobs": [
-                        float(step[token].logprob)
-                        for step, token in zip(
-                            o.outputs[0].logprobs or [], o.outputs[0].token_ids, strict=True
-                        )
-                    ],
-                    "cached": int(o.num_cached_tokens or 0),
-                }
-                for o in outputs
-            ]
-        )
-    return {"rounds": rounds, "start_s": start_s, "round_s": timings}
+    return {"rounds": rounds, "start_s": llm.start_s, "round_s": timings}
+
+
+def _pause_in_loads(announce: Path) -> None:
+    """From now on, the first layer-wise wait of a load announces itself and never returns:
+    the engine is provably in the middle of a load when the test kills it."""
+    from hicache.integrations.vllm_worker import WorkerSide
+
+    def wait_layer(self: WorkerSide, layer_id: int) -> None:
+        if self._pending:
+            announce.write_text("in a load")
+            while True:
+                time.sleep(3600)
+
+    WorkerSide.wait_layer = wait_layer  # type: ignore[method-assign]
+
+
+def serve(plan: dict[str, Any]) -> None:
+    """A long-lived engine driven over stdin, one JSON command a line, one JSON reply a line
+    on stdout (after a `{"ready": start_s}` line once the engine is up):
+        {"prompts": [[ids], ...], "max_tokens": n}    one round (vLLM's own prefix cache
+                                                       reset first), its results
+        {"pause_in_loads": path}                       see `_pause_in_loads`
+    EOF on stdin ends it. vLLM logs go to stderr; stdout carries only the replies."""
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # anything vLLM prints goes to stderr
+    llm = _llm(plan)
+    out.write(json.dumps({"ready": llm.start_s}) + "\n")
+    for line in sys.stdin:
+        command = json.loads(line)
+        if "pause_in_loads" in command:
+            _pause_in_loads(Path(command["pause_in_loads"]))
+            out.write(json.dumps({"ok": True}) + "\n")
+            continue
+        llm.reset_prefix_cache()
+        out.write(json.dumps({"results": _round(llm, command["prompts"], command["max_tokens"])}))
+        out.write("\n")
 
 
 def _hook(spec: dict[str, Any]) -> None:
@@ -126,6 +175,9 @@ def _hook(spec: dict[str, Any]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[0] == "--serve":
+        serve(json.loads(Path(argv[1]).read_text()))
+        return 0
     plan = json.loads(Path(argv[0]).read_text())
     result = run(plan)
     Path(argv[1]).write_text(json.dumps(result))

@@ -9,14 +9,18 @@ prompts, in the same rounds, with no connector at all.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import selectors
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,3 +163,104 @@ def corrupt_l3(l3: Path) -> int:
 def served_loads(stats: dict[str, Any]) -> int:
     """Loads a sidecar's namespaces completed (its `/v1/stats`)."""
     return sum(int(ns["load"]["ops"]) for ns in stats["namespaces"])
+
+
+class EngineProcess:
+    """A long-lived vLLM engine in a process of its own (`vllm_driver --serve`): started once,
+    then driven round by round (each round one `generate` after vLLM's own prefix cache is
+    reset, as `run_engine`'s rounds). Its log is `<work>/<name>.log`."""
+
+    def __init__(
+        self,
+        work: Path,
+        model: Path,
+        *,
+        connector: dict[str, Any] | None = None,
+        name: str = "engine",
+        max_model_len: int = 2048,
+    ):
+        work.mkdir(parents=True, exist_ok=True)
+        self.name = name
+        self.log = work / f"{name}.log"
+        plan = {"model": str(model), "connector": connector, "max_model_len": max_model_len}
+        plan_path = work / f"{name}.plan.json"
+        plan_path.write_text(json.dumps(plan))
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        self._log: IO[str] = self.log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.vllm_driver", "--serve", str(plan_path)],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+        )
+        self.start_s: float | None = None
+
+    def ready(self, timeout_s: float = 900) -> EngineProcess:
+        """Wait until the engine is up (its first line)."""
+        if self.start_s is None:
+            self.start_s = float(self._reply(timeout_s)["ready"])
+        return self
+
+    def round(self, prompts: list[list[int]], max_tokens: int = 8) -> list[dict[str, Any]]:
+        """One round's results: per prompt its tokens, logprobs and `cached` tokens."""
+        self.ready()
+        self._send({"prompts": prompts, "max_tokens": max_tokens})
+        results: list[dict[str, Any]] = self._reply()["results"]
+        return results
+
+    def pause_in_loads(self, announce: Path) -> None:
+        """From now on the engine stops forever inside its next load (announcing it)."""
+        self.ready()
+        self._send({"pause_in_loads": str(announce)})
+        self._reply()
+
+    def send_round(self, prompts: list[list[int]], max_tokens: int = 8) -> None:
+        """Start a round without waiting for it: `results()` reads it (unless the engine is
+        killed during it)."""
+        self.ready()
+        self._send({"prompts": prompts, "max_tokens": max_tokens})
+
+    def results(self) -> list[dict[str, Any]]:
+        """The results of the round `send_round` started."""
+        results: list[dict[str, Any]] = self._reply()["results"]
+        return results
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=60)
+        self._log.close()
+
+    def close(self) -> None:
+        if self.proc.poll() is None and self.proc.stdin is not None:
+            self.proc.stdin.close()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=120)
+        self.kill()
+
+    def _send(self, command: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+
+    def _reply(self, timeout_s: float = 900) -> dict[str, Any]:
+        """The next line the engine writes; its death or silence for `timeout_s` (a deadline
+        for a machine under load, not a measurement) fails with its log's tail."""
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.proc.stdout, selectors.EVENT_READ)
+            while not selector.select(timeout=1.0):
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    break
+        line = self.proc.stdout.readline() if self.proc.poll() is None else ""
+        if not line:
+            self._log.flush()
+            tail = "\n".join(self.log.read_text().splitlines()[-40:])
+            state = "exited" if self.proc.poll() is not None else f"silent for {timeout_s:g} s"
+            raise AssertionError(f"vLLM engine {self.name} {state}; last log lines:\n{tail}")
+        reply: dict[str, Any] = json.loads(line)
+        return reply

@@ -1,0 +1,282 @@
+"""The vLLM worker's stores: which of vLLM's blocks a `StoreJob` backs up, and how they go.
+
+Direct (vLLM's blocks are the pool the sidecar maps, `vllm_shared_kv.py`): a store names
+vLLM's block ids and the sidecar copies them into L2 itself. The request is sent from a
+thread of ours, which only waits on the socket, so vLLM's `wait_for_save` returns at once.
+vLLM may hand a block to another request, or zero it, only in a later step; `drain()`, run
+from `handle_preemptions` before that step's forward, waits for every reply first, so no
+store reads a block once vLLM may write it. A store with no reply in time may still be
+running in the sidecar: drain then waits until that session provably ended (the client's next
+call reconnects and registers vLLM's memory again, which the sidecar allows only once no live
+session holds it) or the sidecar is gone, up to `settle_timeout_s`.
+
+Staging (the fallback): vLLM's blocks are copied into staging pages on vLLM's thread, then
+the store is sent and waited for; a store with no reply in time keeps its staging pages out
+of use (`staging_quarantined`).
+
+Lifecycle (all calls on vLLM's worker thread):
+    stores = Stores(layer_map, bindings, counters, state_store_block, staging=... | None)
+    stores.submit(client, jobs, skip)   # wait_for_save: skip = requests whose load failed
+    stores.drain(client)                # handle_preemptions, before the next forward
+    stores.close()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping, Sequence, Set
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.client import Client, SidecarUnreachableError
+from hicache.errors import HicacheError
+from hicache.integrations.vllm_binding import LayerBinding
+from hicache.integrations.vllm_plan import NULL_BLOCK, StoreJob
+from hicache.integrations.vllm_staging import Staging, WorkerCounters
+from hicache.memory import DevicePool
+from hicache.model import LayerMap
+
+
+@dataclass(frozen=True, slots=True)
+class StorePlan:
+    """Of a job's pages, those with a vLLM block in every layer (per hicache token group), and
+    the state groups whose snapshot is taken (the step ended on the job's last page)."""
+
+    positions: dict[str, list[int]]
+    snapshot_blocks: dict[int, int]  # vLLM group -> the block holding its state now
+    state_groups: list[str]
+
+
+class Stores:
+    def __init__(
+        self,
+        layer_map: LayerMap,
+        bindings: Mapping[int, LayerBinding],
+        counters: WorkerCounters,
+        state_store_block: Callable[[Sequence[int], int], int | None],
+        *,
+        page_size_tokens: int,
+        staging: Staging | None = None,
+        pools: Callable[[], Mapping[str, DevicePool]] = dict,
+        stream: Callable[[], Any] = lambda: None,
+        settle_timeout_s: float = 60.0,
+        retry_after_s: float = 1.0,
+    ):
+        self.layer_map = layer_map
+        self.bindings = dict(bindings)
+        self.counters = counters
+        self.page = page_size_tokens
+        self.staging = staging
+        self._pools = pools
+        self._stream = stream  # CUDA: vLLM's stream, the store's fence; CPU: None
+        self._state_store_block = state_store_block
+        self.settle_timeout_s = settle_timeout_s
+        self.retry_after_s = retry_after_s
+        # direct: each hicache group's layers in one vLLM group (its block ids are the pages)
+        self._vllm_group = {
+            g.name: self.bindings[g.layer_ids[0]].vllm_group
+            for g in layer_map.groups
+            if g.layer_ids[0] in self.bindings
+        }
+        self._thread: ThreadPoolExecutor | None = None
+        self._in_flight: list[tuple[str, Future[Any]]] = []
+        self._unsettled = False  # a store got no reply: the sidecar may still read blocks
+
+    # ---- planning -------------------------------------------------------------------------
+
+    def plan(self, job: StoreJob) -> StorePlan:
+        full = len(job.tokens) // self.page
+        snapshot_blocks: dict[int, int] = {}
+        positions: dict[str, list[int]] = {}
+        for g in self.layer_map.groups:
+            layer_ids = [i for i in g.layer_ids if i in self.bindings]
+            vgroups = sorted({self.bindings[i].vllm_group for i in layer_ids})
+            if g.kind.is_token_cache:
+                positions[g.name] = [
+                    i
+                    for i in range(job.first_page, full)
+                    if all(job.block_ids[v][i] != NULL_BLOCK for v in vgroups)
+                ]
+            elif job.computed_after == len(job.tokens):
+                for v in vgroups:
+                    block = self._state_store_block(job.block_ids[v], full)
+                    if block is not None and block != NULL_BLOCK:
+                        snapshot_blocks[v] = block
+        state_groups = [
+            g.name
+            for g in self.layer_map.groups
+            if not g.kind.is_token_cache
+            and job.computed_after == len(job.tokens)
+            and all(
+                self.bindings[i].vllm_group in snapshot_blocks
+                for i in g.layer_ids
+                if i in self.bindings
+            )
+        ]
+        return StorePlan(positions, snapshot_blocks, state_groups)
+
+    # ---- submitting -----------------------------------------------------------------------
+
+    def submit(self, client: Client | None, jobs: Sequence[StoreJob], skip: Set[str]) -> None:
+        """The step's stores (`skip`: requests whose load failed this step: their pages were
+        computed over blocks the load never filled)."""
+        if not jobs:
+            return
+        if client is None:
+            self.counters.store_failures += len(jobs)
+            return
+        started = time.perf_counter()
+        for job in jobs:
+            if job.req_id in skip:
+                self.counters.stores_skipped_failed_load += 1
+                continue
+            if self.staging is None:
+                self._send(client, job)
+            else:
+                self._through_staging(client, job, self.staging)
+        self.counters.store_on_step_s += time.perf_counter() - started
+
+    def _send(self, client: Client, job: StoreJob) -> None:
+        plan = self.plan(job)
+        full = len(job.tokens) // self.page
+        device_pages: dict[str, list[int | None]] = {}
+        for name, positions in plan.positions.items():
+            ids = job.block_ids[self._vllm_group[name]]
+            keep = set(positions)
+            device_pages[name] = [ids[i] if i in keep else None for i in range(full)]
+        snapshots = {
+            g: {len(job.tokens): plan.snapshot_blocks[self._vllm_group[g]]}
+            for g in plan.state_groups
+        }
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-store")
+        stream = self._stream()  # on vLLM's thread: its stream orders the fence
+        pages = sum(len(p) for p in plan.positions.values())
+        future = self._thread.submit(
+            self._timed, client, list(job.tokens), device_pages, snapshots, stream
+        )
+        self._in_flight.append((job.req_id, future))
+        self.counters.pages_stored += pages
+
+    def _timed(
+        self,
+        client: Client,
+        tokens: list[int],
+        device_pages: dict[str, list[int | None]],
+        snapshots: dict[str, dict[int, int]],
+        stream: Any,
+    ) -> None:
+        started = time.perf_counter()
+        try:
+            client.store(tokens, device_pages, snapshots, stream=stream)
+        finally:
+            self.counters.store_s += time.perf_counter() - started
+
+    def _through_staging(self, client: Client, job: StoreJob, staging: Staging) -> None:
+        plan = self.plan(job)
+        full = len(job.tokens) // self.page
+        wanted = {g: len(p) for g, p in plan.positions.items()} | dict.fromkeys(
+            plan.state_groups, 1
+        )
+        pages = staging.take(wanted)
+        if pages is None:
+            self.counters.stores_skipped_staging += 1
+            self.counters.error(
+                f"request {job.req_id}: its store needs {wanted} staging pages; free now: "
+                f"{staging.free()} of {staging.num_pages}; not stored (raise staging_pages)"
+            )
+            return
+        started = time.perf_counter()
+        try:
+            pools = self._pools()
+            device_pages: dict[str, list[int | None]] = {}
+            for name, positions in plan.positions.items():
+                where = dict(zip(positions, pages[name], strict=True))
+                device_pages[name] = [where.get(i) for i in range(full)]
+            for binding in self.bindings.values():
+                pool = pools[binding.group]
+                if binding.group in plan.positions:
+                    positions = plan.positions[binding.group]
+                    if positions:
+                        ids = job.block_ids[binding.vllm_group]
+                        binding.to_staging(pool, [ids[i] for i in positions], pages[binding.group])
+                elif binding.group in plan.state_groups:
+                    block = plan.snapshot_blocks[binding.vllm_group]
+                    binding.to_staging(pool, [block], pages[binding.group])
+            snapshots = {g: {len(job.tokens): pages[g][0]} for g in plan.state_groups}
+            # No fence: staging is shared host memory and `to_staging`'s copies are blocking,
+            # so the pages are written before the request leaves (`Client.store`'s CPU rule).
+            client.store(list(job.tokens), device_pages, snapshots)
+            self.counters.stores += 1
+            self.counters.pages_stored += sum(len(p) for p in plan.positions.values())
+        except (HicacheError, OSError) as exc:
+            self.counters.store_failures += 1
+            self.counters.error(f"request {job.req_id}: store failed: {exc}")
+            if isinstance(exc, TimeoutError):
+                # no answer in time: the sidecar may still be backing the store up from these
+                # pages; handed to the next store they would be overwritten under this
+                # prompt's keys (another prompt's bytes filed and served as this one's)
+                self.counters.staging_quarantined += sum(len(p) for p in pages.values())
+                pages = {}
+        finally:
+            staging.give(pages)
+            self.counters.store_s += time.perf_counter() - started
+
+    # ---- before vLLM may write a stored block again ---------------------------------------
+
+    def unsettle(self) -> None:
+        """A request got no reply in time (a load's start, say): settle its session in the
+        next `drain`, as for a store."""
+        self._unsettled = True
+
+    def drain(self, client: Client | None) -> None:
+        """Every store sent so far answered (or its session provably over): from here on
+        vLLM may overwrite any block a store named."""
+        if not self._in_flight and not self._unsettled:
+            return
+        started = time.perf_counter()
+        in_flight, self._in_flight = self._in_flight, []
+        for req_id, future in in_flight:
+            try:
+                future.result()  # the client's socket timeout bounds it
+                self.counters.stores += 1
+            except (HicacheError, OSError) as exc:
+                self.counters.store_failures += 1
+                self.counters.error(f"request {req_id}: store failed: {exc}")
+                if not isinstance(exc, HicacheError) or isinstance(exc, SidecarUnreachableError):
+                    self._unsettled = True  # no answer: it may still be reading vLLM's blocks
+        if self._unsettled and client is not None:
+            self._unsettled = not self._settle(client)
+        self.counters.store_on_step_s += time.perf_counter() - started
+
+    def _settle(self, client: Client) -> bool:
+        """Wait until the session that had an unanswered store has ended: a call that
+        reconnects registers vLLM's memory again, which the sidecar refuses while a live
+        session holds it; or the sidecar no longer listens (the process that read is gone)."""
+        deadline = time.monotonic() + self.settle_timeout_s
+        while True:
+            try:
+                client.stats()
+                return True
+            except SidecarUnreachableError:
+                return True
+            except (HicacheError, OSError) as exc:
+                if time.monotonic() > deadline:
+                    self.counters.stores_unconfirmed += 1
+                    self.counters.error(
+                        f"a store got no reply and its session did not end in "
+                        f"{self.settle_timeout_s:g} s ({exc}); vLLM goes on writing its blocks"
+                    )
+                    return False
+                time.sleep(self.retry_after_s)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            for _, future in self._in_flight:
+                with contextlib.suppress(Exception):
+                    future.result()
+            self._in_flight = []
+            self._thread.shutdown(wait=True)
+            self._thread = None

@@ -1,0 +1,129 @@
+"""vLLM's KV memory shared in place (`vllm_shared_kv.py`), without vLLM: an allocation made
+as vLLM makes it (one `torch.zeros`, per-layer `[blocks, heads, block, 2 * head]` views) gets
+memfd backing under the same addresses, its bytes kept; the sidecar's side maps it from the
+manifest as page rows at the block stride, and what either side writes the other reads, in
+exactly the block and byte range named."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from hicache.channel.shm import map_pools
+from hicache.integrations.vllm_binding import bind_layers
+from hicache.integrations.vllm_shared_kv import (
+    SharedKvError,
+    blocks_pools,
+    share_in_place,
+)
+from hicache.memory import CacheDtypes, GroupGeometry
+from hicache.model import LayerMap, load_layout
+from tests.conftest import shared_model
+
+BLOCK = 16
+
+
+def _vllm_like(blocks: int) -> tuple[LayerMap, dict[str, GroupGeometry], torch.Tensor, dict]:
+    """Llama-3.1-8B's layout at 16-token blocks: one int8 allocation (glibc mmaps it: over
+    32 MiB), each layer a view `[blocks, 8, 16, 256]` bf16 at its layer offset."""
+    layer_map = LayerMap(load_layout(shared_model("llama-3.1-8b.json")))
+    dtypes = CacheDtypes.from_names("bfloat16", None, None)
+    geometries = {g.name: GroupGeometry.of(g, dtypes, BLOCK) for g in layer_map.groups}
+    spec = layer_map.groups[0].spec
+    per_block = spec.num_kv_heads * BLOCK * 2 * spec.head_dim
+    layers = len(layer_map.stage_layer_ids)
+    buf = torch.zeros(layers * blocks * per_block * 2, dtype=torch.int8)
+    caches = {
+        f"model.layers.{i}.self_attn.attn": buf[
+            i * blocks * per_block * 2 : (i + 1) * blocks * per_block * 2
+        ]
+        .view(torch.bfloat16)
+        .view(blocks, spec.num_kv_heads, BLOCK, 2 * spec.head_dim)
+        for i in layer_map.stage_layer_ids
+    }
+    return layer_map, geometries, buf, caches
+
+
+def _bind(layer_map: LayerMap, geometries: dict, caches: dict) -> dict:
+    index = {name: int(name.split(".")[2]) for name in caches}
+    return bind_layers(layer_map, geometries, caches, index, dict.fromkeys(caches, 0), {})
+
+
+def test_the_allocation_keeps_its_address_and_bytes_and_the_sidecar_sees_vllms_blocks() -> None:
+    layer_map, geometries, buf, caches = _vllm_like(blocks=20)
+    generator = torch.Generator().manual_seed(0)
+    buf.copy_(torch.randint(-128, 127, buf.shape, generator=generator, dtype=torch.int8))
+    before, address = buf.clone(), buf.data_ptr()
+    bindings = _bind(layer_map, geometries, caches)
+    memory = share_in_place(bindings)
+    try:
+        assert buf.data_ptr() == address
+        assert torch.equal(buf, before)  # every byte kept
+        pools = blocks_pools(memory, bindings, geometries)
+        # the sidecar's side: the engine's descriptor, checked and mapped from the manifest
+        mapped, _ = map_pools(pools.manifest() | {"counters_fd": 0}, geometries, os.getpid())
+        full = mapped["full"]
+        assert full.num_pages == 20
+        layer, local = 5, layer_map.group("full").layer_ids.index(5)
+        cache = caches[f"model.layers.{layer}.self_attn.attn"]
+        k_rows, v_rows = full.layer_rows(local)
+        block = cache.view(cache.shape[0], -1).view(torch.uint8)  # vLLM's blocks as bytes
+        k_bytes = k_rows.shape[1]
+        assert torch.equal(k_rows[3], block[3, :k_bytes])
+        # a load's copy into page 3's V row lands in vLLM's block 3, nowhere else
+        others = block.clone()
+        v_rows[3].fill_(7)
+        assert block[3, k_bytes:].eq(7).all()
+        others[3, k_bytes:] = 7
+        assert torch.equal(block, others)
+        # and what vLLM writes (its forward), the sidecar reads (a store)
+        cache[2].fill_(1.5)
+        assert torch.equal(k_rows[2], block[2, :k_bytes])
+        assert k_rows[2].view(torch.bfloat16).eq(1.5).all()
+    finally:
+        memory.close()
+
+
+def test_two_allocations_are_refused_by_name() -> None:
+    layer_map, geometries, _, caches = _vllm_like(blocks=20)
+    name = "model.layers.3.self_attn.attn"
+    caches[name] = caches[name].clone()
+    with pytest.raises(SharedKvError, match=r"^vLLM's KV tensors live in 2 allocations"):
+        share_in_place(_bind(layer_map, geometries, caches))
+
+
+def test_a_manifest_row_past_the_pool_is_refused() -> None:
+    layer_map, geometries, _, caches = _vllm_like(blocks=20)
+    bindings = _bind(layer_map, geometries, caches)
+    memory = share_in_place(bindings)
+    try:
+        manifest = blocks_pools(memory, bindings, geometries).manifest()
+        manifest["groups"]["full"]["page_strides"][31][1] += 4096
+        with pytest.raises(Exception, match=r"run past the pool's"):
+            map_pools(manifest | {"counters_fd": 0}, geometries, os.getpid())
+        manifest["groups"]["full"]["page_strides"][0][0] = 8
+        with pytest.raises(Exception, match=r"page_strides\[0\] \(k\): 8; allowed: a multiple"):
+            map_pools(manifest | {"counters_fd": 0}, geometries, os.getpid())
+    finally:
+        memory.close()
+
+
+def test_a_client_that_failed_leaves_the_memory_registrable() -> None:
+    """A client closes the pools it registered; each registration gets a descriptor of its
+    own, so after a failed first try (a timed-out hello) the next client still registers
+    vLLM's memory, the same memory (identity) the first one named."""
+    layer_map, geometries, _, caches = _vllm_like(blocks=20)
+    bindings = _bind(layer_map, geometries, caches)
+    memory = share_in_place(bindings)
+    try:
+        first = blocks_pools(memory, bindings, geometries)
+        _, identity = map_pools(first.manifest() | {"counters_fd": 0}, geometries, os.getpid())
+        first.close()  # what the failed client did
+        second = blocks_pools(memory, bindings, geometries)
+        _, again = map_pools(second.manifest() | {"counters_fd": 0}, geometries, os.getpid())
+        second.close()
+        assert again == identity
+    finally:
+        memory.close()
