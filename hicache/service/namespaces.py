@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from hicache.cache import TieredCache
 from hicache.config import Deployment
-from hicache.embedded import EmbeddedCache, check_pools_device, pools_device
+from hicache.embedded import EmbeddedCache, pools_device
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 from hicache.storage import GuardedStore
@@ -105,8 +105,7 @@ class Namespace:
         """Serve an engine session's pools beside the others attached; refused (ConfigError)
         when they are on another device than the one this namespace copies on (its host tier
         and streams stay where they are)."""
-        check_pools_device(device_pools, self.cache.embedded.backend)
-        self.cache.embedded.scheduler.attach_device_pools(device_pools, attachment=session_id)
+        self.cache.attach_device_pools(device_pools, attachment=session_id)
         self.attached.add(session_id)
 
     async def detach(self, session_id: int) -> int:
@@ -116,9 +115,14 @@ class Namespace:
         if session_id not in self.attached:
             return 0
         try:
-            return await self.cache.embedded.scheduler.end_attachment(session_id)
+            return await self.cache.end_attachment(session_id)
         finally:
             self.attached.discard(session_id)
+
+    @property
+    def host_pools_bytes(self) -> int:
+        """The L2 bytes this namespace's cached groups hold."""
+        return sum(self.cache.host_pool_stats(g).capacity_bytes for g in self.cache.index.rules)
 
     async def close(self) -> None:
         self._stop.set()

@@ -49,7 +49,7 @@ class DataOps:
                         f"store.snapshots.{group}: two snapshots after {tokens} tokens (slots "
                         f"{given[tokens]} and {slot}); give one per prefix length",
                     )
-        fence = store_fence(namespace.cache.embedded.backend, args.fence)
+        fence = store_fence(namespace.cache.backend, args.fence)
         result = await namespace.cache.store(
             args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
         )
