@@ -82,6 +82,16 @@ def test_the_service_does_not_import_the_engine_side() -> None:
         assert _violations(("hicache.service",), (), end) == []
 
 
+def test_the_connection_talks_to_a_dispatcher_not_to_the_server() -> None:
+    """connection.py knows the server only as `service/dispatch.py`'s protocol: no import of
+    server.py (no `TYPE_CHECKING` one either), so the two form no cycle."""
+    assert _violations(("hicache.service.connection",), (), "hicache.service.server") == []
+    assert (PACKAGE / "service" / "connection.py").is_file()
+    assert "hicache.service.dispatch" in {
+        m for _, m in _imports(PACKAGE / "service" / "connection.py", PACKAGE)
+    }
+
+
 def test_the_rule_sees_an_import(tmp_path: Path) -> None:
     """The reader finds absolute, relative, `from hicache import` and function-local imports."""
     root = tmp_path / "hicache"

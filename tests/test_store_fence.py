@@ -27,7 +27,7 @@ from hicache.client.base import ClientBase, store_args
 from hicache.client.handle import ClientError
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
-from hicache.service.ops import EngineOps
+from hicache.service.ops_data import store_fence
 from hicache.transfer import NO_FENCE, CpuCopyBackend, Direction, Fence
 from hicache.transfer.backend import CancelToken, LayerListener, LayerPart, WalkDone, WalkSignals
 from tests.conftest import shared_model
@@ -131,17 +131,12 @@ async def test_store_hands_the_callers_fence_to_the_backup_and_drops_it_after(
         cache.embedded.close()
 
 
-def namespace_on(backend: Any) -> Any:
-    return SimpleNamespace(cache=SimpleNamespace(embedded=SimpleNamespace(backend=backend)))
-
-
 def test_the_sidecar_never_makes_a_fence_of_its_own() -> None:
     backend = CpuCopyBackend()
     try:
-        session: Any = None
-        assert EngineOps._store_fence(session, namespace_on(backend), None) is NO_FENCE
+        assert store_fence(backend, None) is NO_FENCE
         with pytest.raises(p.RequestError, match=r"store\.fence: an IPC event handle orders CUDA"):
-            EngineOps._store_fence(session, namespace_on(backend), b"\0" * 64)
+            store_fence(backend, b"\0" * 64)
     finally:
         backend.close()
 
@@ -157,7 +152,7 @@ def test_a_cuda_sidecar_opens_the_engines_handle() -> None:
             return Marker("sidecar")
 
     handle = bytes(range(64))
-    fence = EngineOps._store_fence(None, namespace_on(Cuda()), handle)  # type: ignore[arg-type]
+    fence = store_fence(Cuda(), handle)  # type: ignore[arg-type]
     assert isinstance(fence, Marker)
     assert opened == [handle]
 

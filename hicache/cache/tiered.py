@@ -42,7 +42,7 @@ from hicache.cache.planner import Planner, StorePlan
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.cache.resync import Resync
 from hicache.cache.settings import CacheSettings, effective
-from hicache.embedded import EmbeddedCache, check_tp_rank
+from hicache.embedded import EmbeddedCache, check_pools_device, check_tp_rank
 from hicache.errors import HicacheError
 from hicache.index import (
     WRITE_POLICIES,
@@ -56,9 +56,10 @@ from hicache.index import (
     WritePolicy,
 )
 from hicache.index.policies import prefetch_policy as prefetch_policy_named
-from hicache.scheduler import DEFAULT_ATTACHMENT, GroupPages, OpHandle, OpResult
+from hicache.memory import DevicePool, HostPoolStats
+from hicache.scheduler import DEFAULT_ATTACHMENT, GroupPages, OpHandle, OpResult, SchedulerStats
 from hicache.storage import GuardedStore
-from hicache.transfer import Fence, LayerListener
+from hicache.transfer import CopyBackend, Fence, LayerListener
 
 log = logging.getLogger("hicache.cache")
 _STORE_ROUNDS = 8  # a store waits for other stores of its pages at most this many times
@@ -661,6 +662,44 @@ class TieredCache:
             self.planner.abort_fetch(plan)
             return 0
         return await self.io.read_into(l3, plan)
+
+    # ---- engines' pools and the numbers a service reports (no one reaches past the façade) ---
+
+    @property
+    def backend(self) -> CopyBackend:
+        """The copy backend this cache's scheduler copies on."""
+        return self.embedded.backend
+
+    def attach_device_pools(
+        self, device_pools: Mapping[str, DevicePool], *, attachment: int
+    ) -> None:
+        """Serve an engine's pools as the scheduler's attachment `attachment` beside the
+        others; refused (ConfigError) on another device than this cache copies on."""
+        check_pools_device(device_pools, self.embedded.backend)
+        self.embedded.scheduler.attach_device_pools(device_pools, attachment=attachment)
+
+    def drop_default_pools(self) -> None:
+        """Forget the pools the stack was built on (the scheduler's default attachment): a
+        sidecar namespace serves each engine's pools as its own attachment instead."""
+        self.embedded.scheduler.detach_device_pools()
+        self.embedded.device_pools = {}
+
+    async def end_attachment(self, attachment: int) -> int:
+        """Cancel and await `attachment`'s queued and running ops, then drop its pools;
+        returns how many were cancelled."""
+        return await self.embedded.scheduler.end_attachment(attachment)
+
+    @property
+    def attachments(self) -> int:
+        """Device-pool sets the scheduler holds (one per attached engine)."""
+        return len(self.embedded.scheduler.attachments)
+
+    def scheduler_stats(self) -> SchedulerStats:
+        return self.embedded.scheduler.stats()
+
+    def host_pool_stats(self, group: str) -> HostPoolStats:
+        """`group`'s L2 pool: its pages, their size, how many are free and pinned."""
+        return self.embedded.host_tier.pool(group).stats()
 
     # ---- admin ------------------------------------------------------------------------------
 

@@ -5,7 +5,7 @@ pins). Never calls the CUDA API itself; pinning and device work go through
 
 from hicache.memory.device_pool import DevicePool
 from hicache.memory.geometry import CacheDtypes, GroupGeometry, group_geometries, torch_dtype
-from hicache.memory.host_pool import HostPool
+from hicache.memory.host_pool import HostPool, HostPoolStats
 from hicache.memory.host_tier import HostTier, HostTierReport
 from hicache.memory.page_allocator import PageAllocator
 
@@ -14,6 +14,7 @@ __all__ = [
     "DevicePool",
     "GroupGeometry",
     "HostPool",
+    "HostPoolStats",
     "HostTier",
     "HostTierReport",
     "PageAllocator",

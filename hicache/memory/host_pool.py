@@ -11,6 +11,7 @@ reallocated; pages are handed out by a `PageAllocator` with pins.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -20,6 +21,18 @@ from hicache.memory.geometry import GroupGeometry
 from hicache.memory.page_allocator import PageAllocator
 
 HostLayout = Literal["layer_first", "page_first"]
+
+
+@dataclass(frozen=True, slots=True)
+class HostPoolStats:
+    num_pages: int
+    page_bytes: int
+    free_pages: int
+    pinned_pages: int  # pages a copy still reads or writes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
 
 
 class HostPool:
@@ -84,3 +97,9 @@ class HostPool:
     @property
     def nbytes(self) -> int:
         return self.buffer.numel()
+
+    def stats(self) -> HostPoolStats:
+        allocator = self.allocator.stats()
+        return HostPoolStats(
+            self.num_pages, self.geometry.page_bytes, allocator.free_pages, allocator.pinned_pages
+        )

@@ -1,6 +1,7 @@
 """`EngineConnection`: one engine's socket as an `asyncio.Protocol` — frames in, replies out, in
 request order (cheap ops inline, awaited ones through an ordered worker); its end ends the
-session.
+session. It talks to the server only through the `Dispatcher` protocol (dispatch.py): open,
+answer now or later, end, limits, counted drops.
 
 Back-pressure, per connection: the sidecar stops reading a connection whose unread replies pass
 `service.max_unread_reply_bytes` (the transport's high-water mark) or whose queue behind an
@@ -14,13 +15,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from typing import TYPE_CHECKING, cast
+from functools import partial
+from typing import cast
 
 from hicache.channel import protocol as p
+from hicache.service.dispatch import Deferred, Dispatcher
 from hicache.service.sessions import Session
-
-if TYPE_CHECKING:
-    from hicache.service.server import EngineServer
 
 
 class EngineConnection(asyncio.Protocol):
@@ -28,14 +28,14 @@ class EngineConnection(asyncio.Protocol):
     inside `data_received` (no task, no await); the first op that must await starts a worker
     task that drains the queue in order, so a later cheap op never overtakes it."""
 
-    def __init__(self, server: EngineServer):
-        self.server = server
+    def __init__(self, dispatcher: Dispatcher):
+        self.dispatcher = dispatcher
+        self.limits = dispatcher.limits
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
         self.session: Session | None = None
         self.buffer = bytearray()
-        self.queue: deque[bytes] = deque()
+        self.queue: deque[Deferred] = deque()  # replies to await, in request order
         self.worker: asyncio.Task[None] | None = None
-        self.ended: asyncio.Task[None] | None = None
         self.reason = "closed by engine"
         self._unread = False  # replies past the high-water mark: the engine is not reading
         self._reading = True
@@ -43,11 +43,9 @@ class EngineConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        high = self.server.service.max_unread_reply_bytes
+        high = self.limits.max_unread_reply_bytes
         self.transport.set_write_buffer_limits(high=high, low=high // 4)
-        self.session = self.server._open(self)
-        if self.session is not None:
-            self.server._connections.add(self)
+        self.session = self.dispatcher.open(self.transport)
 
     def data_received(self, data: bytes) -> None:
         if self.session is None or self.transport.is_closing():
@@ -62,8 +60,7 @@ class EngineConnection(asyncio.Protocol):
         assert session is not None
         buffer = self.buffer
         header = p.HEADER.size
-        service = self.server.service
-        limit = service.max_frame_bytes
+        limit = self.limits.max_frame_bytes
         while len(buffer) >= header and not self._held():
             (size,) = p.HEADER.unpack_from(buffer)
             if size > limit:
@@ -75,8 +72,7 @@ class EngineConnection(asyncio.Protocol):
                         "closing the connection",
                     )
                 )
-                self.server.metrics.errors.labels(p.ErrorCode.BAD_FRAME).inc()
-                self.server.metrics.connections_dropped.labels("oversized_frame").inc()
+                self.dispatcher.dropped("oversized_frame", error_code=p.ErrorCode.BAD_FRAME)
                 self.reason = "oversized frame"
                 self.transport.close()
                 return
@@ -84,18 +80,19 @@ class EngineConnection(asyncio.Protocol):
                 break
             payload = bytes(buffer[header : header + size])
             del buffer[: header + size]
-            if self.worker is None:
-                reply = self.server.answer_now(session, payload)
-                if reply is not None:
-                    self.transport.write(reply)
-                    continue
-            self.queue.append(payload)
-            if self.worker is None:
-                self.worker = asyncio.ensure_future(self._drain(session))
+            if self.worker is not None:  # behind an awaited reply: answered in turn
+                self.queue.append(partial(self.dispatcher.answer, session, payload))
+                continue
+            answer = self.dispatcher.answer_now(session, payload)
+            if isinstance(answer, bytes):
+                self.transport.write(answer)
+                continue
+            self.queue.append(answer)
+            self.worker = asyncio.ensure_future(self._drain())
         self._set_reading(not self._held())
 
     def _held(self) -> bool:
-        return self._unread or len(self.queue) >= self.server.service.max_pipelined_requests
+        return self._unread or len(self.queue) >= self.limits.max_pipelined_requests
 
     def _set_reading(self, reading: bool) -> None:
         if reading != self._reading and not self.transport.is_closing():
@@ -109,7 +106,7 @@ class EngineConnection(asyncio.Protocol):
         """The transport's unread replies passed the high-water mark."""
         self._unread = True
         self._set_reading(False)
-        timeout = self.server.service.slow_reader_timeout_s
+        timeout = self.limits.slow_reader_timeout_s
         loop = asyncio.get_running_loop()
         self._slow = loop.call_later(timeout, self._drop_slow_reader, timeout)
 
@@ -126,13 +123,13 @@ class EngineConnection(asyncio.Protocol):
             return
         unread = self.transport.get_write_buffer_size()
         self.reason = f"slow reader: {unread} reply bytes unread for {timeout:g} s"
-        self.server.metrics.connections_dropped.labels("slow_reader").inc()
+        self.dispatcher.dropped("slow_reader")
         self.transport.abort()  # connection_lost ends the session
 
-    async def _drain(self, session: Session) -> None:
+    async def _drain(self) -> None:
         try:
             while self.queue and not self.transport.is_closing():  # no one reads the rest
-                reply = await self.server.answer(session, self.queue.popleft())
+                reply = await self.queue.popleft()()
                 if not self.transport.is_closing():
                     self.transport.write(reply)
         finally:
@@ -147,14 +144,11 @@ class EngineConnection(asyncio.Protocol):
             return
         if exc is not None and self.reason == "closed by engine":
             self.reason = "connection lost"
-        self.ended = self.session.ending = asyncio.ensure_future(self._end())
+        self.session.ending = asyncio.ensure_future(self._end())
 
     async def _end(self) -> None:
         assert self.session is not None
         if self.worker is not None:  # let the op in hand finish before its pools go away
             await asyncio.gather(self.worker, return_exceptions=True)
         self.queue.clear()
-        try:
-            await self.server._end_session(self.session, self.reason)
-        finally:
-            self.server._connections.discard(self)
+        await self.dispatcher.end(self.session, self.reason)

@@ -96,12 +96,7 @@ class ControlApi:
             "problems": problems,
             "degraded": degraded,
             "namespaces": len(self.server.namespaces),
-            "host_pools_bytes": sum(
-                ns.cache.embedded.host_tier.pool(g).num_pages
-                * ns.cache.embedded.host_tier.pool(g).geometry.page_bytes
-                for ns in self.server.namespaces.values()
-                for g in ns.cache.index.rules
-            ),
+            "host_pools_bytes": sum(ns.host_pools_bytes for ns in self.server.namespaces.values()),
             "l3": self.server.plan.storage_kind if store is not None else "none",
             "l3_breaker": None if breaker is None else breaker["state"],
         }

@@ -202,7 +202,7 @@ class StateCollector(Collector):
             tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[TieredCache, str], int]]
         ] = [
             (used, lambda c, g: c.index.l2_pages(g) * _page_bytes(c, g)),
-            (capacity, lambda c, g: c.embedded.host_tier.pool(g).num_pages * _page_bytes(c, g)),
+            (capacity, lambda c, g: c.host_pool_stats(g).capacity_bytes),
             (pinned, lambda c, g: c.index.pinned_pages(g) * _page_bytes(c, g)),
             (l3_only, lambda c, g: c.index.l3_only_pages(g)),
             (forgotten, lambda c, g: c.index.l3_forgotten[g]),
@@ -211,7 +211,7 @@ class StateCollector(Collector):
         skipped_total = q_load = q_backup = inflight_bytes = 0
         for namespace in self._namespaces():
             cache = namespace.cache
-            stats = cache.embedded.scheduler.stats()
+            stats = cache.scheduler_stats()
             q_load += stats.queued_loads
             q_backup += stats.queued_backups
             inflight_bytes += stats.in_flight_bytes
@@ -272,7 +272,7 @@ class StateCollector(Collector):
 
 
 def _page_bytes(cache: TieredCache, group: str) -> int:
-    return cache.embedded.host_tier.pool(group).geometry.page_bytes
+    return cache.host_pool_stats(group).page_bytes
 
 
 def metrics_reference() -> str:

@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 
 from hicache.assembly.sidecar import SidecarPlan
 from hicache.cache import TieredCache
-from hicache.embedded import check_pools_device
 from hicache.memory import DevicePool
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
@@ -66,8 +65,7 @@ class Namespace:
         )
         # the first engine's pools built the stack; they are served as its attachment
         # (`attach`), not as the scheduler's default one, so they go when that engine does
-        cache.embedded.scheduler.detach_device_pools()
-        cache.embedded.device_pools = {}
+        cache.drop_default_pools()
         namespace = cls(key, cache)
         started = asyncio.Event()
         namespace._task = tg.create_task(namespace._run(started), name=f"hicache-ns-{key}")
@@ -84,8 +82,7 @@ class Namespace:
         """Serve an engine session's pools beside the others attached; refused (ConfigError)
         when they are on another device than the one this namespace copies on (its host tier
         and streams stay where they are)."""
-        check_pools_device(device_pools, self.cache.embedded.backend)
-        self.cache.embedded.scheduler.attach_device_pools(device_pools, attachment=session_id)
+        self.cache.attach_device_pools(device_pools, attachment=session_id)
         self.attached.add(session_id)
 
     async def detach(self, session_id: int) -> int:
@@ -95,9 +92,14 @@ class Namespace:
         if session_id not in self.attached:
             return 0
         try:
-            return await self.cache.embedded.scheduler.end_attachment(session_id)
+            return await self.cache.end_attachment(session_id)
         finally:
             self.attached.discard(session_id)
+
+    @property
+    def host_pools_bytes(self) -> int:
+        """The L2 bytes this namespace's cached groups hold."""
+        return sum(self.cache.host_pool_stats(g).capacity_bytes for g in self.cache.index.rules)
 
     async def close(self) -> None:
         self._stop.set()

@@ -1,11 +1,14 @@
-"""`EngineServer`: the sidecar's engine channel — sessions, validation, the ops, cleanup.
+"""`EngineServer`: the sidecar's engine channel — listening, sessions, dispatch of each request
+to its op's handler, cleanup, the drain. It builds the explicit `ServerState` once and the op
+classes over it (`ops_session`, `ops_pools`, `ops_lookup`, `ops_data`), and is the
+`Dispatcher` (dispatch.py) its connections talk to.
 
 Lifecycle of a session: connect -> `hello` (version, token, layout and namespace checks) ->
 `register_pools` (the engine's sealed memfds — its pool and its load counters — are taken from
 the socket's peer process and mapped; the pool is attached to its namespace's cache) -> ops in
 order: lookup (by tokens; by page keys, `lookup_keys`; several, `lookup_many`) / store / load /
 prefetch / release / stats / heartbeat -> the socket closes or
-heartbeats stop -> `_end_session` cancels and awaits the session's loads (their pins go with
+heartbeats stop -> `end` cancels and awaits the session's loads (their pins go with
 them), detaches its pools and drops every mapping of the engine's memory; the namespace's L2
 pages and index stay for the other engines attached and the next ones. Many engine sessions
 may share a namespace: each one's end touches only its own loads, pins and pools.
@@ -21,25 +24,34 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import os
 import socket
 import struct
 import time
-from collections.abc import Callable, Coroutine
 from pathlib import Path
-from typing import Any
 
+from hicache.assembly import ServiceSettings
 from hicache.assembly.sidecar import SidecarPlan
-from hicache.cache.keyers import page_keyers
 from hicache.channel import protocol as p
 from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
 from hicache.service.connection import EngineConnection
+from hicache.service.dispatch import (
+    ConnectionLimits,
+    Deferred,
+    Handler,
+    Later,
+    Reply,
+    awaited,
+)
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
-from hicache.service.ops import DeferToAwait, EngineOps
+from hicache.service.ops_data import DataOps
+from hicache.service.ops_lookup import LookupOps
+from hicache.service.ops_pools import PoolOps
+from hicache.service.ops_session import SessionOps
 from hicache.service.sessions import DrainReport, Session, process_start
+from hicache.service.state import ServerState
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
@@ -74,11 +86,7 @@ def name_peer(session: Session, transport: asyncio.BaseTransport) -> None:
         session.peer_pid, session.peer_start = int(pid), process_start(int(pid))
 
 
-Handler = Callable[[Session, Any], Coroutine[Any, Any, dict[str, Any]]]
-InlineHandler = Callable[[Session, Any], dict[str, Any]]
-
-
-class EngineServer(EngineOps):
+class EngineServer:
     def __init__(
         self,
         plan: SidecarPlan,
@@ -87,45 +95,59 @@ class EngineServer(EngineOps):
         tg: asyncio.TaskGroup,
         metrics: ServiceMetrics,
     ):
-        self.plan = plan  # what this sidecar serves, read from the deployment by assembly
-        self.model_name = plan.model_name  # in every page key: the weights' identity
-        self.service = plan.service
-        self.layer_map = layer_map = plan.layer_map
-        self.backend = backend
-        self.store = store
+        self.state = ServerState.build(plan, backend, store, tg, metrics)
         self.metrics = metrics
-        self._tg = tg
-        self.geometries = plan.geometries
-        self.layout = p.layout_summary(layer_map, self.geometries, plan.page_size_tokens)
-        self.key_groups = tuple(page_keyers(self.geometries, layer_map, plan.move_policy))
-        self.namespaces: dict[NamespaceKey, Namespace] = {}
-        self.sessions: dict[int, Session] = {}
-        self._session_ids = itertools.count(1)
-        self._load_ids = itertools.count(1)
+        self._limits = ConnectionLimits.of(plan.service)
         self._servers: list[asyncio.Server] = []
-        self._connections: set[EngineConnection] = set()
         self._draining = False
         self._bound = False  # the socket file is ours to remove
         self._watchdog_task: asyncio.Task[None] | None = None
+        hello, pools = SessionOps(self.state), PoolOps(self.state)
+        lookups, data = LookupOps(self.state), DataOps(self.state)
+        # one handler per op: its result now, or a `Later` to await (dispatch.py)
         self._handlers: dict[str, Handler] = {
-            "hello": self._hello,
-            "register_pools": self._register_pools,
-            "register_cuda_pools": self._register_cuda_pools,
-            "store": self._store,
-            "load": self._load,
-            "prefetch": self._prefetch,
-            "lookup": self._lookup_discovering,  # when the inline lookup defers
-            "lookup_keys": self._lookup_keys_discovering,
-            "lookup_many": self._lookup_many_discovering,
+            "hello": awaited(hello.hello),
+            "register_pools": awaited(pools.register_pools),
+            "register_cuda_pools": awaited(pools.register_cuda_pools),
+            "lookup": lookups.lookup,
+            "lookup_keys": lookups.lookup_keys,
+            "lookup_many": lookups.lookup_many,
+            "store": awaited(data.store),
+            "load": awaited(data.load),
+            "prefetch": awaited(data.prefetch),
+            "release": data.release,
+            "stats": hello.stats,
+            "heartbeat": hello.heartbeat,
         }
-        self._inline: dict[str, InlineHandler] = {
-            "lookup": self._lookup,
-            "lookup_keys": self._lookup_keys,
-            "lookup_many": self._lookup_many,
-            "release": self._release,
-            "stats": self._stats,
-            "heartbeat": self._heartbeat,
-        }
+
+    # what the control API and the app read
+    @property
+    def plan(self) -> SidecarPlan:
+        return self.state.plan
+
+    @property
+    def service(self) -> ServiceSettings:
+        return self.state.service
+
+    @property
+    def model_name(self) -> str:
+        return self.state.model_name
+
+    @property
+    def backend(self) -> CopyBackend:
+        return self.state.backend
+
+    @property
+    def store(self) -> GuardedStore | None:
+        return self.state.store
+
+    @property
+    def namespaces(self) -> dict[NamespaceKey, Namespace]:
+        return self.state.namespaces
+
+    @property
+    def sessions(self) -> dict[int, Session]:
+        return self.state.sessions
 
     # ---- listening ------------------------------------------------------------------------
 
@@ -162,7 +184,7 @@ class EngineServer(EngineOps):
                 raise ServiceStartError(
                     f"service.tcp_host/tcp_port: cannot listen on {where}: {exc.strerror or exc}"
                 ) from exc
-        self._watchdog_task = self._tg.create_task(
+        self._watchdog_task = self.state.tg.create_task(
             self._watchdog(), name="hicache-heartbeat-watchdog"
         )
         log.info("engine channel listening", extra={"fields": {"socket": str(path)}})
@@ -177,7 +199,7 @@ class EngineServer(EngineOps):
 
     def set_store(self, store: GuardedStore | None) -> GuardedStore | None:
         """Attach or detach L3 at runtime (the admin API); returns the previous store."""
-        old, self.store = self.store, store
+        old, self.state.store = self.state.store, store
         for namespace in self.namespaces.values():
             namespace.cache.attach_l3(store)
         return old
@@ -192,40 +214,67 @@ class EngineServer(EngineOps):
     def _accept(self) -> EngineConnection:
         return EngineConnection(self)
 
-    def _open(self, connection: EngineConnection) -> Session | None:
+    # ---- the Dispatcher its connections talk to (dispatch.py) -----------------------------------
+
+    @property
+    def limits(self) -> ConnectionLimits:
+        return self._limits
+
+    def open(self, transport: asyncio.Transport) -> Session | None:
         if self._draining or len(self.sessions) >= self.service.max_sessions:
             reason = "draining" if self._draining else f"{len(self.sessions)} sessions (max)"
             log.warning("connection refused", extra={"fields": {"reason": reason}})
-            connection.transport.write(
-                p.error(0, p.ErrorCode.BUSY, f"sidecar refuses connections: {reason}")
-            )
-            connection.transport.close()
+            transport.write(p.error(0, p.ErrorCode.BUSY, f"sidecar refuses connections: {reason}"))
+            transport.close()
             return None
-        session = Session(next(self._session_ids), connection.transport, time.monotonic())
-        name_peer(session, connection.transport)
+        session = Session(next(self.state.session_ids), transport, time.monotonic())
+        name_peer(session, transport)
         self.sessions[session.id] = session
         self.metrics.sessions.set(len(self.sessions))
         return session
 
-    def answer_now(self, session: Session, payload: bytes) -> bytes | None:
-        """Answer a request inline when its op needs no await (lookup, heartbeat, stats,
-        release — most of the small traffic); None: it must go through `answer`."""
+    def dropped(self, reason: str, *, error_code: str | None = None) -> None:
+        if error_code is not None:
+            self.metrics.errors.labels(error_code).inc()
+        self.metrics.connections_dropped.labels(reason).inc()
+
+    def _call(self, session: Session, op: str, args: object) -> Reply:
+        if session.key is None and op != "hello":
+            raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
+        return self._handlers[op](session, args)
+
+    def answer_now(self, session: Session, payload: bytes) -> bytes | Deferred:
+        """Answer a request inline when its op needs no await (a lookup L3 cannot extend,
+        heartbeat, stats, release — most of the small traffic); else what to await for it."""
+        started = time.perf_counter()
         try:
             request_id, op, args = p.parse_request(payload)
         except p.RequestError as exc:
             self.metrics.errors.labels(exc.code).inc()
             self._refused(session, "?", exc.code, exc.message)
             return p.error(0, exc.code, exc.message)
-        handler = self._inline.get(op)
-        if handler is None or session.key is None:
-            return None
-        started = time.perf_counter()
         try:
-            reply = p.ok(request_id, handler(session, args))
-        except DeferToAwait:
-            return None
+            result = self._call(session, op, args)
+            if isinstance(result, Later):
+                return lambda: self._finish(session, request_id, op, result, started)
+            reply = p.ok(request_id, result)
         except Exception as exc:
             reply = self._error_reply(session, request_id, op, exc)
+        self.metrics.request(op, time.perf_counter() - started)
+        return reply
+
+    async def _finish(
+        self, session: Session, request_id: int, op: str, later: Later, started: float
+    ) -> bytes:
+        """The reply to an op `answer_now` found must await."""
+        session.in_request += 1
+        try:
+            reply = p.ok(request_id, await later.run())
+        except Exception as exc:
+            reply = self._error_reply(session, request_id, op, exc)
+        finally:
+            session.in_request -= 1
+            session.last_seen = time.monotonic()
         self.metrics.request(op, time.perf_counter() - started)
         return reply
 
@@ -236,13 +285,9 @@ class EngineServer(EngineOps):
         session.in_request += 1
         try:
             request_id, op, args = p.parse_request(payload)
-            if session.key is None and op != "hello":
-                raise p.RequestError(p.ErrorCode.NOT_READY, f"{op}: send hello first")
-            handler = self._handlers.get(op)
-            if handler is not None:
-                result = await handler(session, args)
-            else:
-                result = self._inline[op](session, args)
+            result: Reply = self._call(session, op, args)
+            if isinstance(result, Later):
+                result = await result.run()
             reply = p.ok(request_id, result)
         except Exception as exc:
             reply = self._error_reply(session, request_id, op, exc)
@@ -293,8 +338,7 @@ class EngineServer(EngineOps):
         self.metrics.errors.labels(code).inc()
         return p.error(request_id, code, message)
 
-    # ---- ops ----------------------------------------------------------------------------------
-    async def _end_session(self, session: Session, reason: str) -> None:
+    async def end(self, session: Session, reason: str) -> None:
         running = [e.handle for e in session.loads.values() if e.handle.result is None]
         for handle in running:
             handle.cancel()
@@ -368,7 +412,7 @@ class EngineServer(EngineOps):
                 await asyncio.gather(*late)
         for session in list(self.sessions.values()):
             session.transport.abort()
-        ending = [c.ended for c in self._connections if c.ended is not None]
+        ending = [s.ending for s in self.sessions.values() if s.ending is not None]
         if ending:
             await asyncio.gather(*ending, return_exceptions=True)
         flushed = left_pages = left_bytes = 0

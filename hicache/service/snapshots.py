@@ -12,10 +12,10 @@ from hicache.storage import GuardedStore
 
 def namespace_stats(namespace: Namespace) -> dict[str, Any]:
     cache = namespace.cache
-    sched = cache.embedded.scheduler.stats()
+    sched = cache.scheduler_stats()
     groups = {}
     for group, rule in cache.index.rules.items():
-        pool = cache.embedded.host_tier.pool(group)
+        pool = cache.host_pool_stats(group)
         token_group = rule.kind.is_token_cache
         groups[group] = {
             "l2_pages": cache.index.l2_pages(group),
@@ -26,14 +26,12 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
                 if token_group
                 else {"snapshots": pool.num_pages}
             ),
-            "l2_bytes": pool.nbytes,
+            "l2_bytes": pool.capacity_bytes,
             "pinned_pages": cache.index.pinned_pages(group),
             # host pages a copy still reads or writes, and pages allocated to an op in
             # flight but not indexed: both 0 once every op has ended (nothing leaked)
-            "host_pinned_pages": pool.allocator.stats().pinned_pages,
-            "reserved_pages": pool.num_pages
-            - pool.allocator.stats().free_pages
-            - cache.index.l2_pages(group),
+            "host_pinned_pages": pool.pinned_pages,
+            "reserved_pages": pool.num_pages - pool.free_pages - cache.index.l2_pages(group),
             "l3_pages_known": cache.index.l3_pages(group),
             "l3_only_pages": cache.index.l3_only_pages(group),
             "l3_pages_forgotten": cache.index.l3_forgotten[group],
@@ -44,7 +42,7 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "l3_absent_skipped_keys": cache.discovery.absent.skipped,
         "attached_sessions": sorted(namespace.attached),
         # device-pool sets the scheduler holds (one per attached engine session)
-        "attachments": len(cache.embedded.scheduler.attachments),
+        "attachments": cache.attachments,
         "groups": groups,
         "queued_loads": sched.queued_loads,
         "queued_backups": sched.queued_backups,

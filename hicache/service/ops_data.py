@@ -1,0 +1,210 @@
+"""`DataOps`: an engine session's data ops — `store` (its pages backed up into L2, L3 behind),
+`load` (a hit copied into its pools layer by layer, progress in its counter file), `prefetch`
+(L3 -> L2 ahead of a load) and `release` (a load the engine is done with) — over the server's
+explicit state (`ServerState`).
+
+Lifecycle of a load: a free slot of the session's counter file is taken -> the cache's load
+runs, each landed layer written to the slot from the copy thread -> its end marks the slot's
+final state -> `release` frees the slot (or cancels a load still running; its slot is freed
+when it ends). Every page a store or load names is checked against the session's registered
+pools first (`_check_pages`)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from hicache.channel import protocol as p
+from hicache.channel.counters import LoadState
+from hicache.errors import HicacheError
+from hicache.scheduler import OpResult, OpState
+from hicache.service.sessions import LoadEntry, Session
+from hicache.service.state import ServerState
+from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
+
+_FINAL = {
+    OpState.DONE: LoadState.DONE,
+    OpState.FAILED: LoadState.FAILED,
+    OpState.CANCELLED: LoadState.CANCELLED,
+    OpState.EXPIRED: LoadState.FAILED,
+}
+
+
+class DataOps:
+    def __init__(self, state: ServerState):
+        self.state = state
+
+    async def store(self, session: Session, args: p.StoreRequest) -> dict[str, Any]:
+        namespace = self.state.ready(session, "store")
+        self._check_pages(session, "store", args.device_pages, args.snapshots)
+        snapshots: dict[str, dict[int, int]] = {}
+        for group, pairs in args.snapshots.items():
+            given = snapshots.setdefault(group, {})
+            for tokens, slot in pairs:
+                if given.setdefault(tokens, slot) != slot:
+                    raise p.RequestError(
+                        p.ErrorCode.BAD_REQUEST,
+                        f"store.snapshots.{group}: two snapshots after {tokens} tokens (slots "
+                        f"{given[tokens]} and {slot}); give one per prefix length",
+                    )
+        fence = store_fence(namespace.cache.backend, args.fence)
+        result = await namespace.cache.store(
+            args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
+        )
+        del fence  # an opened IPC event goes before the reply: the engine may then free its own
+        self.state.metrics.evictions.inc(result.pages_evicted)
+        if result.bytes_backed_up:
+            self.state.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
+        return asdict(result)
+
+    async def prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
+        namespace = self.state.readable(session, "prefetch")
+        if namespace is None:
+            return {"pages_fetched": 0}
+        return {"pages_fetched": await namespace.cache.prefetch(args.tokens)}
+
+    async def load(self, session: Session, args: p.LoadRequest) -> dict[str, Any]:
+        namespace = self.state.ready(session, "load")
+        self._check_pages(session, "load", args.device_pages)
+        counters = session.counters
+        assert counters is not None
+        if not session.free_slots:
+            raise p.RequestError(
+                p.ErrorCode.BUSY,
+                f"load: all {counters.slots} load slots hold unreleased loads; release "
+                "finished loads (LoadHandle.done() does) or raise service.load_slots",
+            )
+        slot = session.free_slots.pop()
+        load_id = next(self.state.load_ids)
+        num_layers = len(self.state.layer_map.stage_layer_ids)
+        counters.start(slot, load_id, num_layers)
+        row = counters.array[slot]
+
+        def on_layer(upto: int, stopped: LayerFailure | None) -> None:  # the copy thread
+            if stopped is not None:  # no layer from `upto` on lands: wait_layer raises now
+                counters.stop(slot, stopped)
+                return
+            row[4] = time.monotonic_ns()
+            row[1] = upto
+
+        try:
+            handle, hit = await namespace.cache.load(
+                args.tokens,
+                args.device_pages,
+                on_layer=on_layer,
+                skip_pages=args.skip_pages,
+                attachment=session.id,
+            )
+        except BaseException:
+            row[2] = LoadState.FREE
+            session.free_slots.append(slot)
+            raise
+        failed = {group: list(positions) for group, positions in hit.failed.items()}
+        if handle is None:
+            row[2] = LoadState.FREE
+            session.free_slots.append(slot)
+            return {"load_id": None, "tokens": 0, "failed": failed}
+        entry = LoadEntry(slot, handle)
+        session.loads[load_id] = entry
+
+        def finished(result: OpResult) -> None:
+            counters.end(slot, _FINAL.get(result.state, LoadState.FAILED), result.error)
+            self.state.metrics.moved("load", result.bytes_moved, result.seconds)
+            if entry.released:
+                self._free(session, load_id)
+
+        handle.add_done_callback(finished)
+        return {
+            "load_id": load_id,
+            "slot": slot,
+            "tokens": hit.tokens_total,
+            "num_layers": num_layers,
+            "failed": failed,
+        }
+
+    def _free(self, session: Session, load_id: int) -> None:
+        entry = session.loads.pop(load_id, None)
+        if entry is not None and session.counters is not None:
+            session.counters.array[entry.slot][2] = LoadState.FREE
+            session.free_slots.append(entry.slot)
+
+    def release(self, session: Session, args: p.Release) -> dict[str, Any]:
+        self.state.ready(session, "release")
+        entry = session.loads.get(args.load_id)
+        if entry is None:
+            raise p.RequestError(
+                p.ErrorCode.OUT_OF_RANGE,
+                f"release.load_id: {args.load_id} is not a load of this session in flight or "
+                "unreleased",
+            )
+        entry.released = True
+        if entry.handle.result is None:
+            entry.handle.cancel()  # the engine gave up on it; pins go when it ends
+            return {"state": "cancelling"}
+        self._free(session, args.load_id)
+        return {"state": "released"}
+
+    def _check_pages(
+        self,
+        session: Session,
+        op: str,
+        device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    ) -> None:
+        """Every page named is inside the engine's registered pool; a load names every group,
+        a store every token group (its state groups' snapshots come in `snapshots`)."""
+        assert session.pools is not None
+        named = dict(device_pages)
+        for group, pairs in (snapshots or {}).items():
+            self._check_in_pool(session, f"{op}.snapshots", group, [slot for _, slot in pairs])
+        for group, pages in named.items():
+            self._check_in_pool(session, f"{op}.device_pages", group, pages)
+        required = set(session.pools)
+        if snapshots is not None:
+            required = {g for g in required if self.state.layer_map.group(g).kind.is_token_cache}
+        missing = required - set(named)
+        if missing:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{op}.device_pages: groups {sorted(missing)} missing; every "
+                f"{'token ' if snapshots is not None else ''}group of the layout needs its pages",
+            )
+
+    def _check_in_pool(
+        self, session: Session, where: str, group: str, pages: Sequence[int | None]
+    ) -> None:
+        assert session.pools is not None
+        pool = session.pools.get(group)
+        if pool is None:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{where}: group {group!r} is not in the layout; groups: "
+                f"{', '.join(sorted(session.pools))}",
+            )
+        bad = [page for page in pages if page is not None and page >= pool.num_pages]
+        if bad:
+            raise p.RequestError(
+                p.ErrorCode.OUT_OF_RANGE,
+                f"{where}.{group}: pages {bad[:5]} are outside the registered "
+                f"pool of {pool.num_pages} pages (0..{pool.num_pages - 1})",
+            )
+
+
+def store_fence(backend: CopyBackend, handle: bytes | None) -> Fence:
+    """What a store's backup waits on: the engine's IPC event (CUDA pools), or nothing
+    (`NO_FENCE`): the engine synchronised, or wrote shared memory on the CPU. Never a
+    fence of the sidecar's own streams, which order nothing of the engine's."""
+    if handle is None:
+        return NO_FENCE
+    if not backend.pins_host_memory:
+        raise p.RequestError(
+            p.ErrorCode.BAD_REQUEST,
+            "store.fence: an IPC event handle orders CUDA work; this session's pools are "
+            "shared memory copied on the CPU (send no fence)",
+        )
+    try:
+        return backend.import_fence(handle)
+    except HicacheError as exc:
+        raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"store.fence: {exc}") from None
