@@ -126,3 +126,21 @@ def test_readme_is_a_tutorial_with_the_reference_in_docs() -> None:
     for page in ("engines.md", "reference.md", "deployment.md", "benchmarks.md"):
         assert f"(docs/{page}" in text, f"README does not link docs/{page}"
     assert "](docs/images/timeline.png)" in text
+
+
+def test_readme_code_layout_names_every_package_of_the_tree() -> None:
+    """The README's code layout is the tree: each package under hicache/ named once, and no
+    name that is not a package (a package added, moved or removed fails here)."""
+    text = (REPO / "README.md").read_text()
+    match = re.search(r"## Code layout\n.*?```\n(.*?)```", text, re.S)
+    assert match, "README lost its Code layout section"
+    named = set(re.findall(r"[a-z]+", re.sub(r"\([^)]*\)", "", match.group(1))))  # no remarks
+    packages = {
+        path.name
+        for path in (REPO / "hicache").iterdir()
+        if path.is_dir() and (path / "__init__.py").exists() and path.name != "defaults"
+    } | {"embedded"}  # a module of its own floor
+    assert named == packages, (
+        f"README's code layout names {sorted(named - packages)} that are no packages and "
+        f"misses {sorted(packages - named)}"
+    )
