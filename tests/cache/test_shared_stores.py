@@ -12,8 +12,8 @@ from contextlib import asynccontextmanager, contextmanager
 import pytest
 import torch
 
+from hicache.assembly import by_key
 from hicache.cache import TieredCache
-from hicache.embedded import EmbeddedCache
 from hicache.memory import DevicePool
 from hicache.model import LayerMap, load_layout
 from hicache.testing.fake_copies import FakeCopyBackend
@@ -27,7 +27,7 @@ A, B = 1, 2  # attachment ids, as the sidecar's session ids
 @contextmanager
 def shared_cache(backend: FakeCopyBackend) -> Iterator[TieredCache]:
     layer_map = LayerMap(load_layout(shared_model("qwen2_7b.json")))
-    embedded = EmbeddedCache.build(
+    embedded = by_key.embedded(
         layer_map,
         dtype=torch.float16,
         page_size_tokens=PAGE,
@@ -37,7 +37,7 @@ def shared_cache(backend: FakeCopyBackend) -> Iterator[TieredCache]:
         backend=backend,
     )
     try:
-        yield TieredCache.build(embedded)
+        yield by_key.tiered(embedded)
     finally:
         backend.open_gate()
         embedded.close()
