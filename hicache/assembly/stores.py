@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from hicache.config.loader import LoadedConfig
 from hicache.config.schema import (
@@ -24,6 +25,10 @@ from hicache.storage.backend import StorageBackend
 from hicache.storage.file_backend import FileBackend
 from hicache.storage.guarded import GuardedStore
 
+if TYPE_CHECKING:
+    from hicache.storage.redis_backend import RedisBackend
+    from hicache.storage.redis_cluster_backend import RedisClusterBackend
+
 AnyStorage = FileStorage | RedisStorage | MooncakeStorage | NoStorage
 
 
@@ -32,19 +37,14 @@ def storage_backend(section: AnyStorage) -> StorageBackend | None:
     if isinstance(section, FileStorage):
         root = section.path / section.key_prefix if section.key_prefix else section.path
         return FileBackend(root, section.capacity_bytes)
-    if isinstance(section, RedisStorage) and section.is_cluster:
-        from hicache.storage.redis_cluster_backend import RedisClusterBackend  # optional extra
-
-        return RedisClusterBackend(
-            section.url,
-            key_prefix=section.key_prefix,
-            max_connections=section.max_connections,
-            socket_timeout_s=section.socket_timeout_s,
-        )
     if isinstance(section, RedisStorage):
-        from hicache.storage.redis_backend import RedisBackend  # redis is an optional extra
-
-        return RedisBackend(
+        # redis is an optional extra: the backend for this URL's shape, imported on demand
+        redis_backend: type[RedisBackend] | type[RedisClusterBackend]
+        if section.is_cluster:
+            from hicache.storage.redis_cluster_backend import RedisClusterBackend as redis_backend
+        else:
+            from hicache.storage.redis_backend import RedisBackend as redis_backend
+        return redis_backend(
             section.url,
             key_prefix=section.key_prefix,
             max_connections=section.max_connections,
