@@ -18,7 +18,7 @@ import pytest
 
 from hicache.assembly import geometries
 from hicache.config import format_bytes, load_deployment, parse_bytes
-from hicache.demo import (
+from hicache.demo.run import (
     MIN_TOKEN_PAGES,
     DemoSizeError,
     host_plan,

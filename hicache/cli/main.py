@@ -367,15 +367,17 @@ def format_effective(rows: Sequence[tuple[str, object, str]]) -> str:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from hicache.config import load_deployment
+
+    loaded = load_deployment(args.config)  # a bad file is refused before torch is imported
     from hicache.scheduler import run
     from hicache.service.app import serve
 
-    return run(serve(load_deployment(args.config)))
+    return run(serve(loaded))
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from hicache.config import load_deployment
-    from hicache.demo import run_demo
+    from hicache.demo.run import run_demo
     from hicache.demo.trace import TraceOptions
     from hicache.model.render import layout_table
 

@@ -28,6 +28,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+# vLLM choices pinned per model type, so that every machine runs the layout the tests'
+# deployments describe (`vllm_harness.PAGE`, `SSM_DTYPE`). vLLM's CPU build picks Qwen3-Next's
+# recurrent-state dtype by CPU: float32 where the CPU has AVX-512 BF16 (its accelerated GDN
+# backend resets it), the model's bfloat16 elsewhere — and with it a 256-token block, not
+# 384 — so on an AVX2-only machine the sidecar refused the engine at hello
+VLLM_ARGS: dict[str, dict[str, Any]] = {"qwen3_next": {"mamba_ssm_cache_dtype": "float32"}}
+
 
 def _env() -> None:
     for key, value in {
@@ -71,6 +78,8 @@ def _llm(plan: dict[str, Any]) -> Any:
             kv_connector_extra_config=plan["connector"],
             kv_load_failure_policy="recompute",
         )
+    model_type = json.loads((Path(plan["model"]) / "config.json").read_text())["model_type"]
+    kwargs.update(VLLM_ARGS.get(model_type, {}))
     started = time.perf_counter()
     llm = LLM(
         model=plan["model"],

@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # vLLM's block per model (a hicache page): Qwen3-Next's attention block grows to its state page
 PAGE = {"llama": 128, "gemma3": 128, "gpt_oss": 128, "qwen3_next": 384, "lfm2": 128}
-# vLLM keeps Qwen3-Next's recurrent state in fp32 (its CPU GDN backend resets it)
+# Qwen3-Next's recurrent state in fp32: the driver pins vLLM's `mamba_ssm_cache_dtype` to it
+# (`vllm_driver.VLLM_ARGS`; unpinned, vLLM's CPU build picks it by CPU)
 SSM_DTYPE = {"qwen3_next": "float32"}
 
 

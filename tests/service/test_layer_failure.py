@@ -83,13 +83,19 @@ def layer_pages(client: Client, pools: SharedPools, layer_id: int, full: list[in
 def settled(proc: SidecarProcess) -> None:
     """The engine's releases are through and nothing is pinned."""
     deadline = time.monotonic() + 60  # bounds a hang only (#26: a busy machine)
-    while True:
+
+    def unpinned(stats: dict) -> bool:  # type: ignore[type-arg]
+        groups = stats["namespaces"][0]["groups"].values()
+        return all(g["pinned_pages"] == 0 for g in groups)
+
+    while True:  # the release is seen first, its pins go as the op ends: wait for both
         stats = proc.get_json("/v1/stats")
-        if not stats["sessions"][0]["loads_unreleased"] or time.monotonic() > deadline:
+        released = not stats["sessions"][0]["loads_unreleased"]
+        if (released and unpinned(stats)) or time.monotonic() > deadline:
             break
         time.sleep(0.01)
     assert stats["sessions"][0]["loads_unreleased"] == 0
-    assert all(g["pinned_pages"] == 0 for g in stats["namespaces"][0]["groups"].values())
+    assert unpinned(stats), stats["namespaces"][0]["groups"]
 
 
 def test_a_failed_layer_raises_in_wait_layer_over_the_sidecar(
