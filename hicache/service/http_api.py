@@ -37,6 +37,7 @@ from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.service.snapshots import namespace_stats, store_stats
 from hicache.storage.breaker import BreakerState
+from hicache.transfer.rows import large_copy_stores
 
 log = logging.getLogger("hicache.service.admin")
 
@@ -131,6 +132,10 @@ class ControlApi:
                 "engine_loads_starved": self.metrics.loads_starved_count,
                 # the CPU backend's row-copy kernel (native C, or numpy and why); None on CUDA
                 "row_kernel": getattr(self.server.backend, "row_kernel", None),
+                # what CPU copies of 8 MiB or more store with, measured on the first of them
+                "large_copy_stores": large_copy_stores()
+                if getattr(self.server.backend, "row_kernel", None) is not None
+                else None,
             }
         )
 

@@ -3,8 +3,9 @@
 `Rows` names which rows of a `[pages, row_bytes]` view an op touches: a contiguous run
 (start, count) or an index tensor. `copy_rows_cpu` copies them. Its kernel, when the native
 one is available (`hicache/transfer/native`: a C loop over rows, each copied by an AVX2 loop
-below 16 KiB and memcpy above, built with the system compiler on first use, called through
-ctypes with the GIL released), is that loop for
+below 16 KiB and memcpy above — or streaming stores for a call of 8 MiB or more where this
+process measured them faster, `store_mode` — built with the system compiler on first use,
+called through ctypes with the GIL released), is that loop for
 every case but a packed run to a packed run (one memcpy): run or index set on either side,
 packed or strided views, no staging. Where it is not (no compiler, a failed build, an unsafe
 cache folder; one warning says which), the numpy kernels: a run on the destination is one
@@ -17,6 +18,9 @@ is in use.
 from __future__ import annotations
 
 import ctypes
+import logging
+import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -24,6 +28,8 @@ import numpy as np
 import torch
 
 from hicache.transfer import native
+
+log = logging.getLogger("hicache.transfer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +246,81 @@ def copy_rows_cpu(
         src_rows.start or 0,
         src_rows.count,
         src.shape[1],
-        0,  # AVX2 loop for rows < 16 KiB, else memcpy (streaming stores measured slower)
+        store_mode(kernel, src_rows.count * src.shape[1], src.shape[1]),
     )
+
+
+# Streaming (non-temporal) stores skip the read of each destination line before it is
+# written. Whether that wins depends on the machine: on one 2-vCPU VM they were level or
+# behind memcpy in most columns (docs/design.md, "CPU row kernels"); on another (AMD EPYC,
+# AVX2) a 256 MiB load in 16 MiB calls of 256 KiB rows took 0.70 of memcpy's time. So a
+# process measures once, on its first large copy, and streams large copies only where they
+# win by a margin. Small copies always use cached stores: the engine reads what it loaded
+# while it is still in cache.
+STREAM_MIN_CALL_BYTES = 8 << 20  # a call moving less never streams
+STREAM_MIN_ROW_BYTES = 16 << 10  # rows below this take the AVX2 loop (mode 0) regardless
+STREAM_WINS_BELOW = 0.9  # streaming is chosen when it takes at most this share of the time
+_CALIBRATION_ROW_BYTES = 256 << 10
+_CALIBRATION_ROWS = 192  # 48 MiB a side: past a 32 MiB L3, as the copies it decides are
+_store_lock = threading.Lock()
+_streams: bool | None = None  # None: not measured in this process yet
+_stream_ratio: float | None = None
+
+
+def store_mode(kernel: native.NativeKernel, call_bytes: int, row_bytes: int) -> int:
+    """The kernel mode for one call: 1 (streaming stores) for a large copy of large rows
+    where this machine measured them faster, else 0 (AVX2 loop below 16 KiB, memcpy above)."""
+    if call_bytes < STREAM_MIN_CALL_BYTES or row_bytes < STREAM_MIN_ROW_BYTES:
+        return 0
+    if not kernel.has_stream:
+        return 0
+    streams = _streams if _streams is not None else _measure_stores(kernel)
+    return 1 if streams else 0
+
+
+def _measure_stores(kernel: native.NativeKernel) -> bool:
+    """Time cached and streaming stores on the same scattered rows (three alternating
+    trials each, the fastest of each kept) and keep the answer for the process."""
+    global _streams, _stream_ratio
+    with _store_lock:
+        if _streams is not None:
+            return _streams
+        rows, row = _CALIBRATION_ROWS, _CALIBRATION_ROW_BYTES
+        src = torch.ones(rows, row, dtype=torch.uint8)
+        dst = torch.zeros(rows, row, dtype=torch.uint8)
+        # a fixed scatter, as a load into an engine's churned blocks lands
+        index = torch.tensor([(i * 77) % rows for i in range(rows)], dtype=torch.int64)
+
+        def timed(mode: int) -> float:
+            started = time.perf_counter()
+            kernel.copy(
+                dst.data_ptr(), row, index.data_ptr(), 0,
+                src.data_ptr(), row, None, 0, rows, row, mode,
+            )  # fmt: skip
+            return time.perf_counter() - started
+
+        best = {0: float("inf"), 1: float("inf")}
+        for _ in range(3):
+            for mode in best:
+                best[mode] = min(best[mode], timed(mode))
+        _stream_ratio = best[1] / best[0]
+        _streams = _stream_ratio <= STREAM_WINS_BELOW
+        log.info(
+            "row kernel: streaming stores took %.2f of cached stores' time on %d MiB; copies "
+            "of %d MiB or more %s",
+            _stream_ratio, rows * row >> 20, STREAM_MIN_CALL_BYTES >> 20,
+            "stream their stores" if _streams else "keep cached stores",
+        )  # fmt: skip
+        return _streams
+
+
+def large_copy_stores() -> str:
+    """What large CPU copies use in this process: "streaming", "cached", or "not measured"
+    (no large copy yet), with the measured ratio."""
+    if _streams is None or _stream_ratio is None:
+        return "not measured"
+    kind = "streaming" if _streams else "cached"
+    return f"{kind} (streaming took {_stream_ratio:.2f} of cached stores' time)"
 
 
 def _c_index(rows: Rows) -> torch.Tensor | None:

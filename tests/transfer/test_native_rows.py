@@ -498,3 +498,52 @@ def test_a_refused_cache_is_named_where_the_row_kernel_is_reported(
     name = row_kernel_name()
     assert name.startswith(f"numpy (no native kernel: folder {open_to_all} on the way to ")
     assert "allowed only sticky and owned by root" in name
+
+
+@pytest.mark.parametrize("streams", [False, True])
+def test_a_large_scattered_copy_is_exact_with_either_store_kind(
+    monkeypatch: pytest.MonkeyPatch, streams: bool
+) -> None:
+    """A copy of 8 MiB or more of large rows takes the store kind this process measured
+    (`rows.store_mode`); both kinds copy exactly the listed rows, and a small copy never
+    streams whatever was measured."""
+    from hicache.transfer import rows as rows_mod
+
+    kernel = native_or_skip()
+    monkeypatch.setattr(rows_mod, "_streams", streams)
+    row = 64 << 10
+    count = rows_mod.STREAM_MIN_CALL_BYTES // row + 3  # odd rows past the threshold
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randint(0, 256, (count, row), dtype=torch.uint8, generator=gen)
+    dst = torch.zeros(2 * count, row, dtype=torch.uint8)
+    order = list(range(2 * count))
+    random.Random(3).shuffle(order)
+    targets = order[:count]
+    assert rows_mod.store_mode(kernel, count * row, row) == (1 if streams else 0)
+    assert rows_mod.store_mode(kernel, 4 * row, row) == 0
+    assert rows_mod.store_mode(kernel, 1 << 30, 4096) == 0  # small rows: the AVX2 loop
+    copy_rows_cpu(src, Rows.of(range(count)), dst, Rows.of(targets), torch.empty(0))
+    for i, t in enumerate(targets):
+        assert torch.equal(dst[t], src[i]), f"row {i} -> {t}"
+    untouched = sorted(set(range(2 * count)) - set(targets))
+    assert int(dst[untouched].sum()) == 0
+
+
+def test_the_store_kind_is_measured_once_and_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hicache.transfer import rows as rows_mod
+
+    kernel = native_or_skip()
+    monkeypatch.setattr(rows_mod, "_streams", None)
+    monkeypatch.setattr(rows_mod, "_stream_ratio", None)
+    assert rows_mod.large_copy_stores() == "not measured"
+    first = rows_mod._measure_stores(kernel)
+    ratio = rows_mod._stream_ratio
+    assert ratio is not None
+    assert ratio > 0
+    assert first is (ratio <= rows_mod.STREAM_WINS_BELOW)
+    assert rows_mod._measure_stores(kernel) is first  # kept: not measured again
+    assert rows_mod._stream_ratio == ratio
+    kind = "streaming" if first else "cached"
+    assert rows_mod.large_copy_stores() == (
+        f"{kind} (streaming took {ratio:.2f} of cached stores' time)"
+    )
