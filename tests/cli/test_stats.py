@@ -26,6 +26,10 @@ def stats(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_once_and_json_read_a_running_sidecar(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     with SidecarProcess(config) as proc:
@@ -74,6 +78,10 @@ def test_once_and_json_read_a_running_sidecar(tmp_path: Path) -> None:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             cwd=REPO,
+            # as a terminal starts it: a suite launched in the background (`pytest &` from a
+            # script) has SIGINT ignored, its children inherit that, and Python then never
+            # turns Ctrl-C into KeyboardInterrupt (the command ran on past its SIGINT)
+            preexec_fn=_default_sigint,
         )
         assert live.stdout is not None
         seen = b""
