@@ -16,9 +16,11 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -72,9 +74,16 @@ def _directory(path: Path) -> None:
 
 
 def _socket(path: Path) -> None:
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(path))
-    sock.close()  # the socket file stays
+    """Bound in a short folder, then moved into place: a worker's temporary folder under
+    pytest-xdist is deeper than a Unix socket's 107-byte path allows."""
+    short = Path(tempfile.mkdtemp(prefix="hc-sock-"))  # where pytest keeps tmp_path too
+    try:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(str(short / "s"))
+        sock.close()  # the socket file stays
+        os.rename(short / "s", path)
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def _link_to_valid_object_elsewhere(path: Path) -> None:
