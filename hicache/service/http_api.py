@@ -114,6 +114,7 @@ class ControlApi:
 
     async def stats(self, request: web.Request) -> web.Response:
         store = self.server.store
+        row_kernel = getattr(self.server.backend, "row_kernel", None)
         return web.json_response(
             {
                 "sessions": [
@@ -131,11 +132,9 @@ class ControlApi:
                 # loads engines recomputed for want of their own staging pages (heartbeats)
                 "engine_loads_starved": self.metrics.loads_starved_count,
                 # the CPU backend's row-copy kernel (native C, or numpy and why); None on CUDA
-                "row_kernel": getattr(self.server.backend, "row_kernel", None),
+                "row_kernel": row_kernel,
                 # what CPU copies of 8 MiB or more store with, measured on the first of them
-                "large_copy_stores": large_copy_stores()
-                if getattr(self.server.backend, "row_kernel", None) is not None
-                else None,
+                "large_copy_stores": None if row_kernel is None else large_copy_stores(),
             }
         )
 

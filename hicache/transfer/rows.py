@@ -263,7 +263,7 @@ STREAM_WINS_BELOW = 0.9  # streaming is chosen when it takes at most this share 
 _CALIBRATION_ROW_BYTES = 256 << 10
 _CALIBRATION_ROWS = 192  # 48 MiB a side: past a 32 MiB L3, as the copies it decides are
 _store_lock = threading.Lock()
-_streams: bool | None = None  # None: not measured in this process yet
+# streaming's time over cached stores', measured once per process (None: not yet)
 _stream_ratio: float | None = None
 
 
@@ -274,17 +274,18 @@ def store_mode(kernel: native.NativeKernel, call_bytes: int, row_bytes: int) -> 
         return 0
     if not kernel.has_stream:
         return 0
-    streams = _streams if _streams is not None else _measure_stores(kernel)
-    return 1 if streams else 0
+    ratio = _stream_ratio if _stream_ratio is not None else _measure_stores(kernel)
+    return 1 if ratio <= STREAM_WINS_BELOW else 0
 
 
-def _measure_stores(kernel: native.NativeKernel) -> bool:
+def _measure_stores(kernel: native.NativeKernel) -> float:
     """Time cached and streaming stores on the same scattered rows (three alternating
-    trials each, the fastest of each kept) and keep the answer for the process."""
-    global _streams, _stream_ratio
+    trials each, the fastest of each kept); returns streaming's share of the time, kept for
+    the process."""
+    global _stream_ratio
     with _store_lock:
-        if _streams is not None:
-            return _streams
+        if _stream_ratio is not None:
+            return _stream_ratio
         rows, row = _CALIBRATION_ROWS, _CALIBRATION_ROW_BYTES
         src = torch.ones(rows, row, dtype=torch.uint8)
         dst = torch.zeros(rows, row, dtype=torch.uint8)
@@ -303,23 +304,24 @@ def _measure_stores(kernel: native.NativeKernel) -> bool:
         for _ in range(3):
             for mode in best:
                 best[mode] = min(best[mode], timed(mode))
-        _stream_ratio = best[1] / best[0]
-        _streams = _stream_ratio <= STREAM_WINS_BELOW
+        ratio = best[1] / best[0]
+        streams = ratio <= STREAM_WINS_BELOW
         log.info(
             "row kernel: streaming stores took %.2f of cached stores' time on %d MiB; copies "
             "of %d MiB or more %s",
-            _stream_ratio, rows * row >> 20, STREAM_MIN_CALL_BYTES >> 20,
-            "stream their stores" if _streams else "keep cached stores",
+            ratio, rows * row >> 20, STREAM_MIN_CALL_BYTES >> 20,
+            "stream their stores" if streams else "keep cached stores",
         )  # fmt: skip
-        return _streams
+        _stream_ratio = ratio
+        return ratio
 
 
 def large_copy_stores() -> str:
     """What large CPU copies use in this process: "streaming", "cached", or "not measured"
     (no large copy yet), with the measured ratio."""
-    if _streams is None or _stream_ratio is None:
+    if _stream_ratio is None:
         return "not measured"
-    kind = "streaming" if _streams else "cached"
+    kind = "streaming" if _stream_ratio <= STREAM_WINS_BELOW else "cached"
     return f"{kind} (streaming took {_stream_ratio:.2f} of cached stores' time)"
 
 

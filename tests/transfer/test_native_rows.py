@@ -510,7 +510,7 @@ def test_a_large_scattered_copy_is_exact_with_either_store_kind(
     from hicache.transfer import rows as rows_mod
 
     kernel = native_or_skip()
-    monkeypatch.setattr(rows_mod, "_streams", streams)
+    monkeypatch.setattr(rows_mod, "_stream_ratio", 0.5 if streams else 1.0)
     row = 64 << 10
     count = rows_mod.STREAM_MIN_CALL_BYTES // row + 3  # odd rows past the threshold
     gen = torch.Generator().manual_seed(7)
@@ -533,17 +533,13 @@ def test_the_store_kind_is_measured_once_and_reported(monkeypatch: pytest.Monkey
     from hicache.transfer import rows as rows_mod
 
     kernel = native_or_skip()
-    monkeypatch.setattr(rows_mod, "_streams", None)
     monkeypatch.setattr(rows_mod, "_stream_ratio", None)
     assert rows_mod.large_copy_stores() == "not measured"
-    first = rows_mod._measure_stores(kernel)
-    ratio = rows_mod._stream_ratio
-    assert ratio is not None
+    ratio = rows_mod._measure_stores(kernel)
     assert ratio > 0
-    assert first is (ratio <= rows_mod.STREAM_WINS_BELOW)
-    assert rows_mod._measure_stores(kernel) is first  # kept: not measured again
     assert rows_mod._stream_ratio == ratio
-    kind = "streaming" if first else "cached"
+    assert rows_mod._measure_stores(kernel) == ratio  # kept: not measured again
+    kind = "streaming" if ratio <= rows_mod.STREAM_WINS_BELOW else "cached"
     assert rows_mod.large_copy_stores() == (
         f"{kind} (streaming took {ratio:.2f} of cached stores' time)"
     )
