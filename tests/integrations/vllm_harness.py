@@ -9,14 +9,19 @@ prompts, in the same rounds, with no connector at all.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
 import random
 import selectors
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -122,23 +127,117 @@ def run_engine(
     }
     plan_path, out_path = work / f"{name}.plan.json", work / f"{name}.out.json"
     plan_path.write_text(json.dumps(plan))
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.integrations.vllm_driver", str(plan_path), str(out_path)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-    )
-    (work / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    log = work / f"{name}.log"
+    with log.open("w") as log_file, open(os.devnull) as nothing:
+        proc = launch([str(plan_path), str(out_path)], nothing, log_file, log_file)
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=60)
+            raise
     if proc.returncode != 0:
         raise AssertionError(
             f"vLLM engine {name} exited {proc.returncode}; last log lines:\n"
-            + "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+            + "\n".join(log.read_text().splitlines()[-40:])
         )
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result
+
+
+class LaunchedProcess:
+    """An engine process forked by the warm launcher (`vllm_zygote`), with the part of
+    `subprocess.Popen`'s interface the harness uses: `pid`, `returncode`, `poll`, `wait`,
+    `send_signal`, `kill`, and `stdin`/`stdout` where the caller gave it pipes."""
+
+    def __init__(self, conn: socket.socket, pid: int):
+        self._conn, self.pid = conn, pid
+        self.returncode: int | None = None
+        self.stdin: IO[str] | None = None
+        self.stdout: IO[str] | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self._read_exit(0.0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None and not self._read_exit(timeout):
+            raise subprocess.TimeoutExpired(f"vLLM engine pid {self.pid}", timeout or 0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _read_exit(self, timeout: float | None) -> bool:
+        with selectors.DefaultSelector() as selector:
+            selector.register(self._conn, selectors.EVENT_READ)
+            if not selector.select(timeout):
+                return False
+        message = self._conn.recv(256).decode()
+        self._conn.close()
+        if not message.startswith("exit "):
+            raise AssertionError(f"the vLLM launcher lost engine pid {self.pid}: {message!r}")
+        self.returncode = int(message.split()[1])
+        return True
+
+
+_launcher: tuple[subprocess.Popen[bytes], str] | None = None
+_launcher_lock = threading.Lock()
+
+
+def launch(argv: list[str], stdin: IO[str], stdout: IO[str], stderr: IO[str]) -> LaunchedProcess:
+    """`python -m tests.integrations.vllm_driver ARGV` with these standard streams, forked
+    by this process's warm launcher (started on first use, ended with this process)."""
+    global _launcher
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    with _launcher_lock:
+        if _launcher is None or _launcher[0].poll() is not None:
+            path = os.path.join(tempfile.mkdtemp(prefix="hicache-vllm-"), "launch.sock")
+            log = open(path + ".log", "w")  # noqa: SIM115 (the launcher's, for its lifetime)
+            zygote = subprocess.Popen(
+                [sys.executable, "-m", "tests.integrations.vllm_zygote", path],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
+            assert zygote.stdout is not None
+            if zygote.stdout.readline() != b"ready\n":
+                zygote.wait(timeout=60)
+                raise AssertionError(
+                    f"the vLLM launcher exited {zygote.returncode}: {Path(path + '.log').read_text()}"
+                )
+            atexit.register(_stop_launcher, zygote, os.path.dirname(path))
+            _launcher = (zygote, path)
+        path = _launcher[1]
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    conn.connect(path)
+    request = {"argv": argv, "cwd": str(ROOT), "env": env}
+    socket.send_fds(
+        conn, [json.dumps(request).encode()], [f.fileno() for f in (stdin, stdout, stderr)]
+    )
+    reply = conn.recv(256).decode()
+    if not reply.startswith("pid "):
+        conn.close()
+        raise AssertionError(f"the vLLM launcher refused {argv}: {reply!r}")
+    return LaunchedProcess(conn, int(reply.split()[1]))
+
+
+def _stop_launcher(zygote: subprocess.Popen[bytes], folder: str) -> None:
+    if zygote.stdin is not None:
+        zygote.stdin.close()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        zygote.wait(timeout=10)
+    if zygote.returncode == 0:  # its folder (socket and log); kept to read if it failed
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def outputs(result: dict[str, Any]) -> list[list[tuple[list[int], list[float]]]]:
@@ -186,17 +285,13 @@ class EngineProcess:
         plan = {"model": str(model), "connector": connector, "max_model_len": max_model_len}
         plan_path = work / f"{name}.plan.json"
         plan_path.write_text(json.dumps(plan))
-        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         self._log: IO[str] = self.log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.vllm_driver", "--serve", str(plan_path)],
-            cwd=ROOT,
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            text=True,
-        )
+        stdin_r, stdin_w = os.pipe()
+        stdout_r, stdout_w = os.pipe()
+        with os.fdopen(stdin_r) as child_in, os.fdopen(stdout_w, "w") as child_out:
+            self.proc = launch(["--serve", str(plan_path)], child_in, child_out, self._log)
+        self.proc.stdin = os.fdopen(stdin_w, "w")
+        self.proc.stdout = os.fdopen(stdout_r, "r")
         self.start_s: float | None = None
 
     def ready(self, timeout_s: float = 900) -> EngineProcess:
