@@ -17,10 +17,14 @@ model with other weights served the first model's pages under one shared model n
 other outputs, so the comparisons above can fail. Then two engines of one model in processes
 of their own, attached to one sidecar at once: each hits what only the other has seen (both
 orders of start), one is killed in the middle of a load while the other keeps hitting, and
-outputs equal an engine's with the connector configured and nothing to load.
+outputs equal an engine's with the connector configured and nothing to load. A load that fails
+after Llama's layer-wise forward ran over it stores nothing of that forward: what the engine
+left in L3 equals, byte for byte, what an engine that never failed stores.
 
 Engines are long-lived where a test needs no fresh one (`EngineProcess`): the references are
 served by one plain engine per model kept for the module, the two-engine tests share theirs.
+Every engine is still a process of its own, forked from a launcher that imported vLLM once
+(`vllm_zygote.py`).
 
 vLLM is required here (dev.py installs it; `dev.py test` sets _HICACHE_REQUIRE_VLLM); without it,
 outside CI, the module skips.
