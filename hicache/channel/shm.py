@@ -33,12 +33,14 @@ import itertools
 import mmap
 import os
 import stat
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from hicache.channel.prefault import allocated_extents, populate
 from hicache.errors import PoolManifestError, PoolShapeError
 from hicache.memory import DevicePool, GroupGeometry
 
@@ -76,10 +78,23 @@ def map_fd(fd: int, nbytes: int) -> torch.Tensor:
 @dataclass(frozen=True, slots=True)
 class PeerMemory:
     """A mapping of an engine's memfd, and the memfd's identity (st_dev, st_ino): the same
-    memory reached through another process's descriptor has the same identity."""
+    memory reached through another process's descriptor has the same identity. `allocated`:
+    the byte ranges that held pages when it was mapped (what `prefault` fills in)."""
 
     tensor: torch.Tensor
     identity: tuple[int, int]
+    allocated: tuple[tuple[int, int], ...] = ()
+
+    def prefault(self, stop: threading.Event | None = None) -> int:
+        """Fill this process's page tables for the pages the engine had allocated, so no copy
+        faults on them (`prefault.py`); the bytes done. Blocking: run it in a thread."""
+        base = self.tensor.data_ptr()
+        done = 0
+        for start, end in self.allocated:
+            done += populate(base + start, end - start, write=False, stop=stop)
+            if stop is not None and stop.is_set():
+                break
+        return done
 
 
 def _mount_id(fd: int) -> int | None:
@@ -158,11 +173,16 @@ def map_peer_fd(
                 f"{where}: nbytes {nbytes} does not match the memfd's size {info.st_size}"
             )
         try:
-            return PeerMemory(map_fd(own, nbytes), (info.st_dev, info.st_ino))
+            mapped = map_fd(own, nbytes)
         except (OSError, ValueError) as exc:
             raise PoolManifestError(
                 f"{told} cannot be mapped for writing ({exc}); is it write-sealed?"
             ) from None
+        try:
+            allocated = tuple(allocated_extents(own, nbytes))
+        except OSError:  # no SEEK_DATA here: nothing is prefaulted, copies fault as they go
+            allocated = ()
+        return PeerMemory(mapped, (info.st_dev, info.st_ino), allocated)
     finally:
         os.close(own)
 
@@ -184,8 +204,17 @@ class SharedPools:
 
     @classmethod
     def create(
-        cls, geometries: Mapping[str, GroupGeometry], num_pages: int | Mapping[str, int]
+        cls,
+        geometries: Mapping[str, GroupGeometry],
+        num_pages: int | Mapping[str, int],
+        *,
+        prefault: bool = True,
     ) -> SharedPools:
+        """Pools of `num_pages` pages per group in a new sealed memfd. `prefault`: every page
+        allocated and mapped now, as an engine's zeroed KV cache is (no copy faults on a
+        page later, here or in the sidecar, which fills its page tables for the pages that
+        exist when it maps them); False: pages are allocated as they are first written (a
+        staging pool sized for a worst case, mostly never touched)."""
         pages = {
             name: num_pages if isinstance(num_pages, int) else num_pages[name]
             for name in geometries
@@ -206,6 +235,8 @@ class SharedPools:
         fd = sealed_memfd("hicache-pool", nbytes)
         try:
             buffer = map_fd(fd, nbytes)
+            if prefault:
+                populate(buffer.data_ptr(), nbytes, write=True)
         except BaseException:
             os.close(fd)
             raise
@@ -269,9 +300,10 @@ def map_pools(
     geometries: Mapping[str, GroupGeometry],
     peer_pid: int,
     alive: Callable[[], bool] = lambda: True,
-) -> tuple[dict[str, DevicePool], tuple[int, int]]:
+) -> tuple[dict[str, DevicePool], PeerMemory]:
     """The sidecar's side: check the manifest against the geometries, then map the peer's
-    memfd (`map_peer_fd` checks the descriptor)."""
+    memfd (`map_peer_fd` checks the descriptor). Returns the pools' views and the mapping
+    (its identity, and `prefault` for the caller to run off its event loop)."""
     nbytes = manifest["nbytes"]
     groups = manifest["groups"]
     if set(groups) != set(geometries):
@@ -348,4 +380,4 @@ def map_pools(
     pages_of = {name: groups[name]["num_pages"] for name in geometries}
     offsets = {n: groups[n]["offsets"] for n in geometries}
     strides = {n: groups[n]["page_strides"] for n in geometries} if strided else None
-    return _views(memory.tensor, geometries, pages_of, offsets, strides), memory.identity
+    return _views(memory.tensor, geometries, pages_of, offsets, strides), memory

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hicache.channel.prefault import populate
 from hicache.channel.shm import SharedPools, sealed_memfd
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
@@ -189,7 +190,7 @@ def share_in_place(bindings: Mapping[int, LayerBinding]) -> SharedKv:
             words = np.ctypeslib.as_array(
                 (ctypes.c_uint64 * (size // 8)).from_address(start + offset)
             )
-            if words.any():  # zero pages stay unwritten (and unallocated) in the memfd
+            if words.any():  # a zero chunk needs no copy: its pages are allocated zeroed below
                 ctypes.memmove(staging + offset, start + offset, size)
             # nothing else writes vLLM's KV while it registers; the copy and the remap of a
             # chunk therefore see the same bytes
@@ -199,6 +200,10 @@ def share_in_place(bindings: Mapping[int, LayerBinding]) -> SharedKv:
                     f"remapping {size} bytes at {start + offset:#x} failed: "
                     f"{os.strerror(ctypes.get_errno())}; vLLM's KV memory is now partly shared"
                 )
+            # vLLM's zeroed cache was resident: so is its memfd (zero chunks allocated now,
+            # every page mapped here), and the sidecar prefaults the same pages when it maps
+            # them; otherwise the first copy into each block faults in both processes
+            populate(start + offset, size, write=True)
     except BaseException:
         os.close(fd)
         raise

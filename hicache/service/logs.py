@@ -9,7 +9,9 @@ cancelled); `refused` (warning: session, pid, op, code, reason — once per refu
 registration, or any request before hello, or any `refused` reply; never the token) and
 `connection refused` (draining, or at `service.max_sessions`); `engine missed heartbeats`;
 `draining` and `stopped` (loads finished and cancelled, pages flushed to L3, pages and bytes
-still unflushed when `service.drain_timeout_s` ran out).
+still unflushed when `service.drain_timeout_s` ran out); `engine memory prefaulted` (session,
+pid, bytes, seconds, stopped: the sidecar's page tables for a registered pool filled in a
+thread) and, as a warning, `engine memory not prefaulted` (session, pid, reason).
 """
 
 from __future__ import annotations

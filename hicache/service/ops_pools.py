@@ -18,7 +18,7 @@ from hicache.channel.shm import map_pools
 from hicache.errors import HicacheError
 from hicache.memory import DevicePool
 from hicache.service.namespaces import Namespace
-from hicache.service.sessions import Session, same_process
+from hicache.service.sessions import Prefaulting, Session, same_process
 from hicache.service.state import ServerState
 
 
@@ -37,14 +37,17 @@ class PoolOps:
         self._check_unregistered(session, "register_pools")
         pid = self._peer_pid(session, "register_pools")
         try:
-            pools, identity = map_pools(
+            pools, memory = map_pools(
                 args.model_dump(), self.state.geometries, pid, self._alive(session)
             )
         except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_pools.{exc}") from None
-        return await self._attach(
-            session, pools, pid, args.counters_fd, "register_pools", [identity]
+        reply = await self._attach(
+            session, pools, pid, args.counters_fd, "register_pools", [memory.identity]
         )
+        if memory.allocated:  # off the loop, after the reply: the session's end stops it
+            session.prefault = Prefaulting.start(self.state.tg, memory, session.id, pid)
+        return reply
 
     @staticmethod
     def _alive(session: Session) -> Callable[[], bool]:

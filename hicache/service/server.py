@@ -344,6 +344,8 @@ class EngineServer:
             handle.cancel()
         if running:
             await asyncio.gather(*(h.done() for h in running))
+        if session.prefault is not None:  # no thread touches its mapping once it is dropped
+            await session.prefault.stop()
         namespace = session.namespace
         if namespace is not None:  # its own pools only: other engines' ops go on
             await namespace.detach(session.id)

@@ -1,12 +1,17 @@
 """What the engine server keeps per engine: `Session` (its namespace, mapped pools, counter
-file, unreleased loads), `LoadEntry`, the `DrainReport`."""
+file, unreleased loads, the prefault of its memory), `LoadEntry`, `Prefaulting`, the
+`DrainReport`."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import threading
+import time
 from dataclasses import dataclass, field
 
 from hicache.channel.counters import CounterFile
+from hicache.channel.shm import PeerMemory
 from hicache.memory import DevicePool
 from hicache.scheduler import OpHandle
 from hicache.service.namespaces import Namespace, NamespaceKey
@@ -17,6 +22,56 @@ class LoadEntry:
     slot: int
     handle: OpHandle
     released: bool = False
+
+
+log = logging.getLogger("hicache.service")
+
+
+@dataclass
+class Prefaulting:
+    """A session's mapped pool being prefaulted in a worker thread (`PeerMemory.prefault`):
+    the sidecar's page tables for the engine's allocated pages filled once, after the
+    registration was answered, so no load or store faults on them later. A task of the
+    service's TaskGroup; `stop` ends it within one chunk (the session's end waits for that,
+    so its mapping is dropped only once no thread touches it)."""
+
+    task: asyncio.Task[None]
+    _stop: threading.Event
+
+    @classmethod
+    def start(
+        cls, tg: asyncio.TaskGroup, memory: PeerMemory, session: int, pid: int | None
+    ) -> Prefaulting:
+        stop = threading.Event()
+
+        async def run() -> None:
+            started = time.perf_counter()
+            try:
+                done = await asyncio.to_thread(memory.prefault, stop)
+            except Exception as exc:  # never the service's end: copies fault as they go
+                log.warning(
+                    "engine memory not prefaulted",
+                    extra={"fields": {"session": session, "pid": pid, "reason": str(exc)}},
+                )
+                return
+            log.info(
+                "engine memory prefaulted",
+                extra={
+                    "fields": {
+                        "session": session,
+                        "pid": pid,
+                        "bytes": done,
+                        "seconds": round(time.perf_counter() - started, 3),
+                        "stopped": stop.is_set(),
+                    }
+                },
+            )
+
+        return cls(tg.create_task(run(), name=f"hicache-prefault-{session}"), stop)
+
+    async def stop(self) -> None:
+        self._stop.set()
+        await asyncio.wait([self.task])
 
 
 @dataclass
@@ -39,6 +94,7 @@ class Session:
     in_request: int = 0  # awaited requests in progress: a busy engine is not a silent one
     lookup_only: bool = False  # hello role "lookup": no pools, no stores or loads
     ending: asyncio.Task[None] | None = None  # set once its connection is gone
+    prefault: Prefaulting | None = None  # its pool's page tables being filled
 
     def describe(self) -> str:
         who = f"session {self.id}"

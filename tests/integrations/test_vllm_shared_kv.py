@@ -6,6 +6,7 @@ exactly the block and byte range named."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import pytest
@@ -25,16 +26,45 @@ from tests.conftest import shared_model
 BLOCK = 16
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def _heap_free_bytes() -> int:
+    """Bytes free in glibc's main heap (`mallinfo2().fordblks`): a request larger than that
+    cannot be served from the heap, so glibc mmaps it (over its 32 MiB threshold at most)."""
+    libc = ctypes.CDLL(None)
+    libc.mallinfo2.restype = _Mallinfo2
+    return int(libc.mallinfo2().fordblks)
+
+
 def _vllm_like(blocks: int) -> tuple[LayerMap, dict[str, GroupGeometry], torch.Tensor, dict]:
-    """Llama-3.1-8B's layout at 16-token blocks: one int8 allocation (glibc mmaps it: over
-    32 MiB), each layer a view `[blocks, 8, 16, 256]` bf16 at its layer offset."""
+    """Llama-3.1-8B's layout at 16-token blocks: one int8 allocation that glibc mmaps, as it
+    does vLLM's GiBs (over 32 MiB, and larger than what the heap has free: earlier tests in
+    this process may have left a free heap chunk big enough, which malloc would use first),
+    each layer a view `[blocks, 8, 16, 256]` bf16 at its layer offset."""
     layer_map = LayerMap(load_layout(shared_model("llama-3.1-8b.json")))
     dtypes = CacheDtypes.from_names("bfloat16", None, None)
     geometries = {g.name: GroupGeometry.of(g, dtypes, BLOCK) for g in layer_map.groups}
     spec = layer_map.groups[0].spec
     per_block = spec.num_kv_heads * BLOCK * 2 * spec.head_dim
     layers = len(layer_map.stage_layer_ids)
-    buf = torch.zeros(layers * blocks * per_block * 2, dtype=torch.int8)
+    size = layers * blocks * per_block * 2
+    buf = torch.zeros(max(size, _heap_free_bytes() + (1 << 20)), dtype=torch.int8)
     caches = {
         f"model.layers.{i}.self_attn.attn": buf[
             i * blocks * per_block * 2 : (i + 1) * blocks * per_block * 2
@@ -119,11 +149,34 @@ def test_a_client_that_failed_leaves_the_memory_registrable() -> None:
     memory = share_in_place(bindings)
     try:
         first = blocks_pools(memory, bindings, geometries)
-        _, identity = map_pools(first.manifest() | {"counters_fd": 0}, geometries, os.getpid())
+        _, mapped = map_pools(first.manifest() | {"counters_fd": 0}, geometries, os.getpid())
         first.close()  # what the failed client did
         second = blocks_pools(memory, bindings, geometries)
         _, again = map_pools(second.manifest() | {"counters_fd": 0}, geometries, os.getpid())
         second.close()
-        assert again == identity
+        assert again.identity == mapped.identity
+    finally:
+        memory.close()
+
+
+def test_vllms_memory_is_allocated_and_mapped_once_shared() -> None:
+    """vLLM's zeroed cache was resident before it was shared; it stays so: every page of the
+    memfd is allocated (zero chunks too) and mapped in vLLM's process, so neither vLLM's
+    forward nor the sidecar's first copy into a block faults on it (faults counted by the
+    kernel for this thread, on numpy's one-thread fill)."""
+    import resource
+
+    from hicache.channel.prefault import allocated_extents
+
+    layer_map, geometries, buf, caches = _vllm_like(blocks=20)
+    buf[: buf.numel() // 2].fill_(3)  # half written, half still torch.zeros' zeros
+    bindings = _bind(layer_map, geometries, caches)
+    memory = share_in_place(bindings)
+    try:
+        assert allocated_extents(memory.fd, memory.nbytes) == [(0, memory.nbytes)]
+        array = buf.numpy()
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        array.fill(5)
+        assert resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before == 0
     finally:
         memory.close()
