@@ -1,9 +1,12 @@
-"""The store's ordering contract (issue #15), end to end on the CPU with a recording backend:
-`TieredCache.store` takes the caller's fence (or makes one on entry, on the caller's thread)
-and hands exactly that to the backup walk; the scheduler drops it when the op ends; the
-sidecar waits on the engine's IPC event only (never a fence of its own streams) and refuses
-one for shared-memory pools; the wire field is exactly an IPC event handle; the clients send
-a fence only for CUDA pools. The GPU side is in tests/transfer/test_cuda_backend.py and
+"""The ordering contract of stores (issue #15) and loads (#25), end to end on the CPU with a
+recording backend: `TieredCache.store` and `.load` take the caller's fence (or make one on
+entry, on the caller's thread) and hand exactly that to their walk — a merged load walk
+waits on every op's; the scheduler drops them when the op ends; the sidecar waits on the
+engine's IPC event only (never a fence of its own streams) and refuses one for shared-memory
+pools; the wire field is exactly an IPC event handle; the clients send a fence only for CUDA
+pools. A load must be ordered after the engine's work that still uses or zeroes the pages it
+fills (vLLM zeroes newly allocated blocks on its stream before the forward that loads into
+them). The GPU side is in tests/transfer/test_cuda_backend.py and
 tests/service/test_cuda_ipc.py."""
 
 from __future__ import annotations
@@ -23,13 +26,21 @@ from pydantic import ValidationError
 from hicache.assembly import by_key
 from hicache.cache import TieredCache
 from hicache.channel import protocol as p
-from hicache.client.base import ClientBase, store_args
+from hicache.client.base import ClientBase, load_args, store_args
 from hicache.client.handle import ClientError
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
-from hicache.service.ops_data import store_fence
+from hicache.scheduler import GroupPages
+from hicache.service.ops_data import engine_fence
 from hicache.transfer import NO_FENCE, CpuCopyBackend, Direction, Fence
-from hicache.transfer.backend import CancelToken, LayerListener, LayerPart, WalkDone, WalkSignals
+from hicache.transfer.backend import (
+    CancelToken,
+    JoinedFence,
+    LayerListener,
+    LayerPart,
+    WalkDone,
+    WalkSignals,
+)
 from tests.conftest import shared_model
 from tests.pages import split_store
 
@@ -42,12 +53,14 @@ class Marker(Fence):
 
 
 class Recording(CpuCopyBackend):
-    """Records the fences it makes (and on which thread) and each backup walk's `after`."""
+    """Records the fences it makes (and on which thread) and each walk's `after`: backups'
+    in `after`, loads' in `load_after`."""
 
     def __init__(self) -> None:
         super().__init__()
         self.made: list[Marker] = []
         self.after: list[Fence | None] = []
+        self.load_after: list[Fence | None] = []
 
     def producer_fence(self, stream: object | None = None) -> Fence | None:
         marker = Marker(threading.current_thread().name)
@@ -63,8 +76,7 @@ class Recording(CpuCopyBackend):
         cancel: CancelToken | None = None,
         on_layer: LayerListener | None = None,
     ) -> WalkSignals:
-        if direction is Direction.BACKUP:
-            self.after.append(after)
+        (self.after if direction is Direction.BACKUP else self.load_after).append(after)
         return super().submit_walk(direction, layers, done, after, cancel, on_layer)
 
 
@@ -131,12 +143,93 @@ async def test_store_hands_the_callers_fence_to_the_backup_and_drops_it_after(
         cache.embedded.close()
 
 
+def load_pages(cache: TieredCache, tokens: list[int], first: int) -> dict[str, list[int]]:
+    return {g: list(range(first, first + len(tokens) // PAGE)) for g in cache.index.rules}
+
+
+@pytest.mark.asyncio
+async def test_a_load_without_a_fence_takes_one_on_entry_and_its_walk_waits_on_it() -> None:
+    backend = Recording()
+    cache = build(backend)
+    try:
+        async with cache.running():
+            tokens = list(range(16))
+            fence = Marker("engine")
+            await cache.store(tokens, **store_kwargs(cache, tokens), fence=fence)
+            handle, hit = await cache.load([*tokens[:-1], 99], load_pages(cache, tokens, 8))
+            assert handle is not None
+            assert hit.tokens_total > 0
+            await handle.done()
+        assert len(backend.made) == 1  # the load's, once, on entry (the store brought its own)
+        assert backend.made[0].thread == threading.current_thread().name
+        assert backend.load_after == [backend.made[0]]
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_a_merged_load_walk_waits_on_its_steps_fence_and_drops_it_after() -> None:
+    """One engine step's loads go as one merged walk (`load_step`): it waits on the step's
+    fence, and nothing keeps the fence once the ops ended."""
+    backend = Recording()
+    cache = build(backend)
+    try:
+        async with cache.running():
+            tokens = list(range(16))
+            await cache.store(tokens, **store_kwargs(cache, tokens), fence=NO_FENCE)
+            plan = cache.planner.plan_load(tokens, 0)
+            scheduler = cache.embedded.scheduler
+            fence = Marker("engine")
+            held = weakref.ref(fence)
+
+            def step(first: int) -> dict[str, GroupPages]:  # as TieredCache.load asks
+                pages = {}
+                for group, rows in plan.hit.needed.items():
+                    token = cache.index.rules[group].kind.is_token_cache
+                    pages[group] = GroupPages(
+                        tuple(range(first, first + len(rows))) if token else (first,),
+                        tuple(r.l2_page for _, r in rows if r.l2_page is not None),
+                        num_tokens=plan.hit.pages_l2 * PAGE if token else None,
+                        first_page=rows[0][0] if token else 0,
+                    )
+                return pages
+
+            steps = [step(4), step(10)]
+            handles = await scheduler.load_step(steps, fence=fence)
+            for handle in handles:
+                await handle.done()
+            cache.planner.release_load(plan)
+            assert scheduler.stats().merged_walks == 1
+            assert backend.made == []
+            assert backend.load_after == [fence]
+            backend.load_after.clear()
+            del fence, handles
+            gc.collect()
+            assert held() is None  # nothing of the scheduler keeps it past the ops
+    finally:
+        cache.embedded.close()
+
+
+def test_a_merged_walk_joins_distinct_fences_once_each() -> None:
+    backend = CpuCopyBackend()
+    try:
+        first, second = Marker("a"), Marker("b")
+        assert backend.join_fences([None, None]) is None
+        assert backend.join_fences([first, None, first]) is first
+        joined = backend.join_fences([first, second, first])
+        assert isinstance(joined, JoinedFence)
+        assert joined.fences == (first, second)
+    finally:
+        backend.close()
+
+
 def test_the_sidecar_never_makes_a_fence_of_its_own() -> None:
     backend = CpuCopyBackend()
     try:
-        assert store_fence(backend, None) is NO_FENCE
-        with pytest.raises(p.RequestError, match=r"store\.fence: an IPC event handle orders CUDA"):
-            store_fence(backend, b"\0" * 64)
+        for op in ("store", "load"):
+            assert engine_fence(backend, None, op) is NO_FENCE
+            with pytest.raises(p.RequestError, match=rf"^{op}\.fence: an IPC event handle orders"):
+                engine_fence(backend, b"\0" * 64, op)
     finally:
         backend.close()
 
@@ -152,28 +245,36 @@ def test_a_cuda_sidecar_opens_the_engines_handle() -> None:
             return Marker("sidecar")
 
     handle = bytes(range(64))
-    fence = store_fence(Cuda(), handle)  # type: ignore[arg-type]
+    fence = engine_fence(Cuda(), handle, "store")  # type: ignore[arg-type]
     assert isinstance(fence, Marker)
     assert opened == [handle]
 
 
-def test_the_wire_fence_is_exactly_an_ipc_event_handle() -> None:
+@pytest.mark.parametrize("request_model", [p.StoreRequest, p.LoadRequest])
+def test_the_wire_fence_is_exactly_an_ipc_event_handle(request_model: type[p.Msg]) -> None:
     args = {"tokens": [1, 2], "device_pages": {"full": []}}
-    assert p.StoreRequest.model_validate(args).fence is None
-    assert p.StoreRequest.model_validate({**args, "fence": b"\1" * 64}).fence == b"\1" * 64
+    assert request_model.model_validate(args).fence is None  # type: ignore[attr-defined]
+    fenced = request_model.model_validate({**args, "fence": b"\1" * 64})
+    assert fenced.fence == b"\1" * 64  # type: ignore[attr-defined]
     for bad in (b"\1" * 63, b"\1" * 65, "x" * 64):
         with pytest.raises(ValidationError):
-            p.StoreRequest.model_validate({**args, "fence": bad})
+            request_model.model_validate({**args, "fence": bad})
 
 
 def test_clients_send_a_fence_only_for_cuda_pools() -> None:
     assert "fence" not in store_args([1], {"g": [0]}, None)
     assert store_args([1], {"g": [0]}, None, b"h" * 64)["fence"] == b"h" * 64
+    assert "fence" not in load_args([1], {"g": [0]}, 0)
+    assert load_args([1], {"g": [0]}, 0, b"h" * 64)["fence"] == b"h" * 64
     layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
     client = ClientBase(layer_map, "float16", PAGE, 0, "", None, "")
-    assert client._store_fence(None) == (None, None)  # shared-memory pools: written before
-    with pytest.raises(ClientError, match="a stream orders CUDA work"):
-        client._store_fence(object())
+    assert client._engine_fence(None, "store") == (
+        None,
+        None,
+    )  # shared-memory pools: written before
+    for op in ("store", "load"):
+        with pytest.raises(ClientError, match=rf"^bad_request: {op}: a stream orders CUDA work"):
+            client._engine_fence(object(), op)
 
 
 @pytest.mark.asyncio
@@ -287,5 +388,65 @@ async def test_an_embedded_store_waits_for_kernels_on_the_engines_stream(how: st
                 assert ones % pool.geometry.page_bytes == 0, name
                 landed += ones // pool.geometry.page_bytes
             assert landed == result.pages_stored, "the backup read pages before they were written"
+    finally:
+        embedded.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["taken_on_entry", "explicit_fence"])
+async def test_an_embedded_load_lands_after_the_engine_zeroed_its_pages(how: str) -> None:
+    """vLLM's order on CUDA: newly allocated blocks are zeroed on the engine's stream, then
+    the forward's load fills them. Here the zeroing runs behind a long kernel on a side stream
+    and the load is called at once: the loaded bytes (0x5A) must survive, not the zeros."""
+    from hicache.transfer.cuda_backend import CudaCopyBackend
+
+    layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
+    geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
+    backend = CudaCopyBackend(0, staging_bytes=16 * 2**20)
+    embedded = by_key.embedded(
+        layer_map,
+        dtype=torch.float16,
+        page_size_tokens=PAGE,
+        host_capacity_bytes=32 * sum(g.page_bytes for g in geoms),
+        device_pages=16,
+        backend=backend,
+    )
+    cache = by_key.tiered(embedded)
+    pools = embedded.device_pools.values()
+    try:
+        async with cache.running():
+            for pool in pools:
+                for layer in pool.tensors:
+                    for t in layer.values():
+                        t.view(torch.uint8).fill_(0x5A)
+            tokens = list(range(16))
+            result = await cache.store(tokens, **store_kwargs(cache, tokens))
+            assert result.pages_stored > 0
+            torch.cuda.synchronize()
+            side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+            with torch.cuda.stream(side):
+                gpu_sleep(0.5)
+                for pool in pools:  # the engine zeroes the pages before the load fills them
+                    for layer in pool.tensors:
+                        for t in layer.values():
+                            t.zero_()
+                if how == "taken_on_entry":  # on this thread, whose current stream is `side`
+                    handle, hit = await cache.load(tokens, load_pages(cache, tokens, 0))
+            if how == "explicit_fence":
+                fence = backend.producer_fence(side)
+                handle, hit = await cache.load(tokens, load_pages(cache, tokens, 0), fence=fence)
+            assert handle is not None
+            await handle.done()
+            torch.cuda.synchronize()
+            for name, pool in embedded.device_pools.items():  # gpt-oss: token groups only
+                rows = [position for position, _ in hit.needed[name]]  # = its device page
+                assert rows, name
+                for layer in pool.tensors:
+                    for t in layer.values():
+                        loaded = t.view(torch.uint8).view(pool.num_pages, -1)
+                        assert all(bool(loaded[i].eq(0x5A).all()) for i in rows), (
+                            f"group {name!r}: the load landed before the engine's zeroing"
+                        )
     finally:
         embedded.close()

@@ -561,13 +561,19 @@ class TieredCache:
         *,
         on_layer: LayerListener | None = None,
         skip_pages: int = 0,
+        fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
     ) -> tuple[OpHandle | None, Hit]:
         """Load the usable prefix into the given device pages; returns the handle (None when
         nothing beyond `skip_pages` hits) and the hit actually loaded — shorter than
         `lookup`'s when L3 pages could not be fetched in time, with those pages' positions in
         `hit.failed`. `skip_pages`: the engine's own device cache holds the prompt's first
-        pages; only later ones move. `attachment`: whose device pools the pages are."""
+        pages; only later ones move. `attachment`: whose device pools the pages are.
+        Ordering (CUDA): the copies run after `fence` — the engine's work that still uses
+        or zeroes the pages — taken on entry on the caller's thread and current stream when
+        None (as a store's, `Scheduler.load_step`)."""
+        if fence is None:
+            fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
         self._group()
         self._resync_if_due()
         size = self.index.page_size_tokens
@@ -604,7 +610,7 @@ class TieredCache:
             return None, Hit(size, 0, 0, {}, failed)
         try:
             handle = await self.embedded.scheduler.load(
-                request, on_layer=on_layer, attachment=attachment
+                request, on_layer=on_layer, fence=fence, attachment=attachment
             )
         except BaseException:
             self.planner.release_load(plan)  # the copies' own pins keep the pages meanwhile

@@ -172,6 +172,13 @@ Snapshot = Annotated[
 ]
 
 
+# an engine's interprocess CUDA event, as its IPC handle (cudaIpcEventHandle_t): what a store's
+# backup or a load's copies wait on, on the sidecar's stream
+Fence = Annotated[
+    bytes | None, Field(min_length=IPC_EVENT_HANDLE_BYTES, max_length=IPC_EVENT_HANDLE_BYTES)
+]
+
+
 class StoreRequest(Msg):
     tokens: TokenIds
     # token groups: a device page per full page, None where the engine no longer holds it
@@ -183,14 +190,17 @@ class StoreRequest(Msg):
     # CUDA pools: the IPC handle (cudaIpcEventHandle_t, 64 bytes) of an interprocess event the
     # engine recorded after the kernels that wrote the pages; the backup waits on it. Absent:
     # the engine synchronised before storing (or its pools are shared memory, written on CPU).
-    fence: bytes | None = Field(
-        default=None, min_length=IPC_EVENT_HANDLE_BYTES, max_length=IPC_EVENT_HANDLE_BYTES
-    )
+    fence: Fence = None
 
 
 class LoadRequest(PagesRequest):
     # the engine's own device cache holds the prompt's first pages: load only later ones
     skip_pages: int = Field(default=0, ge=0, le=PAGE_ID_MAX)
+    # CUDA pools: an interprocess event the engine recorded after its work that still uses
+    # (or zeroes) the pages the load fills, e.g. vLLM zeroing newly allocated blocks on its
+    # stream; the load's copies wait on it. Absent: nothing of the engine's is in flight
+    # on them (shared-memory pools: the engine works on the CPU).
+    fence: Fence = None
 
 
 class Release(Msg):

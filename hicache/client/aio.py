@@ -11,7 +11,13 @@ from typing import Any
 
 from hicache.channel import protocol as p
 from hicache.channel.shm import SharedPools
-from hicache.client.base import ClientBase, page_lists, parse_address, store_args, unreachable
+from hicache.client.base import (
+    ClientBase,
+    load_args,
+    parse_address,
+    store_args,
+    unreachable,
+)
 from hicache.client.handle import ClientError, LoadHandle, Lookup
 from hicache.client.keys import PromptKeys
 from hicache.memory import DevicePool
@@ -168,26 +174,25 @@ class AsyncClient(ClientBase):
         its handle sent with the request, so the engine need not synchronise — but every
         kernel that wrote these pages must be on that stream, or ordered before it (e.g.
         `stream.wait_stream(other)`), at the time of this call."""
-        event, fence = self._store_fence(stream)  # on the caller's thread, before the request
+        event, fence = self._engine_fence(stream, "store")  # this thread, before the request
         try:
             return await self.call("store", store_args(tokens, device_pages, snapshots, fence))
         finally:
-            self._keep_fence(event)  # alive until answered: see _store_fence
+            self._keep_fence(event)  # alive until answered: see _engine_fence
 
     async def load(
         self,
         tokens: Sequence[int],
         device_pages: Mapping[str, Sequence[int]],
         skip_pages: int = 0,
+        *,
+        stream: Any = None,
     ) -> LoadHandle | None:
-        reply = await self.call(
-            "load",
-            {
-                "tokens": list(tokens),
-                "device_pages": page_lists(device_pages),
-                "skip_pages": skip_pages,
-            },
-        )
+        event, fence = self._engine_fence(stream, "load")  # this thread, before the request
+        try:
+            reply = await self.call("load", load_args(tokens, device_pages, skip_pages, fence))
+        finally:
+            self._keep_fence(event)  # alive until answered: see _engine_fence
         loop = asyncio.get_running_loop()
 
         def release(load_id: int) -> None:  # LoadHandle.done() runs off-loop or on it

@@ -277,19 +277,20 @@ class ClientBase:
     def _lookup_of(reply: Mapping[str, Any]) -> Lookup:
         return Lookup(reply["page_size_tokens"], reply["tokens_l2"], reply["tokens_total"])
 
-    def _store_fence(self, stream: Any) -> tuple[Any, bytes | None]:
-        """A store's `fence`: with CUDA pools, an interprocess event recorded now on `stream`
-        (default: this thread's current stream on the pools' device) and its IPC handle, so
-        the sidecar's backup runs after the work queued there so far; (None, None) with
-        shared-memory pools (written on the CPU before the call). The caller holds the event
-        until its request is answered, then hands it to `_keep_fence`: an imported event
-        used after its exporter destroyed it is undefined, so no store's event may die
-        while its request is in flight (however many stores run at once)."""
+    def _engine_fence(self, stream: Any, op: str) -> tuple[Any, bytes | None]:
+        """A store's or load's `fence`: with CUDA pools, an interprocess event recorded now on
+        `stream` (default: this thread's current stream on the pools' device) and its IPC
+        handle, so the sidecar's copies run after the work queued there so far (a store's
+        kernels that wrote the pages; for a load, whatever still uses or zeroes the pages
+        it fills); (None, None) with shared-memory pools (the engine works on the CPU). The
+        caller holds the event until its request is answered, then hands it to
+        `_keep_fence`: an imported event used after its exporter destroyed it is undefined,
+        so no event may die while its request is in flight (however many run at once)."""
         if self.cuda_device is None:
             if stream is not None:
                 raise ClientError(
                     p.ErrorCode.BAD_REQUEST,
-                    "store: a stream orders CUDA work; this client registered shared-memory "
+                    f"{op}: a stream orders CUDA work; this client registered shared-memory "
                     "pools (register_cuda_pools gives the sidecar CUDA ones)",
                 )
             return None, None
@@ -320,9 +321,12 @@ class ClientBase:
             {"loads_starved": starved} if starved else {}
         )
 
-    def create_pools(self, num_pages: int | Mapping[str, int]) -> SharedPools:
-        """The engine's KV pool in a sealed memfd, laid out as the sidecar expects."""
-        return SharedPools.create(self.geometries, num_pages)
+    def create_pools(
+        self, num_pages: int | Mapping[str, int], *, prefault: bool = True
+    ) -> SharedPools:
+        """The engine's KV pool in a sealed memfd, laid out as the sidecar expects; every
+        page allocated and mapped now unless `prefault` is False (`SharedPools.create`)."""
+        return SharedPools.create(self.geometries, num_pages, prefault=prefault)
 
     def _handle(self, reply: dict[str, Any], release: Any) -> LoadHandle | None:
         if reply["load_id"] is None:
@@ -341,6 +345,23 @@ class ClientBase:
 
 def page_lists(device_pages: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:
     return {group: [int(x) for x in pages] for group, pages in device_pages.items()}
+
+
+def load_args(
+    tokens: Sequence[int],
+    device_pages: Mapping[str, Sequence[int]],
+    skip_pages: int,
+    fence: bytes | None = None,
+) -> dict[str, Any]:
+    """A load's arguments on the wire; the fence's IPC event handle only for CUDA pools (an
+    older sidecar refuses keys it does not know)."""
+    extra: dict[str, Any] = {} if fence is None else {"fence": fence}
+    return {
+        **extra,
+        "tokens": list(tokens),
+        "device_pages": page_lists(device_pages),
+        "skip_pages": skip_pages,
+    }
 
 
 def store_args(

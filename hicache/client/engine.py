@@ -44,7 +44,13 @@ from typing import Any
 from hicache.assembly import client_settings
 from hicache.channel import protocol as p
 from hicache.channel.shm import SharedPools
-from hicache.client.base import ClientBase, page_lists, parse_address, store_args, unreachable
+from hicache.client.base import (
+    ClientBase,
+    load_args,
+    parse_address,
+    store_args,
+    unreachable,
+)
 from hicache.client.handle import ClientError, LoadHandle, Lookup
 from hicache.client.keys import PromptKeys
 from hicache.config import LoadedConfig
@@ -242,28 +248,29 @@ class Client(ClientBase):
         its handle sent with the request, so the engine need not synchronise — but every
         kernel that wrote these pages must be on that stream, or ordered before it (e.g.
         `stream.wait_stream(other)`), at the time of this call."""
-        event, fence = self._store_fence(stream)  # on the caller's thread, before the request
+        event, fence = self._engine_fence(stream, "store")  # this thread, before the request
         try:
             return self.call("store", store_args(tokens, device_pages, snapshots, fence))
         finally:
-            self._keep_fence(event)  # alive until answered: see _store_fence
+            self._keep_fence(event)  # alive until answered: see _engine_fence
 
     def load(
         self,
         tokens: Sequence[int],
         device_pages: Mapping[str, Sequence[int]],
         skip_pages: int = 0,
+        *,
+        stream: Any = None,
     ) -> LoadHandle | None:
         """Load the prompt's hit into `device_pages` (per group, in token order; one snapshot
-        page for a state group). `skip_pages`: the first pages are on the device already."""
-        reply = self.call(
-            "load",
-            {
-                "tokens": list(tokens),
-                "device_pages": page_lists(device_pages),
-                "skip_pages": skip_pages,
-            },
-        )
+        page for a state group). `skip_pages`: the first pages are on the device already.
+        CUDA pools: the copies run after the work queued so far on `stream` (default: this
+        thread's current stream), e.g. an earlier use of those pages, or their zeroing."""
+        event, fence = self._engine_fence(stream, "load")  # this thread, before the request
+        try:
+            reply = self.call("load", load_args(tokens, device_pages, skip_pages, fence))
+        finally:
+            self._keep_fence(event)  # alive until answered: see _engine_fence
         return self._handle(reply, self.release)
 
     def prefetch(self, tokens: Sequence[int]) -> int:

@@ -418,7 +418,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             state_load_block=state_load_block,
             state_store_block=state_store_block,
             register=register,
-            store_stream=stream,
+            stream=stream,
         )
         self.worker.client()
 

@@ -86,11 +86,12 @@ class WorkerSide:
         state_load_block: Callable[[Sequence[int], int], int],
         state_store_block: Callable[[Sequence[int], int], int | None],
         register: Callable[[Client], None] | None = None,
-        store_stream: Callable[[], Any] = lambda: None,
+        stream: Callable[[], Any] = lambda: None,
     ):
         """`register`: registers vLLM's own blocks with a new client (direct); None: the
         worker registers a staging pool of `staging_pages` per group instead.
-        `store_stream`: CUDA, vLLM's current stream (a store's fence); CPU, None."""
+        `stream`: CUDA, vLLM's current stream (the fence of a store, and of a direct load:
+        its copies wait for vLLM's zeroing of the blocks it allocated); CPU, None."""
         self.layer_map = layer_map
         self.bindings = dict(bindings)
         self.page = page_size_tokens
@@ -129,13 +130,14 @@ class WorkerSide:
             page_size_tokens=page_size_tokens,
             staging=None if self.direct else self.staging,
             pools=lambda: self._pools,
-            stream=store_stream,
+            stream=stream,
             settle_timeout_s=6 * load_timeout_s,
             retry_after_s=retry_after_s,
         )
         # direct loads that had not ended when the step did: they may still write vLLM's
         # blocks, which vLLM reuses (recomputing, or for another request) from the next step
         self._unended: list[tuple[str, LoadHandle]] = []
+        self._stream = stream
 
     # ---- the sidecar ----------------------------------------------------------------------
 
@@ -153,7 +155,8 @@ class WorkerSide:
             if self._register is not None:
                 self._register(client)
             else:
-                pools = client.create_pools(self._staging_pages)
+                # sized for a full batch of loads, mostly never touched: pages on first use
+                pools = client.create_pools(self._staging_pages, prefault=False)
                 client.register_pools(pools)
         except (HicacheError, OSError) as exc:
             if client is not None:  # hello went through: end that session, drop the file
@@ -484,7 +487,12 @@ class WorkerSide:
         try:
             if job.from_l3:  # bring L3's pages to L2 first: the load itself waits briefly
                 client.prefetch(list(job.tokens))
-            handle = client.load(list(job.tokens), device_pages, skip_pages=job.skip_pages)
+            # direct on CUDA: after vLLM's zeroing of the blocks it allocated this step (its
+            # stream, now: start_load_kv runs after the runner queued that zeroing)
+            stream = self._stream() if self.direct else None
+            handle = client.load(
+                list(job.tokens), device_pages, skip_pages=job.skip_pages, stream=stream
+            )
         except (HicacheError, OSError) as exc:
             self.counters.error(f"request {job.req_id}: load failed to start: {exc}")
             active.failed = True

@@ -184,10 +184,15 @@ class Scheduler:
         *,
         deadline_s: float | None = None,
         on_layer: LayerListener | None = None,
+        fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
     ) -> OpHandle:
         handles = await self.load_step(
-            [groups], deadline_s=deadline_s, on_layer=on_layer, attachment=attachment
+            [groups],
+            deadline_s=deadline_s,
+            on_layer=on_layer,
+            fence=fence,
+            attachment=attachment,
         )
         return handles[0]
 
@@ -197,6 +202,7 @@ class Scheduler:
         *,
         deadline_s: float | None = None,
         on_layer: LayerListener | None = None,
+        fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
     ) -> list[OpHandle]:
         """Loads of one engine step, merged into one walk. Returns once the walk is submitted
@@ -206,8 +212,18 @@ class Scheduler:
         (the sidecar's cross-process counter; `LayerListener`). A caller cancelled while this
         waits (for queue space or a walk slot) cancels its ops: nothing stays pinned, and no
         walk writes its device pages after it (one already submitted is cancelled and ends
-        when the backend reports it). The device pages are `attachment`'s pools'."""
+        when the backend reports it). The device pages are `attachment`'s pools'.
+
+        Ordering (CUDA): the copies run after `fence`, the point in the engine's work after
+        which the device pages are the load's to write (its kernels that still read them from
+        an earlier use, vLLM's zeroing of newly allocated blocks); without one, after the work
+        queued so far on the calling thread's current stream (`producer_fence`). A sidecar
+        passes the engine's IPC event, or `NO_FENCE`. A merged walk waits for every op's."""
+        if fence is None:
+            fence = self.backend.producer_fence()  # now, on the caller's thread
         ops = self._admit_all(OpKind.LOAD, requests, deadline_s, attachment)
+        for op in ops:
+            op.fence = fence
         try:
             await self._enqueue(WalkBatch(OpKind.LOAD, ops, on_layer=on_layer))
             # Fast path: start whatever is ready now, in this task, rather than a loop
@@ -457,7 +473,8 @@ class Scheduler:
             op.started_at = now
         if len(batch.ops) > 1:
             self.recorder.merged_walks += 1
-        fence = batch.ops[-1].fence  # a backup walk is one op (never merged): its fence
+        # a backup walk is one op (never merged); a merged load walk waits for every op's
+        fence = self.backend.join_fences([op.fence for op in batch.ops])
         loop = self.loop
 
         def done(errors: dict[int, BaseException]) -> None:  # backend thread

@@ -49,7 +49,7 @@ class DataOps:
                         f"store.snapshots.{group}: two snapshots after {tokens} tokens (slots "
                         f"{given[tokens]} and {slot}); give one per prefix length",
                     )
-        fence = store_fence(namespace.cache.backend, args.fence)
+        fence = engine_fence(namespace.cache.backend, args.fence, "store")
         result = await namespace.cache.store(
             args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
         )
@@ -90,13 +90,16 @@ class DataOps:
             row[1] = upto
 
         try:
+            fence = engine_fence(namespace.cache.backend, args.fence, "load")
             handle, hit = await namespace.cache.load(
                 args.tokens,
                 args.device_pages,
                 on_layer=on_layer,
                 skip_pages=args.skip_pages,
+                fence=fence,
                 attachment=session.id,
             )
+            del fence  # held by the walk's op until it ends (the scheduler drops it then)
         except BaseException:
             row[2] = LoadState.FREE
             session.free_slots.append(slot)
@@ -192,19 +195,20 @@ class DataOps:
             )
 
 
-def store_fence(backend: CopyBackend, handle: bytes | None) -> Fence:
-    """What a store's backup waits on: the engine's IPC event (CUDA pools), or nothing
-    (`NO_FENCE`): the engine synchronised, or wrote shared memory on the CPU. Never a
-    fence of the sidecar's own streams, which order nothing of the engine's."""
+def engine_fence(backend: CopyBackend, handle: bytes | None, op: str) -> Fence:
+    """What a store's backup or a load's copies wait on (`op` names which, for errors): the
+    engine's IPC event (CUDA pools), or nothing (`NO_FENCE`): the engine synchronised, or
+    works on shared memory on the CPU. Never a fence of the sidecar's own streams, which
+    order nothing of the engine's."""
     if handle is None:
         return NO_FENCE
     if not backend.pins_host_memory:
         raise p.RequestError(
             p.ErrorCode.BAD_REQUEST,
-            "store.fence: an IPC event handle orders CUDA work; this session's pools are "
+            f"{op}.fence: an IPC event handle orders CUDA work; this session's pools are "
             "shared memory copied on the CPU (send no fence)",
         )
     try:
         return backend.import_fence(handle)
     except HicacheError as exc:
-        raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"store.fence: {exc}") from None
+        raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"{op}.fence: {exc}") from None

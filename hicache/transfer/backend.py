@@ -170,9 +170,11 @@ READY = ReadyWalk()
 
 
 class Fence:
-    """A point in the producer's work that a backup must be ordered after (a backend's
-    subclass carries what it needs, e.g. a CUDA event). A plain `Fence()` (`NO_FENCE`) orders
-    nothing: the producer has finished writing (it synchronised, or it wrote on the CPU).
+    """A point in the engine's work that a walk must be ordered after (a backend's subclass
+    carries what it needs, e.g. a CUDA event): a backup after the kernels that wrote its
+    pages, a load after the work that last used (or zeroed) the pages it fills. A plain
+    `Fence()` (`NO_FENCE`) orders nothing: the engine has finished with the pages (it
+    synchronised, or it works on the CPU).
 
     The contract (CUDA): the fence is taken where the pages were written — on the producer's
     thread, on the stream its kernels ran on, before anything else may overwrite them — never
@@ -184,6 +186,14 @@ class Fence:
 
 
 NO_FENCE = Fence()
+
+
+class JoinedFence(Fence):
+    """Several ops' fences for one merged walk, on a backend whose fences order nothing of
+    their own (the CPU's; CUDA joins its events into one `CudaFence`)."""
+
+    def __init__(self, fences: Sequence[Fence]):
+        self.fences = tuple(fences)
 
 
 class CopyBackend(abc.ABC):
@@ -211,9 +221,18 @@ class CopyBackend(abc.ABC):
         """A fence from another process: CUDA, an interprocess event's IPC handle, opened on
         this backend's device. Refused where fences cannot cross processes (CPU)."""
         raise TransferError(
-            f"a store's fence (an IPC event handle) needs the CUDA copy backend; this one "
-            f"copies on {self.device}"
+            f"a fence (an IPC event handle) needs the CUDA copy backend; this one copies on "
+            f"{self.device}"
         )
+
+    def join_fences(self, fences: Sequence[Fence | None]) -> Fence | None:
+        """One fence after all of `fences` (the ops of a merged load walk each bring theirs):
+        None when there is none, the one there is, or a `JoinedFence` of several (CUDA
+        joins their events, one stream wait each)."""
+        present = list({id(f): f for f in fences if f is not None}.values())
+        if len(present) <= 1:
+            return present[0] if present else None
+        return JoinedFence(present)
 
     def serves(self, device: torch.device) -> bool:
         """Can this backend copy pools on `device`? (Its own device type and index.)"""

@@ -274,11 +274,12 @@ class _PendingWalk:
 
 
 class CudaFence(Fence):
-    """An event recorded after the producer's writes (or one opened from the engine's IPC
-    handle); the backup stream waits on it when the walk is submitted."""
+    """Events recorded after the engine's work (or opened from the engine's IPC handles);
+    the walk's stream waits on each when the walk is submitted. One event per op; a merged
+    load walk joins its ops' (`join_fences`)."""
 
-    def __init__(self, event: torch.cuda.Event):
-        self.event = event
+    def __init__(self, *events: torch.cuda.Event):
+        self.events = events
 
 
 @dataclass(slots=True)
@@ -405,6 +406,11 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         event.record(target)  # a stream of another device is refused here, by torch
         return CudaFence(event)
 
+    def join_fences(self, fences: Sequence[Fence | None]) -> Fence | None:
+        joined = {id(f): f for f in fences if isinstance(f, CudaFence)}.values()
+        events = tuple(e for f in joined for e in f.events)
+        return CudaFence(*events) if events else None
+
     def import_fence(self, handle: bytes) -> Fence:
         """The engine's interprocess event, opened on this backend's device."""
         try:
@@ -434,7 +440,8 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         stopped: LayerFailure | None = None
         with torch.cuda.stream(stream):
             if isinstance(after, CudaFence):
-                stream.wait_event(after.event)
+                for event in after.events:
+                    stream.wait_event(event)
             for position, parts in enumerate(layers):
                 if stopped is not None:
                     if parts:

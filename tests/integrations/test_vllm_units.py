@@ -248,6 +248,7 @@ class _FakeClient:
         self.geometries = dict(geometries)
         self.stores: list[dict[str, list[int | None]]] = []
         self.loads: list[dict[str, list[int]]] = []
+        self.load_streams: list[object] = []
         self.store_error: Exception | None = None
         self.loads_starved = 0
         self.stats_calls = 0
@@ -256,8 +257,9 @@ class _FakeClient:
         self.store_entered = threading.Event()
         self.stores_finished = 0
 
-    def create_pools(self, num_pages: Mapping[str, int]) -> SharedPools:
-        return SharedPools.create(self.geometries, num_pages)
+    def create_pools(self, num_pages: Mapping[str, int], *, prefault: bool = True) -> SharedPools:
+        self.staging_prefaulted = prefault
+        return SharedPools.create(self.geometries, num_pages, prefault=prefault)
 
     def register_pools(self, pools: SharedPools) -> None:
         return None
@@ -279,9 +281,15 @@ class _FakeClient:
         return {}
 
     def load(
-        self, tokens: Sequence[int], device_pages: Mapping[str, Sequence[int]], skip_pages: int
+        self,
+        tokens: Sequence[int],
+        device_pages: Mapping[str, Sequence[int]],
+        skip_pages: int,
+        *,
+        stream: object = None,
     ) -> _Handle:
         self.loads.append({g: list(p) for g, p in device_pages.items()})
+        self.load_streams.append(stream)
         return _Handle(len(tokens))
 
     def prefetch(self, tokens: Sequence[int]) -> int:
