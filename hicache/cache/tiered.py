@@ -38,28 +38,25 @@ from typing import Any
 
 from hicache.cache.discovery import Discovery
 from hicache.cache.flush import Flushed, Flusher
-from hicache.cache.keyers import page_keyers
 from hicache.cache.l3_io import L3Io
 from hicache.cache.loads import Loads
 from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.cache.resync import Resync
-from hicache.cache.settings import CacheSettings, effective
+from hicache.cache.settings import CacheSettings, effective, index_of, prefetch_of
 from hicache.cache.stores import StoreResult, Stores
 from hicache.embedded import EmbeddedCache, check_pools_device, check_tp_rank
 from hicache.errors import HicacheError
 from hicache.index import (
     WRITE_POLICIES,
     AbsentKeys,
-    GroupRule,
     Hit,
     PageKey,
     PrefetchPolicy,
     PrefixIndex,
     WritePolicy,
 )
-from hicache.index.policies import prefetch_policy as prefetch_policy_named
 from hicache.memory import DevicePool, HostPoolStats
 from hicache.scheduler import DEFAULT_ATTACHMENT, OpHandle, SchedulerStats
 from hicache.storage import GuardedStore
@@ -188,32 +185,8 @@ class TieredCache:
         if tp_rank is None:
             tp_rank = embedded.tp_rank
         check_tp_rank(tp_rank, embedded.layer_map.layout.tp_size, "TieredCache.build")
-        geometries = embedded.geometries
-        page = next(iter(geometries.values())).page_size_tokens
-        keyers = page_keyers(
-            geometries,
-            embedded.layer_map,
-            embedded.scheduler.move_policy,
-            model=model,
-            tenant_salt=settings.tenant_salt,
-            tp_rank=tp_rank,
-            key_algorithm=settings.key_algorithm,
-        )
-        rules, capacity = {}, {}
-        for name in keyers:
-            rules[name] = GroupRule.of(geometries[name].group)
-            capacity[name] = embedded.host_tier.pool(name).num_pages
-        index = PrefixIndex(
-            keyers, rules, capacity, page, settings.eviction, settings.l3_index_max_pages
-        )
-        prefetch = prefetch_policy_named(
-            settings.prefetch_policy,
-            timeout_s=settings.prefetch_timeout_s,
-            per_token_s=settings.prefetch_timeout_per_token_s,
-            headroom=settings.prefetch_auto_headroom,
-            floor_s=settings.prefetch_auto_floor_s,
-            max_s=settings.prefetch_timeout_max_s,
-        )
+        index = index_of(embedded, settings, model=model, tp_rank=tp_rank)
+        prefetch = prefetch_of(settings)
         cache = cls(
             embedded,
             index,
