@@ -2,7 +2,7 @@
 pool's allocator is taken here, synchronously — no awaits, no torch — so nothing another
 coroutine does can slip between a decision and its reservation.
 
-Lifecycle of each op (the executor, `cache/tiered.py`, awaits only between the steps):
+Lifecycle of each op (its executor, `stores.py` or `loads.py`, awaits only between the steps):
 
     store:  write_back_victims -> [persist them] -> evict_victims   (only when room costs a
                                                                      page L3 should have)

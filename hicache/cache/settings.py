@@ -1,7 +1,8 @@
 """`CacheSettings`: what a `TieredCache` is built with, as plain values with no defaults of
 their own. `hicache.assembly.cache_settings` reads them from a deployment's `cache` section
 (whose defaults are the only ones), so an embedded cache and the sidecar's are built alike.
-`effective` reads back what a built cache runs with (`TieredCache.effective_settings`).
+`index_of` and `prefetch_of` make the parts `TieredCache.build` builds from them; `effective`
+reads back what a built cache runs with (`TieredCache.effective_settings`).
 """
 
 from __future__ import annotations
@@ -9,8 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from hicache.cache.keyers import page_keyers
+from hicache.index import GroupRule, PrefetchPolicy, PrefixIndex
+from hicache.index.policies import prefetch_policy
+
 if TYPE_CHECKING:
     from hicache.cache.tiered import TieredCache
+    from hicache.embedded import EmbeddedCache
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +37,44 @@ class CacheSettings:
     l3_index_max_pages: int
     l3_absent_ttl_s: float
     persist_queue_pages: int
+
+
+def index_of(
+    embedded: EmbeddedCache, settings: CacheSettings, *, model: str, tp_rank: int
+) -> PrefixIndex:
+    """The index of a cache over `embedded`: each kept group's keyer (`page_keyers`: the
+    model, tenant salt, rank and key algorithm in every key), rule and L2 capacity, with the
+    settings' eviction and bound on L3-only records."""
+    geometries = embedded.geometries
+    page = next(iter(geometries.values())).page_size_tokens
+    keyers = page_keyers(
+        geometries,
+        embedded.layer_map,
+        embedded.scheduler.move_policy,
+        model=model,
+        tenant_salt=settings.tenant_salt,
+        tp_rank=tp_rank,
+        key_algorithm=settings.key_algorithm,
+    )
+    rules, capacity = {}, {}
+    for name in keyers:
+        rules[name] = GroupRule.of(geometries[name].group)
+        capacity[name] = embedded.host_tier.pool(name).num_pages
+    return PrefixIndex(
+        keyers, rules, capacity, page, settings.eviction, settings.l3_index_max_pages
+    )
+
+
+def prefetch_of(settings: CacheSettings) -> PrefetchPolicy:
+    """The prefetch policy the settings name, given their deadline knobs (`index.policies`)."""
+    return prefetch_policy(
+        settings.prefetch_policy,
+        timeout_s=settings.prefetch_timeout_s,
+        per_token_s=settings.prefetch_timeout_per_token_s,
+        headroom=settings.prefetch_auto_headroom,
+        floor_s=settings.prefetch_auto_floor_s,
+        max_s=settings.prefetch_timeout_max_s,
+    )
 
 
 def effective(cache: TieredCache) -> dict[str, object]:

@@ -7,11 +7,14 @@ scheduler of one stage — as plan / execute / commit.
         handle, hit = await cache.load(tokens, device_pages)    # L3 -> L2 per the prefetch
                                                                 # policy, then layer by layer
 Every op is a pure plan (`planner.py`: reserve host pages, pin, choose victims, mark keys
-pending — no awaits), an execution here (the scheduler's copies, L3 I/O — the only awaits),
-and a commit or an abort (the planner again), exactly once on every path: success, error, or
-the caller's cancellation at any await. A backup or load the caller stops waiting for is
+pending — no awaits), an execution (the scheduler's copies, L3 I/O — the only awaits), and a
+commit or an abort (the planner again), exactly once on every path: success, error, or the
+caller's cancellation at any await. A backup or load the caller stops waiting for is
 released when its op ends, never before (its copies still touch the pages); a page an L3
-read may still write is freed only once that read has settled.
+read may still write is freed only once that read has settled. The façade checks a request,
+keeps the running state and hands the execution to the op paths it composes, each given the
+parts it uses: `stores.py` (store), `loads.py` (load, prefetch), `flush.py` (L2 -> L3 writes,
+the flush).
 
 Tasks: `running()` opens a TaskGroup that owns the persist worker (`persist.py`: write-through
 is acknowledged at L2 and written to L3 behind it, through a bounded queue whose drops are
@@ -30,64 +33,40 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 from hicache.cache.discovery import Discovery
-from hicache.cache.keyers import page_keyers
+from hicache.cache.flush import Flushed, Flusher
 from hicache.cache.l3_io import L3Io
+from hicache.cache.loads import Loads
 from hicache.cache.persist import PersistQueue
-from hicache.cache.planner import Planner, StorePlan
+from hicache.cache.planner import Planner
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.cache.resync import Resync
-from hicache.cache.settings import CacheSettings, effective
+from hicache.cache.settings import CacheSettings, effective, index_of, prefetch_of
+from hicache.cache.stores import StoreResult, Stores
 from hicache.embedded import EmbeddedCache, check_pools_device, check_tp_rank
 from hicache.errors import HicacheError
 from hicache.index import (
     WRITE_POLICIES,
     AbsentKeys,
-    GroupRule,
     Hit,
     PageKey,
-    PageRecord,
     PrefetchPolicy,
     PrefixIndex,
     WritePolicy,
 )
-from hicache.index.policies import prefetch_policy as prefetch_policy_named
 from hicache.memory import DevicePool, HostPoolStats
-from hicache.scheduler import DEFAULT_ATTACHMENT, GroupPages, OpHandle, OpResult, SchedulerStats
+from hicache.scheduler import DEFAULT_ATTACHMENT, OpHandle, SchedulerStats
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend, Fence, LayerListener
 
 log = logging.getLogger("hicache.cache")
-_STORE_ROUNDS = 8  # a store waits for other stores of its pages at most this many times
-_SETTLE_POLL_S = 0.05  # how often a store waiting for another one sweeps orphaned plans
 
 
 class CacheNotRunningError(HicacheError, RuntimeError):
     """An op was asked of a cache outside `async with cache.running()`."""
-
-
-@dataclass(frozen=True, slots=True)
-class Flushed:
-    """What a bounded flush did: pages written, and the pages (and their bytes) L3 still
-    lacked when it ended (0 when it finished, or when there is no L3)."""
-
-    written: int
-    left_pages: int
-    left_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class StoreResult:
-    pages_stored: int  # new L2 pages across groups
-    pages_queued: int  # offered to L3 by the write policy (written behind the ack)
-    pages_evicted: int
-    bytes_backed_up: int = 0  # L1 -> L2
-    backup_seconds: float = 0.0
-    truncated_to_tokens: int | None = None  # L2 held only this prefix of the prompt
 
 
 class TieredCache:
@@ -121,8 +100,6 @@ class TieredCache:
         self.planner = Planner(index, allocators, write_policy, replica_groups)
         self.persist = PersistQueue(persist_queue_pages)
         self.planner.owed = self.persist.waiting
-        self._store_ended = asyncio.Event()
-        self.planner.store_ended = self._store_plan_ended
         self.background_errors = 0
         self.l3: GuardedStore | None = None
         self.io = L3Io(
@@ -136,7 +113,34 @@ class TieredCache:
         self.attach_l3(store)
         self._tg: asyncio.TaskGroup | None = None
         self._fetches: set[asyncio.Task[Any]] = set()
-        self._writes: set[asyncio.Future[tuple[int, int]]] = set()  # L2 -> L3 in flight
+        # the op paths, each given the parts it uses; they read L3 and the policies as the
+        # cache holds them now (`attach_l3` swaps L3; the policies may be replaced)
+        scheduler = embedded.scheduler
+        self.flusher = Flusher(
+            index, self.persist, self.io, lambda: self.l3, lambda: self._tg is not None
+        )
+        self.stores = Stores(
+            index,
+            self.planner,
+            self.persist,
+            scheduler,
+            self.flusher.write,
+            lambda: self.write_policy,
+            lambda: self.l3,
+            replica_groups,
+        )
+        self.planner.store_ended = self.stores.plan_ended
+        self.loads = Loads(
+            index,
+            self.planner,
+            self.persist,
+            self.io,
+            scheduler,
+            embedded.host_tier,
+            lambda: self.l3,
+            lambda: self.prefetch_policy,
+            self._spawn,
+        )
         # groups the move policy leaves to the engine (full_attention_only): not cached
         self._recomputed = {g.name for g in embedded.layer_map.groups} - set(index.rules)
 
@@ -181,32 +185,8 @@ class TieredCache:
         if tp_rank is None:
             tp_rank = embedded.tp_rank
         check_tp_rank(tp_rank, embedded.layer_map.layout.tp_size, "TieredCache.build")
-        geometries = embedded.geometries
-        page = next(iter(geometries.values())).page_size_tokens
-        keyers = page_keyers(
-            geometries,
-            embedded.layer_map,
-            embedded.scheduler.move_policy,
-            model=model,
-            tenant_salt=settings.tenant_salt,
-            tp_rank=tp_rank,
-            key_algorithm=settings.key_algorithm,
-        )
-        rules, capacity = {}, {}
-        for name in keyers:
-            rules[name] = GroupRule.of(geometries[name].group)
-            capacity[name] = embedded.host_tier.pool(name).num_pages
-        index = PrefixIndex(
-            keyers, rules, capacity, page, settings.eviction, settings.l3_index_max_pages
-        )
-        prefetch = prefetch_policy_named(
-            settings.prefetch_policy,
-            timeout_s=settings.prefetch_timeout_s,
-            per_token_s=settings.prefetch_timeout_per_token_s,
-            headroom=settings.prefetch_auto_headroom,
-            floor_s=settings.prefetch_auto_floor_s,
-            max_s=settings.prefetch_timeout_max_s,
-        )
+        index = index_of(embedded, settings, model=model, tp_rank=tp_rank)
+        prefetch = prefetch_of(settings)
         cache = cls(
             embedded,
             index,
@@ -232,7 +212,7 @@ class TieredCache:
         On exit every background fetch and queued persist is awaited first."""
         async with self.embedded.scheduler.running(), asyncio.TaskGroup() as tg:
             self._tg = tg
-            worker = tg.create_task(self.persist.run(self._write), name="hicache-persist")
+            worker = tg.create_task(self.persist.run(self.flusher.write), name="hicache-persist")
             try:
                 yield self
             finally:
@@ -370,125 +350,9 @@ class TieredCache:
             self._moved(snapshots or {}),
             full_pages,
         )
-        keys = self.index.keys(token_ids)
-        total = StoreResult(0, 0, 0)
-        for _ in range(_STORE_ROUNDS):
-            part, waits = await self._store_round(keys, wanted, fence, attachment)
-            total = StoreResult(
-                total.pages_stored + part.pages_stored,
-                total.pages_queued + part.pages_queued,
-                total.pages_evicted + part.pages_evicted,
-                total.bytes_backed_up + part.bytes_backed_up,
-                total.backup_seconds + part.backup_seconds,
-                part.truncated_to_tokens,
-            )
-            if not waits:
-                break
-            # pages another store (another engine's, of this prompt's prefix) is backing up:
-            # acknowledged once it has ended; what it did not store, the next round stores
-            await self._until_settled(waits)
-        return total
-
-    async def _store_round(
-        self,
-        keys: Mapping[str, Sequence[PageKey]],
-        wanted: Mapping[str, Sequence[tuple[int, int]]],
-        fence: Fence | None,
-        attachment: int,
-    ) -> tuple[StoreResult, dict[str, frozenset[PageKey]]]:
-        """One plan / backup / commit of the wanted pages the index lacks and no other
-        store holds; returns what it did and the keys left to other stores in flight."""
-        size = self.index.page_size_tokens
-        evicted = 0
-        own = {group: frozenset(group_keys) for group, group_keys in keys.items()}
-        dirty = self.planner.write_back_victims(self.planner.store_needs(keys, wanted), own)
-        if dirty:
-            self.persist.withdraw(dirty)  # written here and now, not by the worker
-            write = asyncio.ensure_future(self._write(dirty))
-            try:
-                await asyncio.shield(write)
-            except BaseException:
-                await asyncio.wait({write})  # its thread reads the pages: they wait for it
-                raise
-            finally:
-                evicted += self.planner.evict_victims(dirty)
-        plan = self.planner.plan_store(keys, wanted)
-        evicted += plan.evicted
-        truncated = None if plan.truncated_to_pages is None else plan.truncated_to_pages * size
-        if not plan.groups:
-            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated), plan.waits
-        result = await self._backup(plan, fence, attachment)
-        if not result.ok:
-            self.planner.abort_store(plan)
-            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated), {}
-        records = self.planner.commit_store(plan)
-        to_l3 = {
-            g: [r for r in rs if self.write_policy.on_store(r)]
-            for g, rs in records.items()
-            if g not in self.io.replica_groups  # rank 0 writes those
-        }
-        queued = self.persist.offer(to_l3) if self.l3 is not None else 0
-        stored = sum(len(rs) for rs in records.values())
-        done = StoreResult(stored, queued, evicted, result.bytes_moved, result.seconds, truncated)
-        return done, plan.waits
-
-    async def _until_settled(self, waits: Mapping[str, frozenset[PageKey]]) -> None:
-        """Until no key of `waits` is pending: the stores holding them committed or aborted.
-        Each is bounded by its backup's deadline; a plan whose caller left is aborted at a
-        sweep once its copy ended, so the wait sweeps too (at `_SETTLE_POLL_S` at most)."""
-        while True:
-            self.planner.sweep()
-            if not self.planner.still_pending(waits):
-                return
-            ended = self._store_ended
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(_SETTLE_POLL_S):
-                    await ended.wait()
-
-    def _store_plan_ended(self) -> None:
-        """The planner's hook: a store plan committed or aborted; wake the stores waiting."""
-        self._store_ended.set()
-        self._store_ended = asyncio.Event()
-
-    async def _backup(self, plan: StorePlan, fence: Fence | None, attachment: int) -> OpResult:
-        """The plan's copies, after `fence`; on the caller's cancellation the plan is aborted
-        when the backup ends (its copies write the reserved pages until then)."""
-        request = {
-            g: GroupPages(tuple(s.device_pages), tuple(s.host_pages))
-            for g, s in plan.groups.items()
-        }
-        try:
-            handle = await self.embedded.scheduler.backup(
-                request, fence=fence, attachment=attachment
-            )
-        except BaseException:
-            # refused, or the caller left: if its walk started, it writes the pages until it
-            # ends, so they are given back then
-            self.planner.abort_store_later(plan)
-            raise
-        try:
-            return await handle.done()
-        except BaseException:
-            handle.cancel()
-            handle.add_done_callback(lambda _result: self.planner.abort_store(plan))
-            raise
+        return await self.stores.store(self.index.keys(token_ids), wanted, fence, attachment)
 
     # ---- L2 -> L3 ---------------------------------------------------------------------------
-
-    async def _write(self, records: Mapping[str, Sequence[PageRecord]]) -> tuple[int, int]:
-        """The persist worker's writer (and write-back victims', and the flush's). A write
-        abandoned at the drain's deadline (`flush_within`) returns (0, 0): nothing written."""
-        write = asyncio.ensure_future(self.io.write(self.l3, records))
-        self._writes.add(write)
-        try:
-            return await write
-        except asyncio.CancelledError:
-            caller = asyncio.current_task()
-            if caller is not None and caller.cancelling():
-                raise  # the caller was cancelled (the write with it)
-            return 0, 0
-        finally:
-            self._writes.discard(write)
 
     async def flush(self) -> int:
         """Persist every L2 page L3 lacks (what write-back owes at shutdown); returns how many
@@ -504,53 +368,7 @@ class TieredCache:
         is told to stop writing (`stop_writes`: a thread already writing finishes that one
         object, which may still land); the pages still queued are dropped (`persist.detach`:
         counted as detached); what L3 lacks at the deadline is counted in the result."""
-        deadline = None
-        if timeout_s is not None:
-            deadline = asyncio.get_running_loop().time() + max(0.0, timeout_s)
-        written = 0
-        try:
-            async with asyncio.timeout_at(deadline):
-                if self._tg is not None:
-                    await self.persist.idle()
-                for batch in self._owed_batches():
-                    done, _ = await self._write(batch)
-                    written += done
-        except TimeoutError:
-            if self.l3 is not None:  # puts on backend threads end after their current object
-                self.l3.backend.stop_writes()
-            if self._tg is not None:
-                self.persist.detach()  # nobody writes them now: counted below as left
-            writes = list(self._writes)  # the persist worker's batch: abandoned too
-            for write in writes:
-                write.cancel()
-            if writes:
-                await asyncio.wait(writes)
-        left_pages = left_bytes = 0
-        if self.l3 is not None:
-            for group, records in self._owed().items():
-                left_pages += len(records)
-                left_bytes += len(records) * self.io.host_tier.pool(group).geometry.page_bytes
-        return Flushed(written, left_pages, left_bytes)
-
-    def _owed(self) -> dict[str, list[PageRecord]]:
-        """Every L2 page L3 lacks, by group."""
-        return {
-            group: [r for r in self.index.l2_records(group) if not r.in_l3]
-            for group in self.index.rules
-        }
-
-    def _owed_batches(self) -> Iterator[dict[str, list[PageRecord]]]:
-        batch: dict[str, list[PageRecord]] = {}
-        size = 0
-        for group, records in self._owed().items():
-            for record in records:
-                batch.setdefault(group, []).append(record)
-                size += 1
-                if size >= self.persist.batch_pages:
-                    yield batch
-                    batch, size = {}, 0
-        if batch:
-            yield batch
+        return await self.flusher.flush_within(timeout_s)
 
     # ---- load: (L3 ->) L2 -> L1 -------------------------------------------------------------
 
@@ -579,44 +397,14 @@ class TieredCache:
         size = self.index.page_size_tokens
         check_load_pages(self.index.rules, self._moved(device_pages), len(token_ids) // size)
         await self.discover(token_ids)
-        hit = self.index.lookup(token_ids, skip_pages=skip_pages)
-        failed: dict[str, tuple[int, ...]] = {}
-        if hit.pages_total > hit.pages_l2 and self.l3 is not None:
-            await self._prefetch(hit, len(token_ids))
-            failed = {
-                group: lost
-                for group, rows in hit.needed.items()
-                if (lost := tuple(i for i, r in rows if r.l2_page is None))
-            }
-        plan = self.planner.plan_load(token_ids, skip_pages)
-        hot = {g: rs for g, rs in plan.hot.items() if g not in self.io.replica_groups}
-        if hot and self.l3 is not None:
-            self.persist.offer(hot)  # selective write-through: hit often enough (rank 0's)
-        pages = plan.hit.pages_l2
-        request = {}
-        for group, rows in plan.hit.needed.items():
-            if not rows:  # the engine holds all it needs (skip_pages), or a fresh chunk
-                continue
-            token_group = self.index.rules[group].kind.is_token_cache
-            dev = device_pages[group]
-            request[group] = GroupPages(
-                tuple(dev[i] if token_group else dev[0] for i, _ in rows),
-                tuple(r.l2_page for _, r in rows if r.l2_page is not None),
-                num_tokens=pages * size if token_group else None,
-                first_page=rows[0][0] if token_group else 0,
-            )
-        if pages <= skip_pages or not request:
-            self.planner.release_load(plan)
-            return None, Hit(size, 0, 0, {}, failed)
-        try:
-            handle = await self.embedded.scheduler.load(
-                request, on_layer=on_layer, fence=fence, attachment=attachment
-            )
-        except BaseException:
-            self.planner.release_load(plan)  # the copies' own pins keep the pages meanwhile
-            raise
-        handle.add_done_callback(lambda _result: self.planner.release_load(plan))
-        return handle, Hit(size, pages, pages, plan.hit.needed, failed)
+        return await self.loads.load(
+            token_ids,
+            device_pages,
+            on_layer=on_layer,
+            skip_pages=skip_pages,
+            fence=fence,
+            attachment=attachment,
+        )
 
     async def prefetch(self, token_ids: Sequence[int]) -> int:
         """Bring the prompt's L3-only pages into L2 ahead of its load (the engine's hint when a
@@ -624,50 +412,7 @@ class TieredCache:
         self._group()
         self._resync_if_due()
         await self.discover(token_ids)
-        hit = self.index.lookup(token_ids)
-        if hit.pages_total == hit.pages_l2 or self.l3 is None:
-            return 0
-        gained = await self._spawn(lambda: self._fetch(hit), "prefetch")
-        return int(gained or 0)
-
-    async def _prefetch(self, hit: Hit, tokens: int) -> None:
-        """Bring the hit's L3-only pages into L2 within the prefetch policy's wait; the
-        fetch goes on in the background past it (owned by the running cache), so the next
-        request for the prefix finds it in L2."""
-        l3_bytes = sum(
-            self.embedded.host_tier.pool(group).geometry.page_bytes
-            * sum(1 for _, r in rows if r.l2_page is None)
-            for group, rows in hit.needed.items()
-        )
-        # the reads in flight go first (L3 serves them meanwhile), then this one
-        queued = self.io.reading_bytes + l3_bytes
-        wait = self.prefetch_policy.wait_s(tokens, queued, self.io.read_rate.bytes_per_s())
-        task = self._spawn(lambda: self._fetch(hit), "fetch")
-        if wait != 0.0:
-            await asyncio.wait({task}, timeout=wait)
-
-    async def _fetch(self, hit: Hit) -> int:
-        """Plan, read, commit: the hit's L3-only pages into reserved host pages."""
-        l3 = self.l3
-        if l3 is None:
-            return 0
-        plan = self.planner.plan_fetch(hit)
-        if self.persist.writing and self.planner.fetch_short(hit):
-            # the room is held by pages L3 is reading for a write behind an acked store: it
-            # frees up when that batch ends (bounded by L3's timeouts)
-            try:
-                await self.persist.batch_end()
-            except BaseException:
-                self.planner.abort_fetch(plan)
-                raise
-            if self.l3 is not l3:  # detached or replaced meanwhile: nothing to read from
-                self.planner.abort_fetch(plan)
-                return 0
-            self.planner.plan_fetch(hit, into=plan)
-        if not plan.groups:
-            self.planner.abort_fetch(plan)
-            return 0
-        return await self.io.read_into(l3, plan)
+        return await self.loads.prefetch(token_ids)
 
     # ---- engines' pools and the numbers a service reports (no one reaches past the façade) ---
 

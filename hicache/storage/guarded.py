@@ -12,7 +12,9 @@ the backend; after `reset_after_s` the next call is a trial (half-open) that clo
 breaker on success or re-opens it on failure (`breaker.py`). Backend-native errors are mapped to
 `TierUnavailableError` and counted by reason; none propagate. Timeouts, chunk size and the
 breaker's thresholds are constructor parameters, checked there (defaults: 1 s + 50 MB/s,
-16 MiB chunks, 3 failures, 5 s).
+16 MiB chunks, 3 failures, 5 s). The store composes two parts: `GuardedCalls` (`calls.py`),
+through which every backend call goes, and `ScatterReads` (`scatter_reads.py`), which reads
+`fetch_into`'s objects straight into caller memory where the backend can.
 
 Fetches into caller memory (`fetch_into`) and their lifecycle. The payloads land in the
 caller's host pages on a backend thread (file `readv`, Mooncake's scatter read), and a thread
@@ -47,11 +49,10 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 from hicache.errors import ObjectCorruptError
 from hicache.storage import object_format
-from hicache.storage.backend import FAILED, Buffer, Landed, StorageBackend
+from hicache.storage.backend import Buffer, StorageBackend
 from hicache.storage.batches import (
     Gate,
     chunks,
@@ -60,7 +61,6 @@ from hicache.storage.batches import (
     headers,
     lazy_headers,
     runs,
-    verify_all,
 )
 from hicache.storage.breaker import (
     DEFAULT_FAILURE_THRESHOLD,
@@ -68,17 +68,10 @@ from hicache.storage.breaker import (
     BreakerState,
     CircuitBreaker,
 )
-from hicache.storage.fetch_handles import (
-    Fetched,
-    FetchedInto,
-    FetchInto,
-    Outstanding,
-    retrieve_quietly,
-)
+from hicache.storage.calls import GuardedCalls
+from hicache.storage.fetch_handles import Fetched, FetchedInto, FetchInto, Outstanding
 from hicache.storage.object_format import Parts, payload_bytes
-
-T = TypeVar("T")
-
+from hicache.storage.scatter_reads import ScatterReads
 
 PROBE_KEY = b"hicache-breaker-probe"
 
@@ -125,20 +118,43 @@ class GuardedStore:
                 "reset_after_s=; give the thresholds or a CircuitBreaker, not both"
             )
         self.backend = backend
-        self.breaker = breaker or CircuitBreaker(
+        breaker = breaker or CircuitBreaker(
             DEFAULT_FAILURE_THRESHOLD if failure_threshold is None else failure_threshold,
             DEFAULT_RESET_AFTER_S if reset_after_s is None else reset_after_s,
         )
-        self.base_timeout_s = _positive("base_timeout_s", base_timeout_s)
-        self.min_bandwidth = _positive("min_bandwidth_bytes_per_s", min_bandwidth_bytes_per_s)
+        base_timeout_s = _positive("base_timeout_s", base_timeout_s)
+        min_bandwidth = _positive("min_bandwidth_bytes_per_s", min_bandwidth_bytes_per_s)
         if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
             raise ValueError(f"GuardedStore chunk_bytes={chunk_bytes!r}: must be an int >= 1")
         self.stats = StoreStats()
+        # every backend call goes through `calls` (breaker, timeouts); reads straight into
+        # caller memory through `scatter`
+        self.calls = GuardedCalls(breaker, self.stats, base_timeout_s, min_bandwidth)
         self.chunk_bytes = chunk_bytes
         self._arena: memoryview | None = None
         self._arena_lock = asyncio.Lock()
-        self._head_arena: memoryview | None = None
-        self._get_lock = asyncio.Lock()
+        self.scatter = ScatterReads(backend, self.calls, self.stats)
+
+    @property
+    def breaker(self) -> CircuitBreaker:
+        return self.calls.breaker
+
+    @property
+    def base_timeout_s(self) -> float:
+        """Every call's timeout: this, plus its bytes at `min_bandwidth`."""
+        return self.calls.base_timeout_s
+
+    @base_timeout_s.setter
+    def base_timeout_s(self, value: float) -> None:
+        self.calls.base_timeout_s = value
+
+    @property
+    def min_bandwidth(self) -> float:
+        return self.calls.min_bandwidth
+
+    @min_bandwidth.setter
+    def min_bandwidth(self, value: float) -> None:
+        self.calls.min_bandwidth = value
 
     def effective_settings(self) -> dict[str, object]:
         """What this store runs with, by the deployment key each comes from: the backend
@@ -164,97 +180,6 @@ class GuardedStore:
     def objects_damaged(self) -> int:
         """Things met where an object should be that were not one (the backend's count)."""
         return self.backend.damaged()
-
-    def _failed(
-        self,
-        reason: str,
-        exc: BaseException | None = None,
-        note: str | None = None,
-        count: int = 1,
-    ) -> None:
-        """Count a failed call (or `count` failed keys) under `reason` ("what:how") and
-        tell the breaker why, once."""
-        self.stats.failures[reason] += count
-        detail = note if exc is None else str(exc)
-        self.breaker.failure(reason if not detail else f"{reason}: {detail[:200]}")
-
-    def _timeout(self, nbytes: int) -> float:
-        return self.base_timeout_s + nbytes / self.min_bandwidth
-
-    async def _call(
-        self, what: str, nbytes: int, coro_factory: Callable[[], Awaitable[T]]
-    ) -> T | None:
-        """Run one backend call under the breaker and a timeout; None means 'treat as miss'."""
-        return (await self._call_why(what, nbytes, coro_factory))[0]
-
-    async def _call_why(
-        self, what: str, nbytes: int, coro_factory: Callable[[], Awaitable[T]]
-    ) -> tuple[T | None, str | None]:
-        """`_call`, and why it gave None: "open", "timeout" or the exception's name. On a
-        timeout the call is cancelled: only for calls whose threads touch no caller memory
-        that outlives them (scatter reads go through `_detached`)."""
-        if not self.breaker.allow():
-            self.stats.skipped_open += 1
-            return None, "open"
-        try:
-            result = await asyncio.wait_for(coro_factory(), self._timeout(nbytes))
-        except TimeoutError:
-            self._failed(f"{what}:timeout")
-            return None, "timeout"
-        except asyncio.CancelledError:
-            self.breaker.abandon()
-            raise
-        except Exception as exc:  # every backend error becomes a miss; counted by reason
-            self._failed(f"{what}:{type(exc).__name__}", exc)
-            return None, type(exc).__name__
-        self.breaker.success()
-        return result, None
-
-    async def _detached(
-        self,
-        what: str,
-        nbytes: int,
-        start: Callable[[], Awaitable[T]],
-        outstanding: Outstanding,
-    ) -> tuple[T | None, str | None]:
-        """Like `_call_why` for a call whose threads write caller memory: on a timeout (or a
-        cancelled caller) the call is left running — never cancelled — and tracked in
-        `outstanding` until it ends. The breaker's failure is recorded here; its success is
-        the caller's to record (a result may still hold failed keys)."""
-        call = self._launch(start, outstanding)
-        if call is None:
-            return None, "open"
-        return await self._settle_call(what, nbytes, call)
-
-    def _launch(
-        self, start: Callable[[], Awaitable[T]], outstanding: Outstanding
-    ) -> asyncio.Future[T] | None:
-        """Start a `_detached` call now (None: the breaker is open), tracked in `outstanding`."""
-        if not self.breaker.allow():
-            self.stats.skipped_open += 1
-            return None
-        call = asyncio.ensure_future(start())
-        call.add_done_callback(retrieve_quietly)
-        outstanding.track(call)
-        return call
-
-    async def _settle_call(
-        self, what: str, nbytes: int, call: asyncio.Future[T]
-    ) -> tuple[T | None, str | None]:
-        """Wait for a launched call within the timeout for `nbytes` (the rest of `_detached`)."""
-        try:
-            done, _ = await asyncio.wait({call}, timeout=self._timeout(nbytes))
-        except asyncio.CancelledError:
-            self.breaker.abandon()
-            raise
-        if not done:
-            self._failed(f"{what}:timeout")
-            return None, "timeout"
-        exc = call.exception() if not call.cancelled() else asyncio.CancelledError()
-        if exc is not None:
-            self._failed(f"{what}:{type(exc).__name__}", exc)
-            return None, type(exc).__name__
-        return call.result(), None
 
     async def put(self, items: Sequence[tuple[bytes, Parts]]) -> list[bool]:
         """Persist payloads (each one buffer, or a page's chunks in order); True where the object
@@ -289,7 +214,7 @@ class GuardedStore:
                 offset += sum(size for _, size in chunk)
                 if in_flight is not None:
                     failed |= await collect(in_flight, result)
-                send = self._call("put", sum(size for _, size in chunk), self._sender(encoded))
+                send = self.calls.call("put", sum(size for _, size in chunk), self._sender(encoded))
                 in_flight = (asyncio.ensure_future(send), len(chunk))
             if in_flight is not None:
                 failed |= await collect(in_flight, result)
@@ -324,7 +249,7 @@ class GuardedStore:
             gate = Gate()
             lazy = lazy_headers(items, gate)
             try:
-                result = await self._call(
+                result = await self.calls.call(
                     "put", sum(sizes), lambda: self.backend.put_parts_many(lazy)
                 )
             finally:
@@ -341,7 +266,7 @@ class GuardedStore:
             parts = await asyncio.to_thread(headers, chunk)
             if in_flight is not None:
                 await collect(in_flight, stored)
-            send = self._call("put", sum(size for _, size in chunk), self._parts_sender(parts))
+            send = self.calls.call("put", sum(size for _, size in chunk), self._parts_sender(parts))
             in_flight = (asyncio.ensure_future(send), len(chunk))
         if in_flight is not None:
             await collect(in_flight, stored)
@@ -369,7 +294,7 @@ class GuardedStore:
         definitively absent or corrupt, not that the backend could not be asked."""
         self.stats.gets += len(keys)
         started = time.perf_counter()
-        result, why = await self._call_why(
+        result, why = await self.calls.call_why(
             "get", expected_bytes, lambda: self.backend.get_many(keys)
         )
         answered = result is not None
@@ -387,7 +312,7 @@ class GuardedStore:
                 out.append(None)
         if corrupt:
             self.stats.corrupt_dropped += len(corrupt)
-            await self._call("delete", 0, lambda: self.backend.delete_many(corrupt))
+            await self.calls.call("delete", 0, lambda: self.backend.delete_many(corrupt))
         hits = sum(v is not None for v in out)
         self.stats.get_bytes += sum(v.nbytes for v in out if v is not None)
         self.stats.get_seconds += time.perf_counter() - started
@@ -440,165 +365,7 @@ class GuardedStore:
                     break
             outstanding.close()
             return FetchedInto(landed, all(answered), answered, timed_out, outstanding.settled)
-        self.stats.gets += len(keys)
-        started = time.perf_counter()
-        ok: list[bool] = [False] * len(keys)
-        answered_keys: list[bool] = [False] * len(keys)
-        corrupt: list[bytes] = []
-        async with self._get_lock:  # the headers land in the store's (registered) arena
-            try:
-                timed_out = await self._scatter(
-                    keys, targets, sizes, ok, answered_keys, corrupt, outstanding
-                )
-            finally:
-                if not outstanding.idle:  # a read still running may write the head arena
-                    self._head_arena = None
-        if corrupt:
-            self.stats.corrupt_dropped += len(corrupt)
-            await self._call("delete", 0, lambda: self.backend.delete_many(corrupt))
-        hits = sum(ok)
-        self.stats.hits += hits
-        self.stats.misses += len(keys) - hits
-        self.stats.get_bytes += sum(size for size, good in zip(sizes, ok, strict=True) if good)
-        self.stats.get_seconds += time.perf_counter() - started
-        outstanding.close()
-        return FetchedInto(ok, all(answered_keys), answered_keys, timed_out, outstanding.settled)
-
-    async def _scatter(
-        self,
-        keys: list[bytes],
-        targets: list[list[memoryview]],
-        sizes: list[int],
-        ok: list[bool],
-        answered_keys: list[bool],
-        corrupt: list[bytes],
-        outstanding: Outstanding,
-    ) -> bool:
-        """Read chunk by chunk, verifying chunk k on a worker thread while chunk k+1 is read
-        (readv and xxhash both release the GIL). Fills `ok`, `answered_keys` and `corrupt`;
-        returns whether a read timed out. Stops at the first chunk that fails: its reads
-        (and every later chunk) are never verified."""
-        head_sizes = [object_format.HEADER_BYTES + len(k) for k in keys]
-        if self._head_arena is None or self._head_arena.nbytes < sum(head_sizes):
-            self._head_arena = self.backend.alloc_buffer(max(sum(head_sizes), 4096))
-        heads, offset = [], 0
-        for size in head_sizes:
-            heads.append(self._head_arena[offset : offset + size])
-            offset += size
-        verifying: asyncio.Future[list[bool | None]] | None = None
-        verifying_chunk: list[int] = []
-        timed_out = False
-        streamed = self.backend.streamed_get
-        # A streaming backend has each object verified on its thread as it lands (while
-        # still in the CPU's cache); what it did not report is verified after the call, on a
-        # worker thread while the next chunk is read. The next chunk's read is started before
-        # this one is awaited, so the backend's thread never waits for the loop between two.
-        todo = runs(sizes, self.chunk_bytes)
-        started: list[tuple[asyncio.Future[list[int]] | None, Gate, dict[int, bool | None]]] = []
-
-        def launch(chunk: list[int]) -> None:
-            gate = Gate()
-            early: dict[int, bool | None] = {}
-            landed = self._verifier(chunk, keys, heads, targets, gate, early) if streamed else None
-            scatter = [[heads[i], *targets[i]] for i in chunk]
-            reader = self._scatter_reader([keys[i] for i in chunk], scatter, landed)
-            started.append((self._launch(reader, outstanding), gate, early))
-
-        for k, chunk in enumerate(todo):
-            if len(started) == k:
-                launch(chunk)
-            # the next chunk only while the breaker is closed: half-open lets one trial call
-            # through, and a chunk launched beside it would be refused though the trial
-            # succeeds (the first fetch after an outage would lose all but its first chunk)
-            if len(started) == k + 1 < len(todo) and self.breaker.state is BreakerState.CLOSED:
-                launch(todo[k + 1])
-            call, gate, early = started[k]
-            read: list[int] | None = None
-            why: str | None = "open"
-            if call is not None:
-                settled = await self._settle_call("get", sum(sizes[i] for i in chunk), call)
-                read, why = settled
-            gate.close()  # a late read's verdicts are never counted
-            if verifying is not None:
-                # shielded: a cancelled caller leaves the thread tracked, not orphaned
-                outcomes = await asyncio.shield(verifying)
-                self._settle(outcomes, verifying_chunk, keys, ok, answered_keys, corrupt)
-                verifying = None
-            if read is None:
-                timed_out = why == "timeout"
-                for _, later, _ in started[k + 1 :]:
-                    later.close()  # already started: left running, tracked, never counted
-                break
-            failed = [i for i, n in zip(chunk, read, strict=True) if n == FAILED]
-            if failed:  # the backend could not say for these keys: a failure, not a miss
-                self._failed(
-                    "get:key_failed", note=f"{len(failed)} of {len(chunk)} keys", count=len(failed)
-                )
-            else:
-                self.breaker.success()
-            good = [(i, n) for i, n in zip(chunk, read, strict=True) if n != FAILED]
-            settled_now = [i for i, _ in good if i in early]
-            self._settle(
-                [early[i] for i in settled_now], settled_now, keys, ok, answered_keys, corrupt
-            )
-            rest = [(i, n) for i, n in good if i not in early]
-            if rest:
-                jobs = [(keys[i], heads[i], targets[i], n) for i, n in rest]
-                verifying = asyncio.ensure_future(asyncio.to_thread(verify_all, jobs))
-                outstanding.track(verifying)
-                verifying_chunk = [i for i, _ in rest]
-        if verifying is not None:
-            outcomes = await asyncio.shield(verifying)
-            self._settle(outcomes, verifying_chunk, keys, ok, answered_keys, corrupt)
-        return timed_out
-
-    @staticmethod
-    def _verifier(
-        chunk: list[int],
-        keys: list[bytes],
-        heads: list[memoryview],
-        targets: list[list[memoryview]],
-        gate: Gate,
-        early: dict[int, bool | None],
-    ) -> Landed:
-        """The `landed` hook for one chunk: verifies each reported object on the backend's
-        thread and records its verdict in `early` while the store still waits (`gate`)."""
-
-        def landed(start: int, counts: Sequence[int]) -> None:
-            for offset, n in enumerate(counts):
-                i = chunk[start + offset]
-                if n == FAILED:
-                    continue
-                (outcome,) = verify_all([(keys[i], heads[i], targets[i], n)])
-                with gate.lock:
-                    if not gate.open:
-                        return
-                    early[i] = outcome
-
-        return landed
-
-    def _scatter_reader(
-        self, keys: list[bytes], scatter: list[list[memoryview]], landed: Landed | None = None
-    ) -> Callable[[], Awaitable[list[int]]]:
-        if landed is None:
-            return lambda: self.backend.get_parts_many(keys, scatter)
-        return lambda: self.backend.get_parts_many(keys, scatter, landed=landed)
-
-    @staticmethod
-    def _settle(
-        outcomes: list[bool | None],
-        chunk: list[int],
-        keys: Sequence[bytes],
-        ok: list[bool],
-        answered_keys: list[bool],
-        corrupt: list[bytes],
-    ) -> None:
-        """Record a verified chunk: True valid, False corrupt (to delete), None absent."""
-        for i, outcome in zip(chunk, outcomes, strict=True):
-            ok[i] = outcome is True
-            answered_keys[i] = True
-            if outcome is False:
-                corrupt.append(keys[i])
+        return await self.scatter.read(keys, targets, sizes, outstanding, self.chunk_bytes)
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return (await self.exists_answered(keys))[0]
@@ -606,7 +373,7 @@ class GuardedStore:
     async def exists_answered(self, keys: Sequence[bytes]) -> tuple[list[bool], bool]:
         """Which keys L3 holds, and whether it answered at all (False: the call failed or the
         breaker skipped it, and every key reads as absent)."""
-        result = await self._call("exists", 0, lambda: self.backend.exists_many(keys))
+        result = await self.calls.call("exists", 0, lambda: self.backend.exists_many(keys))
         if result is None:
             return [False] * len(keys), False
         return result, True
@@ -616,11 +383,11 @@ class GuardedStore:
             await self.backend.delete_many(keys)
             return True
 
-        return bool(await self._call("delete", 0, run))
+        return bool(await self.calls.call("delete", 0, run))
 
     async def probe(self) -> BreakerState:
         """The background retry: when the breaker lets a trial call through (half-open), make
         one cheap call so a recovered backend closes it before the next engine request."""
         if self.breaker.state is BreakerState.HALF_OPEN:
-            await self._call("probe", 0, lambda: self.backend.exists_many([PROBE_KEY]))
+            await self.calls.call("probe", 0, lambda: self.backend.exists_many([PROBE_KEY]))
         return self.breaker.state

@@ -1,0 +1,116 @@
+"""The deployment's `service` section: the sidecar's engine channel (a Unix socket, or
+TCP), its HTTP control API, the token both require beyond loopback, and the limits it keeps
+per engine and connection. Re-exported by `schema.py`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+
+from hicache.config.section import ByteSize, Section
+from hicache.config.sizes import parse_bytes
+
+
+class ServiceSection(Section):
+    """The sidecar: engine channel (Unix socket, or TCP), HTTP control API, sessions."""
+
+    socket_path: Path = Field(
+        default=Path(".hicache/engine.sock"), description="engine channel; created mode 0600"
+    )
+    tcp_host: str = Field(default="127.0.0.1", description="engine channel over TCP, if tcp_port")
+    tcp_port: int | None = Field(
+        default=None, ge=0, le=65535, description="engine channel over TCP too (null: off)"
+    )
+    http_host: str = Field(default="127.0.0.1", description="HTTP control API address")
+    http_port: int | None = Field(
+        default=9400, ge=0, le=65535, description="null: no HTTP API; 0: any free port"
+    )
+    token: SecretStr | None = Field(
+        default=None,
+        description="shared secret: required from engines and for admin endpoints; mandatory "
+        "when a listener binds beyond loopback",
+    )
+    admin_without_token: bool = Field(
+        default=False,
+        description="with no token, the admin endpoints (clear, L3 detach / attach) are off "
+        "(403); true turns them on for every local user (the HTTP API then listens on "
+        "loopback only). Ignored when a token is set: it is always required",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="an engine silent this long is dropped: its loads cancelled, pins released",
+    )
+    max_frame_bytes: ByteSize = Field(
+        default=parse_bytes("16MiB"), ge=1024, description="larger requests are refused"
+    )
+    max_sessions: int = Field(default=64, ge=1, description="engines attached at once")
+    load_slots: int = Field(default=64, ge=1, le=4096, description="unreleased loads per engine")
+    max_unread_reply_bytes: ByteSize = Field(
+        default=parse_bytes("4MiB"),
+        ge=65536,
+        description="replies an engine has not read yet, per connection, at most: beyond it the "
+        "sidecar stops reading that engine's requests until it reads",
+    )
+    max_pipelined_requests: int = Field(
+        default=256,
+        ge=1,
+        description="requests of one connection queued behind an awaited op, at most: beyond "
+        "it the sidecar stops reading that connection until the queue drains",
+    )
+    slow_reader_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="a connection paused for back-pressure this long is dropped (counted in "
+        "hicache_connections_dropped_total)",
+    )
+    drain_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="on SIGTERM, the whole drain fits in this: in-flight loads, then the flush "
+        "of what L3 is owed (the rest is counted, not written)",
+    )
+    log_format: Literal["text", "json"] = Field(
+        default="text", description="one line per event: key=value text or JSON"
+    )
+
+    @field_validator("token")
+    @classmethod
+    def _token_not_blank(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().strip():
+            raise ValueError(
+                "a blank token is no secret; allowed: a non-blank string engines and admins "
+                "present, or no token at all (leave service.token out) on loopback-only "
+                "listeners"
+            )
+        if value is not None and value.get_secret_value() != value.get_secret_value().strip():
+            # a secret file's trailing newline, kept, would fail every engine's hello
+            raise ValueError(
+                "the token starts or ends with whitespace (a secret file's trailing newline?); "
+                "allowed: a token without leading or trailing whitespace"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _token_when_exposed(self) -> ServiceSection:
+        loopback = {"127.0.0.1", "localhost", "::1"}
+        exposed = [
+            f"{name}={host}"
+            for name, host, port in (
+                ("tcp_host", self.tcp_host, self.tcp_port),
+                ("http_host", self.http_host, self.http_port),
+            )
+            if port is not None and host not in loopback
+        ]
+        if exposed and self.token is None:
+            raise ValueError(
+                f"{', '.join(exposed)} binds beyond loopback; set service.token (or "
+                "HICACHE_SERVICE__TOKEN) so engines and admins must present it"
+            )
+        return self
