@@ -42,9 +42,6 @@ recomputes those blocks instead of serving them.
 
 from __future__ import annotations
 
-import logging
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -59,10 +56,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.model_executor.models.utils import extract_layer_index
 from vllm.v1.kv_cache_interface import MambaSpec
 
-from hicache.channel.protocol import ErrorCode
-from hicache.client import Client, ClientError, Lookup, PromptKeys
-from hicache.errors import ConfigError, HicacheError
-from hicache.integrations.vllm_binding import LayerBinding, StateSpec, bind_layers
+from hicache.client import Client
+from hicache.errors import ConfigError
+from hicache.integrations.vllm_binding import StateSpec, bind_layers
 from hicache.integrations.vllm_layout import (
     default_tenant,
     layer_map_of,
@@ -70,17 +66,12 @@ from hicache.integrations.vllm_layout import (
     state_store_block,
     token_block_size,
 )
+from hicache.integrations.vllm_lookups import Lookups
 from hicache.integrations.vllm_plan import Scheduled, StepBook, StepMeta
 from hicache.integrations.vllm_settings import ConnectorSettings
-from hicache.integrations.vllm_shared_kv import (
-    SharedKv,
-    SharedKvError,
-    blocks_device_pools,
-    blocks_pools,
-    share_in_place,
-)
+from hicache.integrations.vllm_shared_kv import SharedKv, data_plane
 from hicache.integrations.vllm_worker import WorkerSide
-from hicache.memory import CacheDtypes, GroupGeometry, group_geometries
+from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
 
 if TYPE_CHECKING:
@@ -92,8 +83,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
-
-log = logging.getLogger("hicache.vllm")
 
 
 class HicacheConnectorMetadata(KVConnectorMetadata):
@@ -147,15 +136,9 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             self._requests: dict[str, Request] = {}
             self._local: dict[str, int] = {}
-            self._lookup_client: Client | None = None
-            self._next_try = 0.0
-            self._lookups_down = False
             self._failed_loads: set[str] = set()
-            # lookups by page keys, each request's computed once and extended as it grows
-            self._keys: dict[str, PromptKeys] = {}
-            self._asking: str | None = None  # the request whose lookup is in progress
-            self._by_keys = True  # False: the sidecar predates lookup_keys
-            self.book = StepBook(self.page, self._lookup, async_loads=self.async_loads)
+            self.lookups = Lookups(lambda: self._connect("lookup"), self.settings.retry_after_s)
+            self.book = StepBook(self.page, self.lookups.lookup, async_loads=self.async_loads)
         else:
             self.worker: WorkerSide | None = None
             self._layer_ids: dict[str, int] = {}
@@ -231,53 +214,6 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ---------------------------------------------------------------------
 
-    def _lookup(self, tokens: Sequence[int]) -> tuple[int, int]:
-        client = self._lookup_client
-        if client is None:
-            now = time.monotonic()
-            if now < self._next_try:
-                return 0, 0
-            self._next_try = now + self.settings.retry_after_s
-            try:
-                client = self._lookup_client = self._connect("lookup")
-            except (HicacheError, OSError) as exc:
-                self._lookup_failed(f"hicache sidecar not reachable, no hits meanwhile: {exc}")
-                return 0, 0
-        try:
-            hit = self._lookup_by_keys(client, tokens) if self._by_keys else None
-            if hit is None:
-                hit = client.lookup(tokens)
-        except (HicacheError, OSError) as exc:
-            self._lookup_failed(f"hicache lookup failed, no hits meanwhile: {exc}")
-            return 0, 0
-        if self._lookups_down:
-            log.info("hicache lookups answered again")
-            self._lookups_down = False
-        return int(hit.tokens_l2), int(hit.tokens_total)
-
-    def _lookup_by_keys(self, client: Client, tokens: Sequence[int]) -> Lookup | None:
-        """The lookup by page keys: the request's keys are computed here once and only its
-        new pages hashed at later steps (vLLM asks again at every step a request waits), so
-        the sidecar decodes and hashes no token list. None: the sidecar predates keys."""
-        try:
-            keys = client.page_keys(tokens, extend=self._keys.get(self._asking or ""))
-        except ClientError as exc:
-            if exc.code != ErrorCode.UNKNOWN_OP:
-                raise
-            self._by_keys = False
-            return None
-        if self._asking is not None:
-            self._keys[self._asking] = keys
-        return client.lookup_keys(keys)
-
-    def _lookup_failed(self, message: str) -> None:
-        if "refused:" in message:  # a wrong token or another model: not an outage, say so
-            if not self._lookups_down:
-                log.error(message)
-        elif not self._lookups_down:  # once per outage, not once per request
-            log.warning(message)
-        self._lookups_down = True
-
     @staticmethod
     def _cacheable(request: Request) -> bool:
         """Pages are keyed by token ids alone: requests whose KV depends on more (LoRA,
@@ -303,13 +239,10 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._local[request.request_id] = num_computed_tokens
         if request.request_id in self._failed_loads:
             return 0, False  # its load failed once: recompute it (a retry would fail again)
-        self._asking = request.request_id
-        try:
+        with self.lookups.asking(request.request_id):
             hit = self.book.matched(
                 request.request_id, list(request.all_token_ids), num_computed_tokens
             )
-        finally:
-            self._asking = None
         return hit, self.async_loads and hit > 0
 
     def update_state_after_alloc(
@@ -368,7 +301,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._failed_loads.discard(req_id)
         self._requests.pop(req_id, None)
         self._local.pop(req_id, None)
-        self._keys.pop(req_id, None)
+        self.lookups.forget(req_id)
         self.book.finished(req_id)
 
     # ---- worker side ------------------------------------------------------------------------
@@ -406,7 +339,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             g.name: (token_pages if g.kind.is_token_cache else 2 * self._max_num_seqs + 2)
             for g in self.layer_map.groups
         }
-        register, stream = self._direct(bindings, geometries)
+        plane = data_plane(self.layer_map, bindings, geometries, self.settings.staging_pages)
+        self._shared_kv = plane.memory
         self.worker = WorkerSide(
             self.layer_map,
             bindings,
@@ -417,48 +351,10 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             retry_after_s=self.settings.retry_after_s,
             state_load_block=state_load_block,
             state_store_block=state_store_block,
-            register=register,
-            stream=stream,
+            register=plane.register,
+            stream=plane.stream,
         )
         self.worker.client()
-
-    def _direct(
-        self, bindings: dict[int, LayerBinding], geometries: dict[str, GroupGeometry]
-    ) -> tuple[Callable[[Client], None] | None, Callable[[], Any]]:
-        """How the sidecar reaches vLLM's blocks: directly (CPU: the KV memory shared in
-        place; CUDA: IPC handles), or None: through a staging pool, when a hicache group's
-        layers lie in several vLLM KV-cache groups (each with its own block ids: one page id
-        cannot name them all), `staging_pages` is set, or the memory cannot be shared."""
-        spans = {
-            g.name: sorted({bindings[i].vllm_group for i in g.layer_ids})
-            for g in self.layer_map.groups
-        }
-        why = None
-        if self.settings.staging_pages is not None:
-            why = "kv_connector_extra_config.staging_pages is set"
-        elif any(len(v) > 1 for v in spans.values()):
-            why = f"hicache groups span several vLLM KV-cache groups ({spans})"
-        device = next(iter(bindings.values())).blocks.device
-        if why is None and device.type == "cuda":
-            from hicache.transfer.cuda_ipc import current_stream
-
-            cuda_pools = blocks_device_pools(bindings, geometries)
-            log.info("hicache: vLLM's CUDA blocks registered by IPC handle (no staging)")
-            return (lambda c: c.register_cuda_pools(cuda_pools)), (lambda: current_stream(device))
-        memory = None
-        if why is None:
-            try:
-                memory = self._shared_kv = share_in_place(bindings)
-            except SharedKvError as exc:
-                why = str(exc)
-        if memory is None:
-            log.info("hicache: staging vLLM's blocks (%s)", why)
-            return None, lambda: None
-        log.info("hicache: vLLM's KV memory shared in place (no staging)")
-        # a pool (and descriptor) per client: a client closes its pool with itself
-        return (lambda c: c.register_pools(blocks_pools(memory, bindings, geometries))), (
-            lambda: None
-        )
 
     def _step(self) -> StepMeta:
         meta = self._get_connector_metadata()
@@ -526,6 +422,6 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         worker = getattr(self, "worker", None)
         if worker is not None:
             worker.close()
-        client = getattr(self, "_lookup_client", None)
-        if client is not None:
-            client.close()
+        lookups = getattr(self, "lookups", None)
+        if lookups is not None:
+            lookups.close()

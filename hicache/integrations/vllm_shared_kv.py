@@ -20,7 +20,7 @@ IPC handle (`register_cuda_pools`).
 Isolation is the sidecar's usual: a session registers only memory of its own process, so a
 buggy engine reaches only its own blocks; no L2 page is ever mapped into an engine.
 
-Lifecycle (the worker, once, in `register_kv_caches`):
+Lifecycle (the worker, once, in `register_kv_caches`; `data_plane` chooses and does this):
     memory = share_in_place(bindings)                    # SharedKvError: use staging
     pools = blocks_pools(memory, bindings, geometries)   # a SharedPools of vLLM's blocks
     client.register_pools(pools)                         # page ids are vLLM's block ids
@@ -29,19 +29,23 @@ Lifecycle (the worker, once, in `register_kv_caches`):
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from hicache.channel.prefault import populate
 from hicache.channel.shm import SharedPools, sealed_memfd
+from hicache.client import Client
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
 from hicache.memory import DevicePool, GroupGeometry
+from hicache.model import LayerMap
 
 PAGE_BYTES = mmap.PAGESIZE
 CHUNK_BYTES = 64 << 20  # remapped at a time: the copy's extra memory at most this
@@ -49,6 +53,7 @@ _IS_MMAPPED = 0x2  # glibc's chunk flag
 _MAP_FIXED = 0x10  # Linux (Python's mmap module does not name it)
 _MAX_SLACK_BYTES = 4 << 20  # glibc's alignment slop around an mmapped chunk, generously
 
+log = logging.getLogger("hicache.vllm")
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
@@ -257,3 +262,61 @@ def blocks_device_pools(
             )
         pools[name] = DevicePool(geometry, layers)
     return pools
+
+
+@dataclass
+class DataPlane:
+    """How the sidecar reaches vLLM's blocks. `register`: registers them with a new client
+    (None: the worker stages through a pool of its own); `stream`: CUDA, vLLM's current stream
+    (the fence of a store and of a direct load), else None; `memory`: the CPU memory shared
+    in place (kept open while vLLM runs)."""
+
+    register: Callable[[Client], None] | None
+    stream: Callable[[], Any]
+    memory: SharedKv | None = None
+
+
+def data_plane(
+    layer_map: LayerMap,
+    bindings: Mapping[int, LayerBinding],
+    geometries: Mapping[str, GroupGeometry],
+    staging_pages: int | None,
+) -> DataPlane:
+    """Directly (CPU: the KV memory shared in place; CUDA: IPC handles), or through a staging
+    pool when a hicache group's layers lie in several vLLM KV-cache groups (each with its own
+    block ids: one page id cannot name them all), `staging_pages` is set, or the memory
+    cannot be shared (the reason is logged)."""
+    spans = {
+        g.name: sorted({bindings[i].vllm_group for i in g.layer_ids}) for g in layer_map.groups
+    }
+    why = None
+    if staging_pages is not None:
+        why = "kv_connector_extra_config.staging_pages is set"
+    elif any(len(v) > 1 for v in spans.values()):
+        why = f"hicache groups span several vLLM KV-cache groups ({spans})"
+    device = next(iter(bindings.values())).blocks.device
+    if why is None and device.type == "cuda":
+        from hicache.transfer.cuda_ipc import current_stream
+
+        cuda_pools = blocks_device_pools(bindings, geometries)
+        log.info("hicache: vLLM's CUDA blocks registered by IPC handle (no staging)")
+        return DataPlane(
+            lambda c: c.register_cuda_pools(cuda_pools), lambda: current_stream(device)
+        )
+    memory = None
+    if why is None:
+        try:
+            memory = share_in_place(bindings)
+        except SharedKvError as exc:
+            why = str(exc)
+    if memory is None:
+        log.info("hicache: staging vLLM's blocks (%s)", why)
+        return DataPlane(None, lambda: None)
+    log.info("hicache: vLLM's KV memory shared in place (no staging)")
+    shared = memory
+    # a pool (and descriptor) per client: a client closes its pool with itself
+    return DataPlane(
+        lambda c: c.register_pools(blocks_pools(shared, bindings, geometries)),
+        lambda: None,
+        memory,
+    )

@@ -1,5 +1,5 @@
-"""The worker half of the vLLM connector, without vLLM: executes each step's loads and stores
-between vLLM's blocks and the sidecar.
+"""The worker half of the vLLM connector, without vLLM: its sidecar client, and each step's
+loads (`vllm_loads.py`) and stores (`vllm_stores.py`) between vLLM's blocks and the sidecar.
 
 Direct (the default where it can be: CPU with vLLM's KV memory shared in place, or CUDA by
 IPC handle; `vllm_shared_kv.py`): vLLM's blocks are the pool the sidecar maps, page ids are
@@ -37,39 +37,19 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
-from hicache.client import Client, ClientError, LoadHandle
+from hicache.client import Client, ClientError
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
-from hicache.integrations.vllm_plan import NULL_BLOCK, LoadJob, StoreJob
+from hicache.integrations.vllm_loads import Loads
+from hicache.integrations.vllm_plan import LoadJob, StoreJob
 from hicache.integrations.vllm_staging import Staging, WorkerCounters
 from hicache.integrations.vllm_stores import Stores
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 
 log = logging.getLogger("hicache.vllm")
-
-
-@dataclass
-class _Move:
-    """One layer's copies for one job: staging pages <-> vLLM block ids."""
-
-    binding: LayerBinding
-    pages: list[int]
-    blocks: list[int]
-
-
-@dataclass
-class _ActiveLoad:
-    job: LoadJob
-    handle: LoadHandle | None
-    staging: dict[str, list[int]]
-    moves: dict[int, list[_Move]]  # layer id -> copies once it lands
-    failed: bool = False
-    reported: bool = False  # its blocks are in the step's load errors
-    deadline: float = 0.0  # an asynchronous load still running then is given up
 
 
 class WorkerSide:
@@ -94,8 +74,6 @@ class WorkerSide:
         its copies wait for vLLM's zeroing of the blocks it allocated); CPU, None."""
         self.layer_map = layer_map
         self.bindings = dict(bindings)
-        self.page = page_size_tokens
-        self.load_timeout_s = load_timeout_s
         self.retry_after_s = retry_after_s
         self.direct = register is not None
         self._register = register
@@ -106,21 +84,6 @@ class WorkerSide:
         self._pools: dict[str, DevicePool] = {}
         self._next_try = 0.0
         self._down = False
-        self._state_load_block = state_load_block
-        self._state_store_block = state_store_block
-        self._order = [i for i in layer_map.stage_layer_ids if i in self.bindings]
-        self._state_layers = [
-            i
-            for i in self._order
-            if not layer_map.group(self.bindings[i].group).kind.is_token_cache
-        ]
-        self._active: list[_ActiveLoad] = []
-        self._pending: list[int] = []  # layers of this step's loads not yet copied, in order
-        self._errors: set[int] = set()
-        self._async: dict[str, _ActiveLoad] = {}
-        # requests whose load failed this step: their pages computed over stale blocks
-        # must not be stored (vLLM recomputes them next step)
-        self.failed_requests: set[str] = set()
         self.counters = WorkerCounters(data_plane="direct" if self.direct else "staging")
         self.stores = Stores(
             layer_map,
@@ -134,10 +97,21 @@ class WorkerSide:
             settle_timeout_s=6 * load_timeout_s,
             retry_after_s=retry_after_s,
         )
-        # direct loads that had not ended when the step did: they may still write vLLM's
-        # blocks, which vLLM reuses (recomputing, or for another request) from the next step
-        self._unended: list[tuple[str, LoadHandle]] = []
-        self._stream = stream
+        self.loads = Loads(
+            layer_map,
+            bindings,
+            self.counters,
+            self.stores,
+            self.staging,
+            self._staging_pages,
+            lambda: self._pools,
+            direct=self.direct,
+            page_size_tokens=page_size_tokens,
+            load_timeout_s=load_timeout_s,
+            retry_after_s=retry_after_s,
+            state_load_block=state_load_block,
+            stream=stream,
+        )
 
     # ---- the sidecar ----------------------------------------------------------------------
 
@@ -180,349 +154,45 @@ class WorkerSide:
         """vLLM's `handle_preemptions`, before this step's forward (and any zeroing or reuse of
         a freed block): every earlier store answered, every overrun load ended."""
         self.stores.drain(self._client)
-        self._await_unended()
-
-    def _await_unended(self) -> None:
-        if not self._unended:
-            return
-        deadline = time.monotonic() + self.stores.settle_timeout_s
-        for req_id, handle in self._unended:
-            try:
-                while handle.state() == "running" and time.monotonic() < deadline:
-                    time.sleep(self.retry_after_s / 20)
-                ended = handle.state() != "running"
-            except Exception:  # the connection is gone: its session's loads were cancelled
-                ended = True
-            if not ended:
-                self.counters.loads_unconfirmed += 1
-                self.counters.error(
-                    f"request {req_id}: its load did not end in {self.stores.settle_timeout_s:g}"
-                    " s more; vLLM goes on writing the blocks it named"
-                )
-        self._unended = []
+        self.loads.await_unended()
 
     def close(self) -> None:
         self.finish_loads()
         self.stores.drain(self._client)
         self.stores.close()
-        for active in self._async.values():
-            if active.handle is not None:
-                with contextlib.suppress(Exception):
-                    active.handle.cancel()
-        self._async = {}  # the process is ending: its staging file goes with the client
+        self.loads.cancel_async()
         if self._client is not None:
             self._client.close()
             self._client = None
 
-    # ---- loads -----------------------------------------------------------------------------
-    #
-    # No thread of ours copies: on vLLM's CPU worker both cores are busy (the forward's
-    # OpenMP threads, the engine loop stepping between requests), and a copy thread beside
-    # them ran at a fraction of memcpy speed. The sidecar fills staging in its own process;
-    # this side copies a layer into vLLM's blocks on vLLM's thread once it landed: in
-    # `wait_layer` (layer-wise: the sidecar moves layer i+1 while the forward computes layer
-    # i), or between steps (asynchronous loads, `poll_async`).
+    # ---- loads (`vllm_loads.py`) -------------------------------------------------------------
 
     def start_loads(self, jobs: Sequence[LoadJob], *, whole: bool = False) -> None:
-        """Synchronous loads of this step (vLLM waits for them inside the forward). `whole`:
-        every layer lands and is copied before the forward starts (no overlap; the baseline
-        of the layer-wise figure)."""
-        self.finish_loads()  # a step that never reached wait_for_save (should not happen)
-        if not jobs:
-            return
-        client = self.client()
-        for job in jobs:
-            active = self._start_one(client, job)
-            self._active.append(active)
-            if active.failed:
-                self._fail(active)
-        self._pending = list(self._order)
-        waits = self._order if whole else self._state_layers  # no hook reaches state layers
-        for layer_id in waits:
-            self.wait_layer(layer_id)
+        """Synchronous loads of this step (vLLM waits for them inside the forward)."""
+        self.loads.start(self.client() if jobs else None, jobs, whole=whole)
 
     def wait_layer(self, layer_id: int) -> None:
-        """Every load's `layer_id` in vLLM's blocks (and every layer before it, in order)."""
-        if not self._pending or layer_id not in self._pending:
-            return
-        started = time.perf_counter()
-        while self._pending:
-            current = self._pending.pop(0)
-            for active in self._active:
-                self._land(active, current)
-            if current == layer_id:
-                break
-        self.counters.layer_wait_s += time.perf_counter() - started
-
-    def _land(self, active: _ActiveLoad, layer_id: int) -> None:
-        if active.failed or active.handle is None:
-            return
-        try:
-            active.handle.wait_layer(layer_id, timeout_s=self.load_timeout_s)
-        except Exception as exc:  # a failed or lost layer: vLLM recomputes the request
-            self.counters.error(f"request {active.job.req_id}: layer {layer_id}: {exc}")
-            active.failed = True
-            return
-        self._copy(active, layer_id)
-
-    def _copy(self, active: _ActiveLoad, layer_id: int) -> None:
-        if not active.moves:  # direct: the sidecar's copy was the only one
-            return
-        started = time.perf_counter()
-        for move in active.moves.get(layer_id, ()):
-            move.binding.from_staging(self._pools[move.binding.group], move.pages, move.blocks)
-        self.counters.load_copy_s += time.perf_counter() - started
+        self.loads.wait_layer(layer_id)
 
     def finish_loads(self) -> None:
-        """After the forward: every layer of this step's loads landed (or failed), handles
-        released, staging given back, failures recorded for vLLM."""
-        if not self._active:
-            return
-        if self._pending:  # a layer the forward never waited for: it may have read it stale
-            self.counters.error(
-                f"layers {self._pending} of this step's loads were never waited for by the "
-                "forward; their requests are recomputed"
-            )
-            for active in self._active:
-                active.failed = True
-            self._pending = []
-        for active in self._active:
-            self._end(active)
-            if active.failed:
-                self._fail(active)
-        self._active = []
-        self._pending = []
-
-    def _end(self, active: _ActiveLoad) -> bool:
-        """Wait for the sidecar to finish with the load (it may still be writing staging),
-        release it, then give its staging back. A load that does not end in time keeps its
-        staging pages out of use for good (`staging_quarantined`): a late write into a
-        page handed to another load or store would be served."""
-        handle = active.handle
-        ended = True
-        if handle is not None:
-            try:
-                if handle.done(timeout_s=self.load_timeout_s) != "done":
-                    active.failed = True
-            except Exception as exc:  # no end in time, or the connection is gone
-                self.counters.error(f"request {active.job.req_id}: load end: {exc}")
-                active.failed = True
-                ended = False
-                with contextlib.suppress(Exception):
-                    handle.cancel()
-        if ended:
-            self.staging.give(active.staging)
-        elif self.direct and handle is not None:
-            self._unended.append((active.job.req_id, handle))
-        else:
-            self.counters.staging_quarantined += sum(len(p) for p in active.staging.values())
-        active.staging = {}
-        return ended
-
-    def _fail(self, active: _ActiveLoad) -> None:
-        if active.reported:
-            return
-        active.reported = True
-        self.counters.load_failures += 1
-        self.failed_requests.add(active.job.req_id)
-        pages = len(active.job.tokens) // self.page
-        for ids in active.job.block_ids:
-            self._errors.update(b for b in ids[active.job.skip_pages : pages] if b != NULL_BLOCK)
+        self.loads.finish()
 
     def take_load_errors(self) -> set[int]:
-        self.finish_loads()
-        errors, self._errors = self._errors, set()
-        return errors
+        return self.loads.take_errors()
 
     def start_async_loads(self, jobs: Sequence[LoadJob]) -> None:
-        """Loads vLLM waits for between steps (the request sits in WAITING_FOR_REMOTE_KVS):
-        the sidecar fills staging meanwhile; `poll_async` copies each once it ended."""
-        if not jobs:
-            return
-        client = self.client()
-        for job in jobs:
-            self._async[job.req_id] = self._start_one(client, job)
+        self.loads.start_async(self.client() if jobs else None, jobs)
 
     def poll_async(self) -> tuple[set[str], set[str]]:
-        """Asynchronous loads that ended since the last call, copied into vLLM's blocks:
-        (all of them, the failed). Called once per step; never waits for a running load,
-        except past its deadline."""
-        done: set[str] = set()
-        failed: set[str] = set()
-        for req_id, active in list(self._async.items()):
-            ok = self._settle(active)
-            if ok is None:
-                continue
-            del self._async[req_id]
-            done.add(req_id)
-            if not ok:
-                failed.add(req_id)
-                self.counters.load_failures += 1
-        return done, failed
-
-    def _settle(self, active: _ActiveLoad) -> bool | None:
-        """True: landed and copied; False: failed (ended, staging back or quarantined);
-        None: still running."""
-        handle = active.handle
-        if handle is None:
-            self.staging.give(active.staging)
-            active.staging = {}
-            return False
-        if not active.failed:
-            try:
-                state = handle.state()
-            except Exception as exc:  # the sidecar went away mid-load: vLLM recomputes
-                self.counters.error(f"request {active.job.req_id}: load lost: {exc}")
-                state = "lost"
-            if state == "running" and time.monotonic() < active.deadline:
-                return None
-            if state == "running":
-                self.counters.error(
-                    f"request {active.job.req_id}: load still running after its deadline; "
-                    "recomputed"
-                )
-            if state != "done":
-                active.failed = True
-        if active.failed:
-            self._end(active)
-            return False
-        for layer_id in self._order:  # the load ended: staging holds every layer
-            self._copy(active, layer_id)
-        return self._end(active) and not active.failed
-
-    def _start_one(self, client: Client | None, job: LoadJob) -> _ActiveLoad:
-        pages = len(job.tokens) // self.page
-        wanted = {
-            g.name: (pages - job.skip_pages) if g.kind.is_token_cache else 1
-            for g in self.layer_map.groups
-        }
-        active = _ActiveLoad(job, None, {}, {})
-        active.deadline = time.monotonic() + self.load_timeout_s * max(1, len(self._order))
-        if client is None:
-            active.failed = True
-            return active
-        if self.direct:
-            blocks = self._direct_pages(job, pages)
-            if blocks is None:
-                active.failed = True
-                return active
-            return self._request(client, job, active, blocks, {})
-        staging = self.staging.take(wanted)
-        if staging is None:
-            self.counters.loads_starved += 1
-            client.starved()
-            self.counters.error(
-                f"request {job.req_id}: its load needs {wanted} staging pages; free now: "
-                f"{self.staging.free()} of {self._staging_pages}; recomputed (raise "
-                "staging_pages)"
-            )
-            active.failed = True
-            return active
-        active.staging = staging
-        device_pages: dict[str, list[int]] = {}
-        for g in self.layer_map.groups:
-            given = staging[g.name]
-            if g.kind.is_token_cache:
-                device_pages[g.name] = [0] * job.skip_pages + given  # 0: the scratch page
-            else:
-                device_pages[g.name] = given
-        for layer_id in self._order:
-            binding = self.bindings[layer_id]
-            ids = job.block_ids[binding.vllm_group]
-            if self.layer_map.group(binding.group).kind.is_token_cache:
-                pairs = [
-                    (staging[binding.group][i - job.skip_pages], ids[i])
-                    for i in range(job.skip_pages, pages)
-                    if ids[i] != NULL_BLOCK
-                ]
-            else:
-                block = self._state_load_block(ids, pages)
-                if block == NULL_BLOCK:  # vLLM gave no block for the state: never write 0
-                    self.counters.error(
-                        f"request {job.req_id}: vLLM gave layer {layer_id}'s state no block "
-                        f"for a snapshot after {pages} pages; recomputed"
-                    )
-                    active.failed = True
-                    return active
-                pairs = [(staging[binding.group][0], block)]
-            if pairs:
-                active.moves.setdefault(layer_id, []).append(
-                    _Move(
-                        binding,
-                        [p for p, _ in pairs],
-                        [b for _, b in pairs],
-                    )
-                )
-        return self._request(client, job, active, device_pages, staging)
-
-    def _direct_pages(self, job: LoadJob, pages: int) -> dict[str, list[int]] | None:
-        """A direct load's pages: vLLM's block ids (a token group's null blocks are positions
-        vLLM dropped from a window; the sidecar's window selection never writes them)."""
-        device_pages: dict[str, list[int]] = {}
-        for g in self.layer_map.groups:
-            ids = job.block_ids[self.bindings[g.layer_ids[0]].vllm_group]
-            if g.kind.is_token_cache:
-                device_pages[g.name] = list(ids[:pages])
-                continue
-            block = self._state_load_block(ids, pages)
-            if block == NULL_BLOCK:  # vLLM gave no block for the state: never write block 0
-                self.counters.error(
-                    f"request {job.req_id}: vLLM gave group {g.name!r}'s state no block for a "
-                    f"snapshot after {pages} pages; recomputed"
-                )
-                return None
-            device_pages[g.name] = [block]
-        return device_pages
-
-    def _request(
-        self,
-        client: Client,
-        job: LoadJob,
-        active: _ActiveLoad,
-        device_pages: dict[str, list[int]],
-        staging: dict[str, list[int]],
-    ) -> _ActiveLoad:
-        pages = len(job.tokens) // self.page
-        started = time.perf_counter()
-        try:
-            if job.from_l3:  # bring L3's pages to L2 first: the load itself waits briefly
-                client.prefetch(list(job.tokens))
-            # direct on CUDA: after vLLM's zeroing of the blocks it allocated this step (its
-            # stream, now: start_load_kv runs after the runner queued that zeroing)
-            stream = self._stream() if self.direct else None
-            handle = client.load(
-                list(job.tokens), device_pages, skip_pages=job.skip_pages, stream=stream
-            )
-        except (HicacheError, OSError) as exc:
-            self.counters.error(f"request {job.req_id}: load failed to start: {exc}")
-            active.failed = True
-            if isinstance(exc, TimeoutError):  # the sidecar may be filling staging still
-                self.counters.staging_quarantined += sum(len(p) for p in staging.values())
-                active.staging = {}
-                if self.direct:  # or vLLM's blocks: settled before the next forward
-                    self.stores.unsettle()
-            return active
-        finally:
-            self.counters.load_request_s += time.perf_counter() - started
-        active.handle = handle
-        if handle is None or handle.tokens < len(job.tokens):
-            got = 0 if handle is None else handle.tokens
-            self.counters.error(
-                f"request {job.req_id}: hicache served {got} of the {len(job.tokens)} tokens "
-                "it promised (evicted or L3 unreachable since the lookup); recomputed"
-            )
-            active.failed = True
-        else:
-            self.counters.loads += 1
-            self.counters.pages_loaded += pages - job.skip_pages
-        return active
+        return self.loads.poll_async()
 
     # ---- stores ----------------------------------------------------------------------------
 
     def store(self, jobs: Sequence[StoreJob]) -> None:
         """The step's stores, after `finish_loads`; then the step's failed loads are
         forgotten (vLLM recomputes those requests from the failed block on)."""
+        failed = self.loads.failed_requests
         try:
-            self.stores.submit(self.client() if jobs else None, jobs, self.failed_requests)
+            self.stores.submit(self.client() if jobs else None, jobs, failed)
         finally:
-            self.failed_requests.clear()
+            failed.clear()

@@ -46,7 +46,9 @@ class PoolOps:
             session, pools, pid, args.counters_fd, "register_pools", [memory.identity]
         )
         if memory.allocated:  # off the loop, after the reply: the session's end stops it
-            session.prefault = Prefaulting.start(self.state.tg, memory, session.id, pid)
+            session.prefault = Prefaulting.start(
+                self.state.tg, self.state.prefaults, memory, session.id, pid
+            )
         return reply
 
     @staticmethod

@@ -417,6 +417,8 @@ class EngineServer:
         ending = [s.ending for s in self.sessions.values() if s.ending is not None]
         if ending:
             await asyncio.gather(*ending, return_exceptions=True)
+        # every session ended, and with it its prefault: nothing is queued on the thread
+        self.state.prefaults.shutdown(wait=False, cancel_futures=True)
         flushed = left_pages = left_bytes = 0
         for namespace in self.namespaces.values():
             result = await namespace.cache.flush_within(max(0.0, deadline - loop.time()))

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import threading
 import time
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 from hicache.channel.counters import CounterFile
@@ -29,25 +30,34 @@ log = logging.getLogger("hicache.service")
 
 @dataclass
 class Prefaulting:
-    """A session's mapped pool being prefaulted in a worker thread (`PeerMemory.prefault`):
-    the sidecar's page tables for the engine's allocated pages filled once, after the
-    registration was answered, so no load or store faults on them later. A task of the
-    service's TaskGroup; `stop` ends it within one chunk (the session's end waits for that,
-    so its mapping is dropped only once no thread touches it)."""
+    """A session's mapped pool being prefaulted on the sidecar's prefault thread
+    (`PeerMemory.prefault`): the sidecar's page tables for the engine's allocated pages filled
+    once, after the registration was answered, so no load or store faults on them later. One
+    thread for every session (`ServerState.prefaults`, one pool at a time: never more than a
+    core, never a worker L3's I/O needs). A task of the service's TaskGroup; `stop` (the
+    session's end) takes it off the queue, or has the thread stop after its chunk — the
+    thread holds its own reference to the mapping, so nothing it touches is unmapped under
+    it."""
 
     task: asyncio.Task[None]
     _stop: threading.Event
 
     @classmethod
     def start(
-        cls, tg: asyncio.TaskGroup, memory: PeerMemory, session: int, pid: int | None
+        cls,
+        tg: asyncio.TaskGroup,
+        executor: Executor,
+        memory: PeerMemory,
+        session: int,
+        pid: int | None,
     ) -> Prefaulting:
         stop = threading.Event()
 
         async def run() -> None:
+            loop = asyncio.get_running_loop()
             started = time.perf_counter()
             try:
-                done = await asyncio.to_thread(memory.prefault, stop)
+                done = await loop.run_in_executor(executor, memory.prefault, stop)
             except Exception as exc:  # never the service's end: copies fault as they go
                 log.warning(
                     "engine memory not prefaulted",
@@ -71,6 +81,7 @@ class Prefaulting:
 
     async def stop(self) -> None:
         self._stop.set()
+        self.task.cancel()  # queued: it never runs; running: the thread ends after its chunk
         await asyncio.wait([self.task])
 
 

@@ -2,7 +2,8 @@
 sidecar's plan (`assembly.SidecarPlan`: the layer map, model name, geometries and the settings
 read from the deployment) and what is derived from it once (the layout summary hello checks,
 the groups the cache keys), copy backend, L3 store and metrics; the
-namespaces and sessions; the service's TaskGroup; the session and load id counters.
+namespaces and sessions; the service's TaskGroup; the session and load id counters; the
+thread that prefaults engines' pools.
 
 Lifecycle: `EngineServer` builds it once (`ServerState.build`) and hands the same object to
 each op class (`ops_session`, `ops_pools`, `ops_lookup`, `ops_data`); the server adds and
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +46,10 @@ class ServerState:
     sessions: dict[int, Session] = field(default_factory=dict)
     session_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     load_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # the one thread that prefaults engines' pools (`sessions.Prefaulting`), shut at the drain
+    prefaults: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hicache-prefault")
+    )
 
     @classmethod
     def build(

@@ -12,6 +12,7 @@ import mmap
 import os
 import resource
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -150,10 +151,19 @@ async def test_a_session_end_stops_its_prefault_and_waits_for_the_thread() -> No
         engine = map_fd(fd, 1024 * PAGE)
         populate(engine.data_ptr(), 1024 * PAGE, write=True)
         memory = map_peer_fd(os.getpid(), fd, 1024 * PAGE, "fd")
-        async with asyncio.TaskGroup() as tg:
-            running = Prefaulting.start(tg, memory, session=1, pid=os.getpid())
-            await running.stop()
-            assert running.task.done()
-            assert running.task.exception() is None
+        with ThreadPoolExecutor(1) as executor:
+            async with asyncio.TaskGroup() as tg:
+                # one prefault holds the thread; the next waits in its queue and is stopped
+                # there: its session's end never waits for another session's prefault
+                gate = threading.Event()
+                executor.submit(gate.wait)
+                queued = Prefaulting.start(tg, executor, memory, session=2, pid=os.getpid())
+                await asyncio.sleep(0)
+                await asyncio.wait_for(queued.stop(), timeout=60)
+                assert queued.task.cancelled()
+                gate.set()
+                running = Prefaulting.start(tg, executor, memory, session=1, pid=os.getpid())
+                await running.stop()
+                assert running.task.done()
     finally:
         os.close(fd)
