@@ -138,15 +138,15 @@ def run(plan: dict[str, Any], llm: Any) -> dict[str, Any]:
 def _pause_in_loads(announce: Path) -> None:
     """From now on, the first layer-wise wait of a load announces itself and never returns:
     the engine is provably in the middle of a load when the test kills it."""
-    from hicache.integrations.vllm_worker import WorkerSide
+    from hicache.integrations.vllm_loads import Loads
 
-    def wait_layer(self: WorkerSide, layer_id: int) -> None:
+    def wait_layer(self: Loads, layer_id: int) -> None:
         if self._pending:
             announce.write_text("in a load")
             while True:
                 time.sleep(3600)
 
-    WorkerSide.wait_layer = wait_layer  # type: ignore[method-assign]
+    Loads.wait_layer = wait_layer  # type: ignore[method-assign]
 
 
 def serve(plan: dict[str, Any]) -> None:
