@@ -42,12 +42,19 @@ _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _libc.madvise.restype = ctypes.c_int
 
 
-def allocated_extents(fd: int, nbytes: int) -> list[tuple[int, int]]:
+MAX_EXTENTS = 4096  # looked for on the sidecar's event loop: a scattered file is cut short
+
+
+def allocated_extents(
+    fd: int, nbytes: int, max_extents: int = MAX_EXTENTS
+) -> list[tuple[int, int]]:
     """The byte ranges [start, end) of a shmem file that hold pages (SEEK_DATA / SEEK_HOLE;
-    a page allocated but never written, e.g. by fallocate, counts as a hole), in order."""
+    a page allocated but never written, e.g. by fallocate, counts as a hole), in order; at
+    most `max_extents` of them (an engine's pool is one or a few; pages past the last range
+    returned fault as they are first copied)."""
     extents: list[tuple[int, int]] = []
     offset = 0
-    while offset < nbytes:
+    while offset < nbytes and len(extents) < max_extents:
         try:
             start = os.lseek(fd, offset, os.SEEK_DATA)
         except OSError as exc:
