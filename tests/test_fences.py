@@ -32,7 +32,7 @@ from hicache.memory import GroupGeometry
 from hicache.model import LayerMap, load_layout
 from hicache.scheduler import GroupPages
 from hicache.service.ops_data import engine_fence
-from hicache.transfer import NO_FENCE, CpuCopyBackend, Direction, Fence
+from hicache.transfer import NO_FENCE, CopyBackend, CpuCopyBackend, Direction, Fence
 from hicache.transfer.backend import (
     CancelToken,
     JoinedFence,
@@ -80,7 +80,7 @@ class Recording(CpuCopyBackend):
         return super().submit_walk(direction, layers, done, after, cancel, on_layer)
 
 
-def build(backend: Recording) -> TieredCache:
+def build(backend: CopyBackend) -> TieredCache:
     layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
     geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
     embedded = by_key.embedded(
@@ -344,6 +344,14 @@ def gpu_sleep(seconds: float) -> None:
     torch.cuda._sleep(int(seconds * rate * 1e3))  # type: ignore[no-untyped-call]
 
 
+def fill_pools(cache: TieredCache, byte: int) -> None:
+    """Every byte of the engine's device pools set to `byte`, on the current stream."""
+    for pool in cache.embedded.device_pools.values():
+        for layer in pool.tensors:
+            for t in layer.values():
+                t.view(torch.uint8).fill_(byte)
+
+
 @pytest.mark.gpu
 @pytest.mark.asyncio
 @pytest.mark.parametrize("how", ["taken_on_entry", "explicit_fence"])
@@ -352,18 +360,9 @@ async def test_an_embedded_store_waits_for_kernels_on_the_engines_stream(how: st
     is called at once. Its backup must see the final bytes (0x5A), not the zeros before."""
     from hicache.transfer.cuda_backend import CudaCopyBackend
 
-    layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
-    geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
     backend = CudaCopyBackend(0, staging_bytes=16 * 2**20)
-    embedded = by_key.embedded(
-        layer_map,
-        dtype=torch.float16,
-        page_size_tokens=PAGE,
-        host_capacity_bytes=32 * sum(g.page_bytes for g in geoms),
-        device_pages=16,
-        backend=backend,
-    )
-    cache = by_key.tiered(embedded)
+    cache = build(backend)
+    embedded = cache.embedded
     try:
         async with cache.running():
             torch.cuda.synchronize()
@@ -371,10 +370,7 @@ async def test_an_embedded_store_waits_for_kernels_on_the_engines_stream(how: st
             side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             with torch.cuda.stream(side):
                 gpu_sleep(0.5)
-                for pool in embedded.device_pools.values():
-                    for layer in pool.tensors:
-                        for t in layer.values():
-                            t.view(torch.uint8).fill_(0x5A)
+                fill_pools(cache, 0x5A)
                 if how == "taken_on_entry":  # on this thread, whose current stream is `side`
                     result = await cache.store(tokens, **store_kwargs(cache, tokens))
             if how == "explicit_fence":
@@ -401,25 +397,12 @@ async def test_an_embedded_load_lands_after_the_engine_zeroed_its_pages(how: str
     and the load is called at once: the loaded bytes (0x5A) must survive, not the zeros."""
     from hicache.transfer.cuda_backend import CudaCopyBackend
 
-    layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
-    geoms = [GroupGeometry(g, torch.float16, PAGE) for g in layer_map.groups]
     backend = CudaCopyBackend(0, staging_bytes=16 * 2**20)
-    embedded = by_key.embedded(
-        layer_map,
-        dtype=torch.float16,
-        page_size_tokens=PAGE,
-        host_capacity_bytes=32 * sum(g.page_bytes for g in geoms),
-        device_pages=16,
-        backend=backend,
-    )
-    cache = by_key.tiered(embedded)
-    pools = embedded.device_pools.values()
+    cache = build(backend)
+    embedded = cache.embedded
     try:
         async with cache.running():
-            for pool in pools:
-                for layer in pool.tensors:
-                    for t in layer.values():
-                        t.view(torch.uint8).fill_(0x5A)
+            fill_pools(cache, 0x5A)
             tokens = list(range(16))
             result = await cache.store(tokens, **store_kwargs(cache, tokens))
             assert result.pages_stored > 0
@@ -427,10 +410,7 @@ async def test_an_embedded_load_lands_after_the_engine_zeroed_its_pages(how: str
             side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
             with torch.cuda.stream(side):
                 gpu_sleep(0.5)
-                for pool in pools:  # the engine zeroes the pages before the load fills them
-                    for layer in pool.tensors:
-                        for t in layer.values():
-                            t.zero_()
+                fill_pools(cache, 0)  # the engine zeroes the pages before the load fills them
                 if how == "taken_on_entry":  # on this thread, whose current stream is `side`
                     handle, hit = await cache.load(tokens, load_pages(cache, tokens, 0))
             if how == "explicit_fence":
