@@ -3,9 +3,10 @@ id, and each attachment's live ops (admitted, not yet ended).
 
 Lifecycle of an attachment: `add(id, pools)` (every group of the stage, each with the stage's
 geometry) -> ops admitted under it (`admitted`) end one by one (`ended`, from the scheduler's
-one `_finish`) -> `remove(id)` once none is live. The host tier, the budget and the walks are
-the scheduler's and shared by every attachment; only the device side is per attachment, so two
-engines' ops never write each other's memory. Pure bookkeeping: no awaits, no torch calls.
+one `Completion.finish`) -> `remove(id)` once none is live. The host tier, the budget and the
+walks are the scheduler's and shared by every attachment; only the device side is per
+attachment, so two engines' ops never write each other's memory. Pure bookkeeping: no awaits,
+no torch calls.
 """
 
 from __future__ import annotations

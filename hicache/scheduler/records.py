@@ -3,7 +3,7 @@
 `OpRecord` is one op from admission to its final state; `WalkBatch` is the ops that share one
 walk (a load step, or one backup). `result_of` builds the `OpResult` an op ends with;
 `release_pages` gives back what admission reserved — each is called once per op, from
-`Scheduler._finish`.
+`Completion.finish` (completion.py).
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ Lifecycle:
 
 Admission (in the caller's task) validates the request, selects the pages each group moves
 (moves.py), pins host pages (loads) or allocates them (backups) — reserve. The dispatcher
-takes loads before backups, waits for byte budget and a counter slot (backpressure), walks
-the stage's layers through the layer map and submits the whole walk to the copy backend at
-once — submit. The backend reports the walk from its thread; `_walk_done` records outcomes
-and releases pins and budget — complete/abort, in exactly one place (`_finish`).
+takes loads before backups, waits for byte budget and a counter slot (backpressure;
+walk_queue.py), walks the stage's layers through the layer map and submits the whole walk to
+the copy backend at once — submit. The backend reports the walk from its thread;
+`Completion.walk_done` records outcomes and releases pins and budget — complete/abort, in
+exactly one place (`Completion.finish`, completion.py).
 
 A caller cancelled (or failing) at an await of `load`, `load_step` or `backup` — waiting for
 queue space, or for its walk to be submitted — takes its ops with it (`_abandon`): an op not
@@ -23,7 +24,7 @@ reports the walk. Nothing is left that no one holds a handle to.
 A walk that stops at a layer (backend.py: a failed copy stops it, later layers are skipped)
 fails every op with a group at or after the stop; the consumers of its layers from the stop
 on hear it through the counter while the walk is still ending (`OpHandle.wait_layer` raises),
-and `_walk_done` still ends each op once, after the backend reported, so pins outlive every
+and `walk_done` still ends each op once, after the backend reported, so pins outlive every
 copy. A load that ends before its walk is submitted gets a `StoppedCounter`, so its layers
 raise too rather than return for pages nothing copied.
 
@@ -42,7 +43,6 @@ import asyncio
 import contextlib
 import functools
 import itertools
-from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
 
 from hicache.errors import HicacheError
@@ -50,29 +50,15 @@ from hicache.memory import DevicePool, HostTier
 from hicache.model import LayerMap
 from hicache.scheduler.admission import reserve, select_pages
 from hicache.scheduler.attachments import DEFAULT_ATTACHMENT, Attachments
-from hicache.scheduler.budget import ByteBudget
 from hicache.scheduler.clock import Clock, MonotonicClock
+from hicache.scheduler.completion import Completion
 from hicache.scheduler.handle import OpHandle
 from hicache.scheduler.moves import MovePolicy, OpRequestError
 from hicache.scheduler.ops import GroupPages, OpKind, OpState
-from hicache.scheduler.records import (
-    OpRecord,
-    ShutdownReport,
-    WalkBatch,
-    release_pages,
-    result_of,
-)
+from hicache.scheduler.records import OpRecord, ShutdownReport, WalkBatch, release_pages
 from hicache.scheduler.stats import SchedulerStats, StatsRecorder
-from hicache.transfer import (
-    NOOP_COUNTER,
-    CopyBackend,
-    CounterRing,
-    Direction,
-    Fence,
-    LayerFailure,
-    StopKind,
-    StoppedCounter,
-)
+from hicache.scheduler.walk_queue import WalkQueue
+from hicache.transfer import NOOP_COUNTER, CopyBackend, Direction, Fence
 from hicache.transfer.backend import LayerListener, LayerPart
 
 
@@ -106,25 +92,12 @@ class Scheduler:
         self.move_policy: MovePolicy = move_policy
         self.clock: Clock = clock or MonotonicClock()
         self.recorder = StatsRecorder(len(layer_map.stage_layer_ids))
-        self._budget = ByteBudget(inflight_bytes)
         self.inflight_bytes = inflight_bytes
-        self._ring = CounterRing(counter_ring_size)
         self.counter_ring_size = counter_ring_size
-        # Walks handed to the backend, per kind. Bounded so the backend's own FIFO never
-        # becomes the real queue: a load must not wait behind every backup already handed over.
-        self._walk_limit = {OpKind.LOAD: counter_ring_size, OpKind.BACKUP: backup_walks_in_flight}
-        self._walks = {OpKind.LOAD: 0, OpKind.BACKUP: 0}
-        self._queues: dict[OpKind, deque[WalkBatch]] = {
-            OpKind.LOAD: deque(),
-            OpKind.BACKUP: deque(),
-        }
-        self._queued_ops = 0
-        self._wake = asyncio.Event()  # something changed: a new op, a freed slot or budget
-        self._space = asyncio.Event()
-        self._space.set()
-        self._in_flight: set[WalkBatch] = set()
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # queued walks, walks in flight per kind (walk slots), bytes in flight (the budget)
+        self._queue = WalkQueue(
+            queue_depth, inflight_bytes, counter_ring_size, backup_walks_in_flight
+        )
         self._ids = itertools.count(1)
         self._tg: asyncio.TaskGroup | None = None
         self._closing = False
@@ -143,6 +116,9 @@ class Scheduler:
             )
         self._attachments = Attachments({n: pool.geometry for n, pool in device_pools.items()})
         self._attachments.add(DEFAULT_ATTACHMENT, device_pools)
+        self._completion = Completion(
+            self.clock, host_tier, self.recorder, self._attachments, self._queue, self._walk_slots
+        )
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -163,18 +139,20 @@ class Scheduler:
         """Stop accepting ops, cancel the queued ones, let in-flight walks finish."""
         self._closing = True
         cancelled = []
-        for queue in self._queues.values():
-            while queue:
-                batch = queue.popleft()
-                for op in batch.ops:
-                    if op.state is OpState.QUEUED:
-                        self._finish(op, OpState.CANCELLED, error="scheduler shut down")
-                        cancelled.append(op.op_id)
-        self._space.set()
-        self._set_idle()
-        running = [op.op_id for batch in self._in_flight for op in batch.ops]
-        await self._idle.wait()
+        for batch in self._queue.drain():
+            for op in batch.ops:
+                if op.state is OpState.QUEUED:
+                    self._completion.finish(op, OpState.CANCELLED, error="scheduler shut down")
+                    cancelled.append(op.op_id)
+        self._queue.open_space()
+        self._queue.set_idle()
+        running = [op.op_id for batch in self._queue.in_flight for op in batch.ops]
+        await self._queue.wait_idle()
         return ShutdownReport(tuple(running), tuple(cancelled))
+
+    async def idle(self) -> None:
+        """Until no op is queued or in flight (every walk ended, its pins released)."""
+        await self._queue.wait_idle()
 
     # ---- submission -----------------------------------------------------------------------
 
@@ -228,7 +206,7 @@ class Scheduler:
             await self._enqueue(WalkBatch(OpKind.LOAD, ops, on_layer=on_layer))
             # Fast path: start whatever is ready now, in this task, rather than a loop
             # iteration later in the dispatcher (same rules; the loop runs one at a time).
-            while (ready := self._next_ready()) is not None:
+            while (ready := self._queue.next_ready()) is not None:
                 self._launch(ready)
             if not all(op.submitted.done() for op in ops):
                 await asyncio.gather(*(asyncio.shield(op.submitted) for op in ops))
@@ -305,7 +283,7 @@ class Scheduler:
                 self.cancel_op(op, reason)
             cancelled += len(live)
             await asyncio.gather(*(asyncio.shield(op.finished) for op in live))
-        self._set_idle()
+        self._queue.set_idle()
         self._attachments.remove(attachment)
         return cancelled
 
@@ -313,7 +291,7 @@ class Scheduler:
         """A queued op (or one admitted, not yet queued) ends now, CANCELLED with `reason`;
         a running one asks its walk to stop and ends when the backend reports the walk."""
         if op.state is OpState.QUEUED:
-            self._finish(op, OpState.CANCELLED, error=reason)
+            self._completion.finish(op, OpState.CANCELLED, error=reason)
         elif op.state is OpState.RUNNING:
             op.cancel_requested = True
             self._maybe_cancel_walk(op)
@@ -324,18 +302,14 @@ class Scheduler:
         why = "cancelled" if isinstance(cause, asyncio.CancelledError) else type(cause).__name__
         for op in ops:
             self.cancel_op(op, f"its caller left ({why}) before it got the op's handle")
-        self._set_idle()
+        self._queue.set_idle()
 
     def stats(self) -> SchedulerStats:
         return self.recorder.snapshot(
-            queued_loads=sum(
-                op.state is OpState.QUEUED for b in self._queues[OpKind.LOAD] for op in b.ops
-            ),
-            queued_backups=sum(
-                op.state is OpState.QUEUED for b in self._queues[OpKind.BACKUP] for op in b.ops
-            ),
-            in_flight_bytes=self._budget.in_flight_bytes,
-            walks=len(self._in_flight),
+            queued_loads=self._queue.queued(OpKind.LOAD),
+            queued_backups=self._queue.queued(OpKind.BACKUP),
+            in_flight_bytes=self._queue.in_flight_bytes,
+            walks=len(self._queue.in_flight),
         )
 
     # ---- admission: validate, select, reserve ---------------------------------------------
@@ -394,12 +368,11 @@ class Scheduler:
         return op
 
     async def _enqueue(self, batch: WalkBatch) -> None:
-        while self._queued_ops >= self.queue_depth and not self._closing:
-            self._space.clear()
-            await self._space.wait()  # backpressure: the queue is bounded
+        while self._queue.full and not self._closing:
+            await self._queue.wait_for_space()  # backpressure: the queue is bounded
         if self._closing:
             for op in batch.ops:
-                self._finish(op, OpState.CANCELLED, error="scheduler shut down")
+                self._completion.finish(op, OpState.CANCELLED, error="scheduler shut down")
             return
         # ops cancelled while they waited for space (`end_attachment`) ended already
         batch.ops = [op for op in batch.ops if not op.state.final]
@@ -409,51 +382,17 @@ class Scheduler:
             op.deadline_timer = self.clock.call_later(
                 op.deadline - self.clock.now(), functools.partial(self._deadline_passed, op)
             )
-            op.in_queue = True
-        self._queues[batch.kind].append(batch)
-        self._queued_ops += len(batch.ops)
-        self._idle.clear()
-        self._wake.set()
+        self._queue.append(batch)
 
     # ---- dispatch: order, budget, walk, submit ----------------------------------------------
 
     async def _dispatch(self) -> None:
         while True:
-            batch = self._next_ready()
+            batch = self._queue.next_ready()
             if batch is None:
-                self._wake.clear()
-                await self._wake.wait()
+                await self._queue.wait_for_change()
                 continue
             self._launch(batch)
-
-    def _next_ready(self) -> WalkBatch | None:
-        """The next batch that can start now: loads first. A batch that lacks a walk slot or
-        byte budget stays queued; backups may pass a load only when that load waits for a
-        counter slot (they compete for nothing else it needs)."""
-        for kind in (OpKind.LOAD, OpKind.BACKUP):
-            queue = self._queues[kind]
-            while queue and all(op.state.final for op in queue[0].ops):
-                queue.popleft()  # cancelled or expired while queued
-            if not queue:
-                continue
-            batch = queue[0]
-            nbytes = sum(op.nbytes for op in batch.ops if op.state is OpState.QUEUED)
-            if not self._budget.fits(nbytes):
-                return None
-            if self._walks[kind] >= self._walk_limit[kind]:
-                continue
-            queue.popleft()
-            batch.ops = [op for op in batch.ops if op.state is OpState.QUEUED]
-            for op in batch.ops:
-                op.in_queue = False
-            self._queued_ops -= len(batch.ops)
-            self._space.set()
-            batch.nbytes = nbytes
-            self._budget.take(nbytes)
-            self._walks[kind] += 1
-            self._in_flight.add(batch)
-            return batch
-        return None
 
     def _launch(self, batch: WalkBatch) -> None:
         direction = Direction.LOAD if batch.kind is OpKind.LOAD else Direction.BACKUP
@@ -469,7 +408,7 @@ class Scheduler:
         ]
         now = self.clock.now()
         for op in batch.ops:
-            self._set_state(op, OpState.RUNNING)
+            self._completion.set_state(op, OpState.RUNNING)
             op.started_at = now
         if len(batch.ops) > 1:
             self.recorder.merged_walks += 1
@@ -481,16 +420,16 @@ class Scheduler:
             if loop.is_closed():
                 return  # the loop is gone (a process exiting): no one is left to hear it
             with contextlib.suppress(RuntimeError):  # closed meanwhile
-                loop.call_soon_threadsafe(self._walk_done, batch, errors)
+                loop.call_soon_threadsafe(self._completion.walk_done, batch, errors)
 
         if batch.kind is OpKind.LOAD:
-            batch.counter = self._ring.acquire(batch.ops[0].op_id, len(layers))
+            batch.counter = self._queue.acquire_counter(batch.ops[0].op_id, len(layers))
         try:
             signals = self.backend.submit_walk(
                 direction, layers, done, fence, batch.token, batch.on_layer
             )
         except Exception as exc:
-            self._walk_done(batch, {-1: exc})
+            self._completion.walk_done(batch, {-1: exc})
             return
         if batch.counter is not None:
             batch.counter.submitted(signals)
@@ -499,95 +438,17 @@ class Scheduler:
             if not op.submitted.done():
                 op.submitted.set_result(None)
 
-    # ---- completion: outcomes, pins, budget -------------------------------------------------
-
-    def _walk_done(self, batch: WalkBatch, errors: dict[int, BaseException]) -> None:
-        failed_groups = self._failed_groups(errors)
-        first = next(iter(errors.values()), None)
-        elapsed = self.clock.now()
-        for op in batch.ops:
-            if op.state.final:
-                continue
-            bad = failed_groups if -1 not in errors else set(op.moves)
-            bad = bad & set(op.moves)
-            if op.cancel_requested:
-                state = OpState.EXPIRED if op.expired else OpState.CANCELLED
-                self._finish(op, state, failed=set(op.moves), error=state.value)
-            elif bad:
-                self._finish(
-                    op, OpState.FAILED, failed=bad, error=f"{type(first).__name__}: {first}"
-                )
-            else:
-                self._finish(op, OpState.DONE)
-                self.recorder.moved(op.kind, op.nbytes, elapsed - op.started_at)
-        self._release_walk(batch)
-
-    def _failed_groups(self, errors: dict[int, BaseException]) -> set[str]:
-        return {group for pos in errors if pos >= 0 for group, _ in self._walk_slots[pos]}
-
-    def _release_walk(self, batch: WalkBatch) -> None:
-        if batch.counter is not None:
-            self._ring.release(batch.counter)
-            batch.counter = None
-        self._walks[batch.kind] -= 1
-        self._budget.release(batch.nbytes)
-        self._in_flight.discard(batch)
-        self._wake.set()
-        self._set_idle()
-
-    async def idle(self) -> None:
-        """Until no op is queued or in flight (every walk ended, its pins released)."""
-        await self._idle.wait()
-
-    def _set_idle(self) -> None:
-        if not self._in_flight and self._queued_ops == 0:
-            self._idle.set()
-
-    def _finish(
-        self, op: OpRecord, state: OpState, *, failed: set[str] | None = None, error: str = ""
-    ) -> None:
-        """The one place an op ends: outcomes recorded, pins released, waiters woken."""
-        acknowledged = state is OpState.DONE
-        if failed is None or (op.kind is OpKind.BACKUP and not acknowledged):
-            failed = set() if acknowledged else set(op.moves)
-        result = result_of(op, state, failed, error, self.clock.now())
-        release_pages(op, self.host_tier, keep_allocation=acknowledged)
-        if op.kind is OpKind.LOAD and not acknowledged and op.counter is NOOP_COUNTER:
-            # ended before its walk was submitted: none of its layers will land
-            kind = StopKind.CANCELLED if state is OpState.CANCELLED else StopKind.FAILED_WALK
-            op.counter = StoppedCounter(LayerFailure(0, kind, error or state.value))
-        if op.in_queue:
-            op.in_queue = False
-            self._queued_ops -= 1
-            self._space.set()
-            self._wake.set()
-        self._set_state(op, state)
-        self._attachments.ended(op)  # its copies have ended: its attachment's pools may go
-        if op.deadline_timer is not None:
-            op.deadline_timer.cancel()
-        # the walk (if any) enqueued its wait long ago: drop the event now, before the caller
-        # hears, so an IPC-opened one is destroyed before the engine's original can be
-        op.fence = None
-        if not op.finished.done():
-            op.finished.set_result(result)
-        if not op.submitted.done():
-            op.submitted.set_result(None)
-
-    def _set_state(self, op: OpRecord, state: OpState) -> None:
-        self.recorder.transition(op.state, state)
-        op.state = state
-
     # ---- deadlines and cancellation ---------------------------------------------------------
 
     def _deadline_passed(self, op: OpRecord) -> None:
         if op.state is OpState.QUEUED:
-            self._finish(op, OpState.EXPIRED, error="deadline passed while queued")
+            self._completion.finish(op, OpState.EXPIRED, error="deadline passed while queued")
         elif op.state is OpState.RUNNING:
             op.expired = True
             op.cancel_requested = True
             self._maybe_cancel_walk(op)
 
     def _maybe_cancel_walk(self, op: OpRecord) -> None:
-        for batch in self._in_flight:
+        for batch in self._queue.in_flight:
             if op in batch.ops and all(o.cancel_requested for o in batch.ops):
                 batch.token.cancel()
