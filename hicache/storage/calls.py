@@ -9,8 +9,8 @@ as None with the reason ("open", "timeout", the exception's name); failures are 
     value, why = await calls.settle_call("get", nbytes, call)   # never cancelled, tracked
 
 `call` cancels a call that timed out, so it is only for calls whose threads touch no caller
-memory that outlives them; `launch` / `settle_call` (together `detached`) leave a late call
-running, tracked in the fetch's `Outstanding` until its threads end.
+memory that outlives them; `launch` / `settle_call` leave a late call running, tracked in
+the fetch's `Outstanding` until its threads end.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class GuardedCalls:
     ) -> tuple[T | None, str | None]:
         """`call`, and why it gave None: "open", "timeout" or the exception's name. On a
         timeout the call is cancelled: only for calls whose threads touch no caller memory
-        that outlives them (scatter reads go through `detached`)."""
+        that outlives them (scatter reads go through `launch` / `settle_call`)."""
         if not self.breaker.allow():
             self.stats.skipped_open += 1
             return None, "open"
@@ -86,26 +86,12 @@ class GuardedCalls:
         self.breaker.success()
         return result, None
 
-    async def detached(
-        self,
-        what: str,
-        nbytes: int,
-        start: Callable[[], Awaitable[T]],
-        outstanding: Outstanding,
-    ) -> tuple[T | None, str | None]:
-        """Like `call_why` for a call whose threads write caller memory: on a timeout (or a
-        cancelled caller) the call is left running — never cancelled — and tracked in
-        `outstanding` until it ends. The breaker's failure is recorded here; its success is
-        the caller's to record (a result may still hold failed keys)."""
-        call = self.launch(start, outstanding)
-        if call is None:
-            return None, "open"
-        return await self.settle_call(what, nbytes, call)
-
     def launch(
         self, start: Callable[[], Awaitable[T]], outstanding: Outstanding
     ) -> asyncio.Future[T] | None:
-        """Start a `detached` call now (None: the breaker is open), tracked in `outstanding`."""
+        """Start a call whose threads write caller memory now (None: the breaker is open),
+        tracked in `outstanding`: on a timeout or a cancelled caller it is left running, never
+        cancelled, until it ends."""
         if not self.breaker.allow():
             self.stats.skipped_open += 1
             return None
@@ -117,7 +103,9 @@ class GuardedCalls:
     async def settle_call(
         self, what: str, nbytes: int, call: asyncio.Future[T]
     ) -> tuple[T | None, str | None]:
-        """Wait for a launched call within the timeout for `nbytes` (the rest of `detached`)."""
+        """Wait for a `launch`ed call within the timeout for `nbytes`. The breaker's failure is
+        recorded here; its success is the caller's to record (a result may still hold failed
+        keys)."""
         try:
             done, _ = await asyncio.wait({call}, timeout=self.timeout(nbytes))
         except asyncio.CancelledError:
