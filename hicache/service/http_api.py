@@ -35,7 +35,7 @@ from hicache.assembly.sidecar import StorageBodyError
 from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
-from hicache.service.snapshots import namespace_stats, store_stats
+from hicache.service.snapshots import namespace_stats, store_stats, tenant_stats
 from hicache.storage.breaker import BreakerState
 from hicache.transfer.rows import large_copy_stores
 
@@ -129,6 +129,10 @@ class ControlApi:
                 ],
                 "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
                 "l3": store_stats(store),
+                # per tenant: lookup hits, and its part of a shared L2 (tenants.shared_l2)
+                "tenants": tenant_stats(
+                    self.server.namespaces.values(), self.metrics.tenant_hit_tokens
+                ),
                 # loads engines recomputed for want of their own staging pages (heartbeats)
                 "engine_loads_starved": self.metrics.loads_starved_count,
                 # the CPU backend's row-copy kernel (native C, or numpy and why); None on CUDA
