@@ -22,6 +22,7 @@ import pytest
 import yaml
 
 from hicache.cli.main import main
+from hicache.cli.stats import render, snapshot
 from hicache.client.process import SidecarProcess
 from tests.conftest import REPO, shared_model
 
@@ -135,6 +136,8 @@ def noisy_run(config: Path) -> tuple[float, float, dict[str, Any]]:
                 b.ask(f"flood {FLOOD}")
                 flooded.append(a.ask("replay"))
             stats = sidecar.get_json("/v1/stats")["tenants"]
+            _, metrics = sidecar.get("/metrics")
+            frame = render(snapshot(sidecar.http, None, 10.0))
         finally:
             for engine in (a, b):
                 with contextlib.suppress(Exception):
@@ -142,6 +145,13 @@ def noisy_run(config: Path) -> tuple[float, float, dict[str, Any]]:
                 if engine.proc.poll() is None:
                     engine.proc.kill()
     assert all(r["mismatches"] == 0 for r in alone + flooded)
+    # the same figures in /metrics and `hicache stats`
+    held = sum(g["held_pages"] for g in stats["b"]["l2"]["0"].values())
+    assert 'hicache_tenant_l2_pages{group="full",tenant="b"} ' in metrics
+    assert re.search(
+        r'hicache_tenant_l2_evicted_pages_total\{by="self",group="full",tenant="b"\} [1-9]', metrics
+    ), metrics
+    assert re.search(rf"^  'b' \(rest\) +\S+ +[\d,]+ +{held:,} ", frame, re.M), frame
 
     def rate(replies: list[dict[str, Any]]) -> float:
         return sum(r["hit"] for r in replies) / sum(r["asked"] for r in replies)
