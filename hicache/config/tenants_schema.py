@@ -7,7 +7,8 @@ host tier of `host.capacity_bytes` together; `l2_shares` then guarantees the ten
 their fraction of it (eviction takes from tenants over their share first), and the tenants it
 does not list share the rest (`1 - sum(l2_share)`) as one group. What the schema cannot see
 (a share too small for one long prompt) is checked at start-up by `assembly.host_pages`.
-Read once at start: a change needs a restart.
+Read once at start: a change needs a restart. The sidecar's section: an embedded cache is one
+tenant's and has its L2 to itself.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hicache.config.section import Section
 
 
 class TenantShare(Section):
-    """One tenant's part of the shared L2, as fractions of `host.capacity_bytes`."""
+    """A tenant's part of the shared L2, in fractions of it (a change needs a restart)."""
 
     l2_share: float = Field(
         gt=0,
@@ -47,7 +48,7 @@ class TenantShare(Section):
 
 
 class TenantsSection(Section):
-    """How the sidecar's tenants share L2 (restart to change)."""
+    """How the sidecar's tenants share L2 (read at start: a change needs a restart)."""
 
     shared_l2: bool = Field(
         default=False,
