@@ -97,7 +97,12 @@ class ControlApi:
             "problems": problems,
             "degraded": degraded,
             "namespaces": len(self.server.namespaces),
-            "host_pools_bytes": sum(ns.host_pools_bytes for ns in self.server.namespaces.values()),
+            # an L2 shared by a rank's tenants (tenants.shared_l2) counted once
+            "host_pools_bytes": sum(
+                {
+                    ns.l2_identity: ns.host_pools_bytes for ns in self.server.namespaces.values()
+                }.values()
+            ),
             "l3": self.server.plan.storage_kind if store is not None else "none",
             "l3_breaker": None if breaker is None else breaker["state"],
         }

@@ -213,15 +213,18 @@ class StateCollector(Collector):
             tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[TieredCache, str], int]]
         ] = [
             (used, lambda c, g: c.index.l2_pages(g) * _page_bytes(c, g)),
-            (capacity, lambda c, g: c.host_pool_stats(g).capacity_bytes),
             (pinned, lambda c, g: c.index.pinned_pages(g) * _page_bytes(c, g)),
             (l3_only, lambda c, g: c.index.l3_only_pages(g)),
             (forgotten, lambda c, g: c.index.l3_forgotten[g]),
         ]
         sums: list[dict[str, int]] = [{} for _ in per_group]
+        capacities: dict[int, dict[str, int]] = {}  # per L2: a rank's shared one counted once
         skipped_total = q_load = q_backup = inflight_bytes = 0
         for namespace in self._namespaces():
             cache = namespace.cache
+            capacities[namespace.l2_identity] = {
+                g: cache.host_pool_stats(g).capacity_bytes for g in cache.index.rules
+            }
             stats = cache.scheduler_stats()
             q_load += stats.queued_loads
             q_backup += stats.queued_backups
@@ -236,8 +239,15 @@ class StateCollector(Collector):
         for (family, _), acc in zip(per_group, sums, strict=True):
             for group, total in acc.items():
                 family.add_metric([group], total)
+        per_group_capacity: dict[str, int] = {}
+        for pools in capacities.values():
+            for group, nbytes in pools.items():
+                per_group_capacity[group] = per_group_capacity.get(group, 0) + nbytes
+        for group, total in per_group_capacity.items():
+            capacity.add_metric([group], total)
         absent_skipped.add_metric([], skipped_total)
-        yield from (queue, inflight, *(family for family, _ in per_group), absent_skipped)
+        families = [family for family, _ in per_group]  # used first, as before
+        yield from (queue, inflight, families[0], capacity, *families[1:], absent_skipped)
         yield from self._tenants()
         store = self._store()
         breaker = GaugeMetricFamily(

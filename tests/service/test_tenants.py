@@ -138,6 +138,8 @@ def noisy_run(config: Path) -> tuple[float, float, dict[str, Any]]:
             stats = sidecar.get_json("/v1/stats")["tenants"]
             _, metrics = sidecar.get("/metrics")
             frame = render(snapshot(sidecar.http, None, 10.0))
+            ready = sidecar.get_json("/readyz")
+            namespaces = sidecar.get_json("/v1/stats")["namespaces"]
         finally:
             for engine in (a, b):
                 with contextlib.suppress(Exception):
@@ -145,6 +147,11 @@ def noisy_run(config: Path) -> tuple[float, float, dict[str, Any]]:
                 if engine.proc.poll() is None:
                     engine.proc.kill()
     assert all(r["mismatches"] == 0 for r in alone + flooded)
+    # one L2 for both tenants: counted once
+    l2_bytes = {sum(g["l2_bytes"] for g in ns["groups"].values()) for ns in namespaces}
+    assert len(namespaces) == 2
+    assert len(l2_bytes) == 1
+    assert ready["host_pools_bytes"] == l2_bytes.pop()
     # the same figures in /metrics and `hicache stats`
     held = sum(g["held_pages"] for g in stats["b"]["l2"]["0"].values())
     assert 'hicache_tenant_l2_pages{group="full",tenant="b"} ' in metrics
