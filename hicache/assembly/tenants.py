@@ -66,10 +66,24 @@ def check_tenant_shares(
     loaded: LoadedConfig, host_pages: Mapping[str, int], tokens: set[str]
 ) -> None:
     """Refuse a listed tenant whose guaranteed share of L2 cannot hold one long prompt
-    (`config.capacity.long_prompt`) in some token group, naming where the share was set,
-    the share, the pages it buys and the least share that holds one."""
+    (`config.capacity.long_prompt`) in the token groups, or one snapshot of a state group,
+    naming where the share was set, the share, the pages it buys and the least share that
+    holds one."""
     d = loaded.deployment
-    if not d.tenants.shared_l2 or not tokens:
+    if not d.tenants.shared_l2:
+        return
+    states = {g: n for g, n in host_pages.items() if g not in tokens}
+    for tenant, share in sorted(d.tenants.l2_shares.items()):
+        for group, snapshots in sorted(states.items()):
+            if math.floor(share.l2_share * snapshots) < 1:
+                key = f"tenants.l2_shares.{tenant}.l2_share"
+                raise ConfigError(
+                    f"{loaded.source_of(key)}: {key} {share.l2_share} guarantees no snapshot "
+                    f"of state group {group!r} ({snapshots} in L2); allowed: at least "
+                    f"{math.ceil(1000 / snapshots) / 1000} (or a larger host.capacity_bytes "
+                    "or host.state_fraction)"
+                )
+    if not tokens:
         return
     need_tokens, why = long_prompt(loaded)
     need_pages = -(-need_tokens // d.model.page_size_tokens)

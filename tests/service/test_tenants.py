@@ -223,8 +223,20 @@ def test_a_guaranteed_share_keeps_a_tenants_hits_through_anothers_flood(tmp_path
             {"shared_l2": True, "l2_shares": {"a": {"l2_share": 0.5, "l2_cap": 0.4}}},
             r"l2_cap 0\.4 is below l2_share 0\.5",
         ),
+        (
+            {"shared_l2": True, "l2_shares": {"a": {"l2_share": 0.01}}},
+            r"tenants\.l2_shares\.a\.l2_share 0\.01 guarantees no snapshot of state group "
+            r"'conv' \(76 in L2\); allowed: at least 0\.014",
+        ),
     ],
-    ids=["over-100%", "below-one-long-prompt", "unknown-key", "shares-unshared", "cap-below"],
+    ids=[
+        "over-100%",
+        "below-one-long-prompt",
+        "unknown-key",
+        "shares-unshared",
+        "cap-below",
+        "no-snapshot",
+    ],
 )
 def test_bad_tenants_sections_are_refused(
     tmp_path: Path, tenants: dict[str, Any], match: str, capsys: Any
