@@ -233,7 +233,9 @@ class Planner:
         for group, need in needs.items():
             short = need - self.allocators[group].stats().free_pages
             own = (protect or {}).get(group, frozenset())
-            dirty = [v for v in self._victims(group, short, False, own) if self._dirty(group, v)]
+            # on a shared L2 only this tenant's own victims of the rule are its to persist
+            victims = [r for p, r in self._room(group, short, False, own) if p is self]
+            dirty = [v for v in victims if self._dirty(group, v)]
             if dirty:
                 self.index.pin(group, [v.key for v in dirty])
                 out[group] = dirty

@@ -26,9 +26,13 @@ PROMPT_PAGES = 2
 
 @contextmanager
 def tenants(
-    listed: dict[str, ShareRule], rest: float, names: list[str]
+    listed: dict[str, ShareRule],
+    rest: float,
+    names: list[str],
+    policies: dict[str, str] | None = None,
 ) -> Iterator[tuple[L2Shares, dict[str, TieredCache]]]:
-    """One tiered cache per tenant name, all on one host tier of POOL_PAGES pages."""
+    """One tiered cache per tenant name (its write policy from `policies`, else
+    write-through), all on one host tier of POOL_PAGES pages."""
     layer_map = LayerMap(load_layout(shared_model("qwen2_7b.json")))
     per_page = sum(
         g.page_bytes for g in (GroupGeometry(x, torch.float16, PAGE) for x in layer_map.groups)
@@ -45,7 +49,8 @@ def tenants(
                 device_pages=PROMPT_PAGES,
                 host_tier=None if shares is None else shares.host_tier,
             )
-            cache = caches[name] = by_key.tiered(embedded, tenant=name)
+            policy = (policies or {}).get(name, "write_through")
+            cache = caches[name] = by_key.tiered(embedded, tenant=name, write_policy=policy)
             if shares is None:
                 shares = L2Shares(embedded.host_tier, listed, ShareRule(rest))
             shares.join(name, cache.planner)
@@ -145,6 +150,20 @@ def test_a_pinned_page_of_another_tenant_is_never_taken() -> None:
         assert held(shares, "a") == 2
         for cache in caches.values():
             cache.planner.check()
+
+
+def test_a_dirty_page_of_another_tenant_is_never_taken() -> None:
+    """B writes back (its pages are L3's only once evicted by B itself, persisted first):
+    another tenant's store may not drop them unwritten."""
+    with tenants({"a": ShareRule(0.5)}, 0.5, ["a", "b"], {"b": "write_back"}) as (
+        shares,
+        caches,
+    ):
+        for p in range(10):  # B borrows all 20 pages, none in L3
+            store(caches["b"], p)
+        assert store(caches["a"], 50) == 0
+        assert held(shares, "b") == 20
+        assert all(hit(caches["b"], p) for p in range(10))
 
 
 def test_a_tenant_joins_one_shared_l2_once() -> None:
