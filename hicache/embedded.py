@@ -129,12 +129,15 @@ class EmbeddedCache:
         host_pages_per_group: Mapping[str, int] | None = None,
         clock: Clock | None = None,
         tp_rank: int | None = None,
+        host_tier: HostTier | None = None,
     ) -> EmbeddedCache:
         """One stage of one tensor-parallel rank (`tp_rank` of the layout's tp_size: an
         embedded engine is one rank, its layer map that rank's share, `shard_layout`), on
         `backend` (closed here if the build fails). `device_pools`: the engine's (else the
         stack allocates `settings.device_pages`); `host_pages_per_group` fixes L2's pages
-        instead of dividing `settings.host_capacity_bytes` (tests)."""
+        instead of dividing `settings.host_capacity_bytes` (tests); `host_tier`: an L2 built
+        before, shared with other stacks of the same geometry (tenants sharing one L2,
+        `cache.shares`), instead of one of its own."""
         device_pages = settings.device_pages
         try:
             tp_rank = rank_of(tp_rank, layer_map.layout.tp_size, "EmbeddedCache.build")
@@ -152,7 +155,7 @@ class EmbeddedCache:
                     )
                     for name, geom in geometries.items()
                 }
-            host_tier = HostTier.create(
+            host_tier = host_tier or HostTier.create(
                 list(geometries.values()),
                 settings.host_capacity_bytes,
                 settings.host_layout,

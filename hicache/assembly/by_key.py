@@ -18,7 +18,7 @@ from hicache.assembly.settings import device_pages as pages_for
 from hicache.cache import TieredCache
 from hicache.config.schema import CacheSection, DeviceSection, HostSection, SchedulerSection
 from hicache.embedded import EmbeddedCache
-from hicache.memory import CacheDtypes, DevicePool, group_geometries
+from hicache.memory import CacheDtypes, DevicePool, HostTier, group_geometries
 from hicache.model import LayerMap
 from hicache.scheduler import Clock
 from hicache.storage import GuardedStore
@@ -51,6 +51,7 @@ def embedded(
     host_pages_per_group: Mapping[str, int] | None = None,
     clock: Clock | None = None,
     tp_rank: int | None = None,
+    host_tier: HostTier | None = None,
     **keys: Any,
 ) -> EmbeddedCache:
     """`EmbeddedCache.build` with host and scheduler keys by name (schema defaults for the
@@ -82,6 +83,7 @@ def embedded(
         host_pages_per_group=host_pages_per_group,
         clock=clock,
         tp_rank=tp_rank,
+        host_tier=host_tier,
     )
 
 

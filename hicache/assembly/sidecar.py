@@ -18,6 +18,7 @@ from pydantic import TypeAdapter, ValidationError
 from hicache.assembly.settings import ServiceSettings, geometries, service_settings, tenant_salt
 from hicache.assembly.stacks import namespace_cache
 from hicache.assembly.stores import AnyStorage, starting, store_of
+from hicache.assembly.tenants import TenantL2, tenant_l2
 from hicache.cache import TieredCache
 from hicache.config import LoadedConfig
 from hicache.config.schema import Deployment, RedisStorage, StorageSection
@@ -70,6 +71,8 @@ class SidecarPlan:
     key_algorithm: str
     storage_kind: str  # storage.kind as configured
     _deployment: Deployment = field(repr=False)
+    # tenants.shared_l2: each tp_rank's L2 shared by its tenants (filled as namespaces start)
+    shared_l2: TenantL2 | None = field(default=None, repr=False)
 
     def key_salt(self, tenant: str) -> str:
         """The salt of `tenant`'s page keys (`assembly.tenant_salt`)."""
@@ -94,6 +97,7 @@ class SidecarPlan:
             backend=backend,
             store=store,
             device_pools=device_pools,
+            shared_l2=self.shared_l2,
         )
 
     def attach_request(self, body: object | None) -> AttachRequest:
@@ -141,4 +145,5 @@ def sidecar_plan(loaded: LoadedConfig) -> SidecarPlan:
         key_algorithm=d.cache.key_algorithm,
         storage_kind=d.storage.kind,
         _deployment=d,
+        shared_l2=tenant_l2(d),
     )

@@ -18,13 +18,14 @@ from hicache.assembly.settings import (
     stack_settings,
 )
 from hicache.assembly.stores import open_store
+from hicache.assembly.tenants import TenantL2, check_tenant_shares
 from hicache.cache import TieredCache
 from hicache.config import LoadedConfig, format_bytes
 from hicache.config.capacity import warn_capacity
 from hicache.config.schema import Deployment
 from hicache.embedded import EmbeddedCache, pools_device
 from hicache.errors import ConfigError
-from hicache.memory import DevicePool
+from hicache.memory import DevicePool, HostTier
 from hicache.memory.host_tier import budget_pages
 from hicache.model import LayerMap
 from hicache.scheduler import Clock
@@ -51,9 +52,11 @@ def embedded_stack(
     device_pools: Mapping[str, DevicePool] | None = None,
     clock: Clock | None = None,
     tp_rank: int | None = None,
+    host_tier: HostTier | None = None,
 ) -> EmbeddedCache:
     """The stack a deployment describes, on `backend` (else its own, `copy_backend`) and the
-    engine's `device_pools` (else pools of its own, `device.pool_capacity_bytes`)."""
+    engine's `device_pools` (else pools of its own, `device.pool_capacity_bytes`); on
+    `host_tier` when given (an L2 shared by tenants), else an L2 of its own."""
     settings = stack_settings(d, layer_map)  # before the backend: nothing to close if bad
     if backend is None:
         backend = copy_backend(d, device_pools)
@@ -64,6 +67,7 @@ def embedded_stack(
         device_pools=device_pools,
         clock=clock,
         tp_rank=tp_rank,
+        host_tier=host_tier,
     )
 
 
@@ -96,16 +100,27 @@ def namespace_cache(
     backend: CopyBackend,
     store: GuardedStore | None,
     device_pools: Mapping[str, DevicePool],
+    shared_l2: TenantL2 | None = None,
 ) -> TieredCache:
     """One sidecar namespace's cache: the engine's pools, the sidecar's backend for their
-    device (`for_device`: whatever `device.index` says, a TP rank's GPU), the sidecar's L3."""
+    device (`for_device`: whatever `device.index` says, a TP rank's GPU), the sidecar's L3;
+    with `shared_l2` (`tenants.shared_l2`), its rank's L2 shared with the other tenants."""
     backend = backend.for_device(pools_device(device_pools))
+    host_tier = None if shared_l2 is None else shared_l2.tier(tp_rank)
     embedded = embedded_stack(
-        d, layer_map, backend=backend, device_pools=device_pools, tp_rank=tp_rank
+        d,
+        layer_map,
+        backend=backend,
+        device_pools=device_pools,
+        tp_rank=tp_rank,
+        host_tier=host_tier,
     )
-    return tiered_cache(
+    cache = tiered_cache(
         d, embedded, store=store, model_name=model_name, tenant=tenant, tp_rank=tp_rank
     )
+    if shared_l2 is not None:
+        shared_l2.join(tp_rank, tenant, cache)
+    return cache
 
 
 def embedded_cache(
@@ -145,7 +160,8 @@ def host_pages(loaded: LoadedConfig, layer_map: LayerMap) -> dict[str, int]:
     each engine namespace allocates at `register_pools`); a budget that holds no page of a
     group is refused here, at start-up and by `hicache config validate`, naming the file (or
     variable), the size given and what one page needs. A tier too small for one long prompt
-    is a warning (`hicache.config.capacity`), logged."""
+    is a warning (`hicache.config.capacity`), logged; a tenant's guaranteed share of L2
+    smaller than one long prompt is refused (`check_tenant_shares`)."""
     d = loaded.deployment
     groups = list(geometries(d, layer_map).values())
     try:
@@ -158,4 +174,5 @@ def host_pages(loaded: LoadedConfig, layer_map: LayerMap) -> dict[str, int]:
     tokens = {g.name: g.page_bytes for g in groups if g.group.kind.is_token_cache}
     states = {g.name: g.page_bytes for g in groups if g.name not in tokens}
     warn_capacity(loaded, tokens, states, counts)  # a tier too small for one long prompt
+    check_tenant_shares(loaded, counts, set(tokens))  # a guaranteed share smaller than one
     return counts

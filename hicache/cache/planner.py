@@ -26,13 +26,29 @@ does (`StorePlan.truncated_to_pages`) instead of failing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import TYPE_CHECKING, Protocol
 
 from hicache.errors import HicacheError
 from hicache.index import Hit, PageKey, PageRecord, PrefixIndex, WritePolicy
-from hicache.memory.page_allocator import PageAllocator
+from hicache.memory.page_allocator import AllocatorStats
+
+if TYPE_CHECKING:
+    from hicache.cache.shares import L2Shares
+
+
+class PoolPages(Protocol):
+    """What the planner asks of a host pool's allocator: a `PageAllocator`, or a tenant's
+    view of a shared one (`cache.shares.TenantPages`)."""
+
+    def alloc(self, count: int) -> list[int]: ...
+    def free(self, pages: Iterable[int]) -> None: ...
+    def is_pinned(self, page: int) -> bool: ...
+    def is_allocated(self, page: int) -> bool: ...
+    def check(self) -> None: ...
+    def stats(self) -> AllocatorStats: ...
 
 
 class PlanStateError(HicacheError, RuntimeError):
@@ -96,12 +112,16 @@ class Planner:
     def __init__(
         self,
         index: PrefixIndex,
-        allocators: Mapping[str, PageAllocator],
+        allocators: Mapping[str, PoolPages],
         write_policy: WritePolicy,
         written_elsewhere: frozenset[str] = frozenset(),
     ):
         self.index = index
-        self.allocators = dict(allocators)
+        self.allocators: dict[str, PoolPages] = dict(allocators)
+        # an L2 shared with other tenants (`cache.shares`, joined after build): room beyond
+        # the free pages comes from its eviction rule, not only from this index
+        self.shares: L2Shares | None = None
+        self.tenant: str | None = None
         self.write_policy = write_policy
         # groups another rank writes to L3 (a replicated group on a tensor-parallel rank
         # other than 0): never dirty here, so an eviction never waits to write them
@@ -153,10 +173,41 @@ class Planner:
         return self.index.l2_victims(group, count, self._evictable(group, clean_only, protect))
 
     def _evict(self, group: str, victims: Sequence[PageRecord]) -> int:
+        return self.evict_for(group, victims, self)
+
+    def own_victims(
+        self, group: str, count: int, clean_only: bool, protect: frozenset[PageKey]
+    ) -> list[PageRecord]:
+        """This index's victims as this planner judges them (what another tenant sharing
+        the L2 may take of it: clean, unpinned, not pending)."""
+        return self._victims(group, count, clean_only, protect)
+
+    def evict_for(self, group: str, victims: Sequence[PageRecord], by: Planner) -> int:
+        """Evict `victims` of this index (to make room for `by`: this planner, or another
+        tenant's sharing the L2); returns how many."""
         allocator = self.allocators[group]
         freed = [self.index.drop_l2(group, v.key) for v in victims]
         allocator.free(freed)
+        if self.shares is not None and self.tenant is not None and freed:
+            self.shares.counted_eviction(self.tenant, by.tenant or "", group, len(freed))
         return len(freed)
+
+    def _room(
+        self, group: str, count: int, clean_only: bool, protect: frozenset[PageKey]
+    ) -> list[tuple[Planner, PageRecord]]:
+        """Victims whose eviction gives this planner `count` more pages: its own, or, on an
+        L2 shared with other tenants, as `L2Shares.victims` rules."""
+        if count <= 0:
+            return []
+        if self.shares is not None and self.tenant is not None:
+            return self.shares.victims(self.tenant, group, count, clean_only, protect)
+        return [(self, r) for r in self._victims(group, count, clean_only, protect)]
+
+    def _evict_room(self, group: str, victims: Sequence[tuple[Planner, PageRecord]]) -> int:
+        per: dict[int, tuple[Planner, list[PageRecord]]] = {}
+        for planner, record in victims:
+            per.setdefault(id(planner), (planner, []))[1].append(record)
+        return sum(p.evict_for(group, records, self) for p, records in per.values())
 
     def store_needs(
         self, keys: Mapping[str, Sequence[PageKey]], wanted: Mapping[str, Sequence[tuple[int, int]]]
@@ -182,7 +233,9 @@ class Planner:
         for group, need in needs.items():
             short = need - self.allocators[group].stats().free_pages
             own = (protect or {}).get(group, frozenset())
-            dirty = [v for v in self._victims(group, short, False, own) if self._dirty(group, v)]
+            # on a shared L2 only this tenant's own victims of the rule are its to persist
+            victims = [r for p, r in self._room(group, short, False, own) if p is self]
+            dirty = [v for v in victims if self._dirty(group, v)]
             if dirty:
                 self.index.pin(group, [v.key for v in dirty])
                 out[group] = dirty
@@ -223,7 +276,7 @@ class Planner:
             if len(todo) < len(unknown):  # another store holds these: stored once, by it
                 waits[group] = frozenset(group_keys[i] for i, _ in unknown) & pending
             free = self.allocators[group].stats().free_pages
-            room = free + len(self._victims(group, len(todo) - free, True, own[group]))
+            room = free + len(self._room(group, len(todo) - free, True, own[group]))
             if len(todo) > room:
                 cut = todo[room][0]
                 limit = cut if limit is None else min(limit, cut)
@@ -236,7 +289,7 @@ class Planner:
                 continue
             allocator = self.allocators[group]
             short = len(todo) - allocator.stats().free_pages
-            plan.evicted += self._evict(group, self._victims(group, short, True, own[group]))
+            plan.evicted += self._evict_room(group, self._room(group, short, True, own[group]))
             run = allocator.alloc(len(todo))
             # the run handed out in device-page order: the backup is then one gather
             order = sorted(range(len(todo)), key=lambda j: todo[j][1])
@@ -323,14 +376,14 @@ class Planner:
                 continue
             allocator = self.allocators[group]
             free = allocator.stats().free_pages
-            victims = self._victims(group, len(missing) - free, True, protect)
+            victims = self._room(group, len(missing) - free, True, protect)
             take = missing[: free + len(victims)]
             if not take:
                 continue
             keys = [r.key for r in take]
             self.index.pin(group, keys)  # first: evicting turns L2 pages into L3-only records,
             # and the bound on those may forget any unpinned one
-            plan.evicted += self._evict(group, victims[: max(0, len(take) - free)])
+            plan.evicted += self._evict_room(group, victims[: max(0, len(take) - free)])
             pages = allocator.alloc(len(take))
             pending.update(keys)
             g = plan.groups.setdefault(group, GroupFetch([], []))

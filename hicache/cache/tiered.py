@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from hicache.cache.discovery import Discovery
@@ -45,6 +46,7 @@ from hicache.cache.planner import Planner
 from hicache.cache.requests import check_load_pages, store_positions
 from hicache.cache.resync import Resync
 from hicache.cache.settings import CacheSettings, effective, index_of, prefetch_of
+from hicache.cache.shares import TenantPages
 from hicache.cache.stores import StoreResult, Stores
 from hicache.embedded import EmbeddedCache, check_pools_device, check_tp_rank
 from hicache.errors import HicacheError
@@ -449,8 +451,13 @@ class TieredCache:
         return self.embedded.scheduler.stats()
 
     def host_pool_stats(self, group: str) -> HostPoolStats:
-        """`group`'s L2 pool: its pages, their size, how many are free and pinned."""
-        return self.embedded.host_tier.pool(group).stats()
+        """`group`'s L2 pool: its pages, their size, how many are free and pinned. On an L2
+        shared by tenants (`cache.shares`), free means not this tenant's."""
+        stats = self.embedded.host_tier.pool(group).stats()
+        allocator = self.planner.allocators.get(group)
+        if isinstance(allocator, TenantPages):
+            return replace(stats, free_pages=stats.num_pages - allocator.held_pages)
+        return stats
 
     # ---- admin ------------------------------------------------------------------------------
 

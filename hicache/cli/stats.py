@@ -197,6 +197,7 @@ def snapshot(url: str, token: str | None, timeout: float) -> dict[str, Any]:
                 }
             )
     store = stats.get("l3")
+    tenants = [_tenant_row(name, t) for name, t in stats.get("tenants", {}).items()]
     degraded = [d for d in ready.get("degraded", []) if d.get("tier") == "l3"]
     return {
         "url": url,
@@ -216,6 +217,7 @@ def snapshot(url: str, token: str | None, timeout: float) -> dict[str, Any]:
             **{f"p{round(q * 100)}": quantile(buckets, q) for q in QUANTILES},
         },
         "l2": l2,
+        "tenants": tenants,
         "l3": None
         if store is None
         else {
@@ -227,6 +229,26 @@ def snapshot(url: str, token: str | None, timeout: float) -> dict[str, Any]:
             "stored": store.get("stored", 0),
             "failures": store.get("failures", {}),
         },
+    }
+
+
+def _tenant_row(name: str, t: dict[str, Any]) -> dict[str, Any]:
+    """One tenant's line: its lookups' L2 hit rate (tokens) and, on an L2 shared by tenants,
+    its pages summed over ranks and groups (held, its holder's share, evicted)."""
+    asked = t.get("lookup_tokens", {})
+    total = sum(asked.values())
+    groups = [g for rank in t.get("l2", {}).values() for g in rank.values()]
+    return {
+        "tenant": name,
+        "holder": t.get("holder"),
+        "lookup_tokens": total,
+        "hit_rate_l2": asked.get("l2", 0) / total if total else None,
+        "l2_pages": sum(g["held_pages"] for g in groups) if groups else None,
+        "share_pages": sum(g["share_pages"] for g in groups) if groups else None,
+        "evicted_pages": sum(g["evicted_pages"] for g in groups) if groups else None,
+        "evicted_by_others_pages": (
+            sum(g["evicted_by_others_pages"] for g in groups) if groups else None
+        ),
     }
 
 
@@ -298,6 +320,33 @@ def render(s: dict[str, Any], interval: float | None = None) -> str:
         for r in rows:
             cells = [
                 c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            ]
+            lines.append("  " + "  ".join(cells))
+    if s.get("tenants"):
+        lines += ["", "Tenants (L2 pages summed over ranks and groups; - : L2 not shared):"]
+        rows = [["tenant", "hit L2", "tokens", "pages", "share", "evicted", "by others"]]
+        for t in s["tenants"]:
+            rows.append(
+                [
+                    repr(t["tenant"]) + (" (rest)" if t["holder"] == "*" else ""),
+                    _pct(t["hit_rate_l2"]),
+                    f"{t['lookup_tokens']:,}",
+                    *(
+                        "-" if t[k] is None else f"{t[k]:,}"
+                        for k in (
+                            "l2_pages",
+                            "share_pages",
+                            "evicted_pages",
+                            "evicted_by_others_pages",
+                        )
+                    ),
+                ]
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            cells = [
+                c.ljust(w) if i == 0 else c.rjust(w)
                 for i, (c, w) in enumerate(zip(r, widths, strict=True))
             ]
             lines.append("  " + "  ".join(cells))

@@ -139,6 +139,7 @@ def _resolve(
     in (only the tagged member of a discriminated union)."""
     out: list[int | str] = []
     current: list[type[BaseModel]] = [root]
+    keyed = False  # the last field is a mapping: the next part is one of its keys (a name)
     for part in loc:
         if isinstance(part, int):
             out.append(part)
@@ -147,6 +148,11 @@ def _resolve(
         if fields:
             out.append(part)
             current = [m for f in fields for m in _models_in(f.annotation)]
+            keyed = any(typing.get_origin(f.annotation) is dict for f in fields)
+            continue
+        if keyed:  # e.g. a tenant's name in tenants.l2_shares: its value is the model
+            out.append(part)
+            keyed = False
             continue
         tagged = [m for m in current if _tag_of(m) == part]
         if tagged and len(current) > 1:

@@ -25,6 +25,8 @@ from hicache.config.schema import (
     RedisStorage,
     SchedulerSection,
     ServiceSection,
+    TenantShare,
+    TenantsSection,
 )
 from hicache.config.sizes import format_bytes
 
@@ -40,6 +42,8 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("scheduler", SchedulerSection),
     ("cache", CacheSection),
     ("service", ServiceSection),
+    ("tenants", TenantsSection),
+    ("tenants.l2_shares.<tenant>", TenantShare),
 ]
 
 

@@ -3,8 +3,9 @@
 Nested sections, `extra="forbid"` everywhere, units in field names, sizes as `"64GiB"`
 strings or byte counts, and strategies chosen by `Literal` names. `Deployment` is frozen once
 loaded; `loader.load_deployment` builds it from YAML plus `HICACHE_*` environment overrides.
-The storage and service sections live in `storage_schema.py` and `service_schema.py`, the
-`Section` base and `ByteSize` in `section.py`; every one is re-exported here.
+The storage, service and tenants sections live in `storage_schema.py`, `service_schema.py`
+and `tenants_schema.py`, the `Section` base and `ByteSize` in `section.py`; every one is
+re-exported here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hicache.config.storage_schema import (
     RedisStorage,
     StorageSection,
 )
+from hicache.config.tenants_schema import TenantShare, TenantsSection
 from hicache.model.explicit import LayerEntry
 
 __all__ = [
@@ -44,6 +46,8 @@ __all__ = [
     "Section",
     "ServiceSection",
     "StorageSection",
+    "TenantShare",
+    "TenantsSection",
 ]
 
 
@@ -257,6 +261,7 @@ class Deployment(Section):
     scheduler: SchedulerSection = SchedulerSection()
     cache: CacheSection = CacheSection()
     service: ServiceSection = ServiceSection()
+    tenants: TenantsSection = TenantsSection()
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,7 @@ No torch here; the scheduler moves the bytes, this only keeps the books.
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,6 +84,12 @@ class PageRecord:
     in_l3: bool = False
     pins: int = 0
     hits: int = 0
+    used: int = 0  # when last inserted into L2 or hit, on `USE_CLOCK` (one order across indexes)
+
+
+# one clock for every index of the process, so tenants sharing an L2 compare recency
+# (`cache.shares`: the least recently used page among several indexes' victims)
+USE_CLOCK = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,6 +294,7 @@ class PrefixIndex:
         if record is None:
             record = records[key] = PageRecord(key)
         record.l2_page = l2_page
+        record.used = next(USE_CLOCK)
         self._l2_count[group] += 1
         self._l2_keys[group].add(key)
         self._policies[group].insert(key)
@@ -354,6 +362,7 @@ class PrefixIndex:
         for record in records:
             record.hits += 1
             if record.l2_page is not None:
+                record.used = next(USE_CLOCK)
                 self._policies[group].touch(record.key)
             elif record.key in l3_only:
                 l3_only.move_to_end(record.key)

@@ -58,6 +58,12 @@ class WalkBatch:
     counter: LoadCounter | None = None
     nbytes: int = 0
     on_layer: LayerListener | None = None  # hears each landed `upto`, then a stop if any
+    # whose device pools the batch moves (one call's ops: one attachment), fixed at creation
+    attachment: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        if self.ops:
+            self.attachment = self.ops[0].attachment
 
 
 @dataclass(frozen=True, slots=True)

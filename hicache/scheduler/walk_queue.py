@@ -8,6 +8,15 @@ at shutdown `drain` hands over every queued batch. Its events: the dispatcher wa
 change (`wait_for_change`: a new op, a freed slot or budget), a caller for queue space
 (`wait_for_space`), shutdown for idle (`wait_idle`: nothing queued or in flight).
 Bookkeeping only: the scheduler launches what `next_ready` returns, nothing here submits.
+
+Fairness across engines: each kind's queue is one FIFO per attachment (an engine's pools),
+served round-robin — the attachment whose batch starts goes to the back of the turn. The
+bound: a batch at the head of its attachment's queue starts after at most one walk of its
+kind per other attachment with batches of that kind queued (N - 1 walks for N such
+attachments; in bytes, at most N - 1 of their batches), besides the walks already in flight
+when it reached the head. An engine's i-th queued batch therefore waits at most i rounds,
+however deep another engine's backlog is. Before, one FIFO per kind put a quiet engine's
+load behind every load a busy one had queued.
 """
 
 from __future__ import annotations
@@ -15,11 +24,63 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 from hicache.scheduler.budget import ByteBudget
 from hicache.scheduler.ops import OpKind, OpState
 from hicache.scheduler.records import OpRecord, WalkBatch
 from hicache.transfer import CounterRing, LoadCounter
+
+
+@dataclass
+class _FairQueue:
+    """One kind's queued batches: a FIFO per attachment, served in turn."""
+
+    by_attachment: dict[int, deque[WalkBatch]] = field(default_factory=dict)
+    turns: deque[int] = field(default_factory=deque)  # attachments with batches, next first
+
+    def append(self, batch: WalkBatch) -> None:
+        queue = self.by_attachment.get(batch.attachment)
+        if queue is None:
+            queue = self.by_attachment[batch.attachment] = deque()
+            self.turns.append(batch.attachment)
+        queue.append(batch)
+
+    def head(self) -> WalkBatch | None:
+        """The batch whose turn it is, dropping batches whose ops all ended while queued
+        (cancelled or expired) and attachments left with none."""
+        while self.turns:
+            queue = self.by_attachment[self.turns[0]]
+            while queue and all(op.state.final for op in queue[0].ops):
+                queue.popleft()
+            if queue:
+                return queue[0]
+            del self.by_attachment[self.turns.popleft()]
+        return None
+
+    def pop_head(self) -> WalkBatch:
+        """Take the head batch; its attachment goes to the back of the turn."""
+        attachment = self.turns.popleft()
+        queue = self.by_attachment[attachment]
+        batch = queue.popleft()
+        if queue:
+            self.turns.append(attachment)
+        else:
+            del self.by_attachment[attachment]
+        return batch
+
+    def batches(self) -> Iterator[WalkBatch]:
+        for queue in self.by_attachment.values():
+            yield from queue
+
+    def drain(self) -> Iterator[WalkBatch]:
+        while self.turns:
+            queue = self.by_attachment.pop(self.turns.popleft())
+            while queue:
+                yield queue.popleft()
+
+    def __bool__(self) -> bool:
+        return bool(self.turns)
 
 
 class WalkQueue:
@@ -37,9 +98,9 @@ class WalkQueue:
         # becomes the real queue: a load must not wait behind every backup already handed over.
         self._walk_limit = {OpKind.LOAD: counter_ring_size, OpKind.BACKUP: backup_walks_in_flight}
         self._walks = {OpKind.LOAD: 0, OpKind.BACKUP: 0}
-        self._queues: dict[OpKind, deque[WalkBatch]] = {
-            OpKind.LOAD: deque(),
-            OpKind.BACKUP: deque(),
+        self._queues: dict[OpKind, _FairQueue] = {
+            OpKind.LOAD: _FairQueue(),
+            OpKind.BACKUP: _FairQueue(),
         }
         self._queued_ops = 0
         self._wake = asyncio.Event()  # something changed: a new op, a freed slot or budget
@@ -59,7 +120,7 @@ class WalkQueue:
 
     def queued(self, kind: OpKind) -> int:
         """How many of `kind`'s queued ops have not ended."""
-        return sum(op.state is OpState.QUEUED for b in self._queues[kind] for op in b.ops)
+        return sum(op.state is OpState.QUEUED for b in self._queues[kind].batches() for op in b.ops)
 
     async def wait_for_space(self) -> None:
         self._space.clear()
@@ -91,26 +152,24 @@ class WalkQueue:
     def drain(self) -> Iterator[WalkBatch]:
         """Every queued batch, each taken off its queue as it is handed over."""
         for queue in self._queues.values():
-            while queue:
-                yield queue.popleft()
+            yield from queue.drain()
 
     def next_ready(self) -> WalkBatch | None:
-        """The next batch that can start now: loads first. A batch that lacks a walk slot or
-        byte budget stays queued; backups may pass a load only when that load waits for a
-        counter slot (they compete for nothing else it needs)."""
+        """The next batch that can start now: loads first, each kind's attachments in turn
+        (module docstring). A batch that lacks a walk slot or byte budget stays queued;
+        backups may pass a load only when that load waits for a counter slot (they compete
+        for nothing else it needs)."""
         for kind in (OpKind.LOAD, OpKind.BACKUP):
             queue = self._queues[kind]
-            while queue and all(op.state.final for op in queue[0].ops):
-                queue.popleft()  # cancelled or expired while queued
-            if not queue:
+            batch = queue.head()
+            if batch is None:
                 continue
-            batch = queue[0]
             nbytes = sum(op.nbytes for op in batch.ops if op.state is OpState.QUEUED)
             if not self._budget.fits(nbytes):
                 return None
             if self._walks[kind] >= self._walk_limit[kind]:
                 continue
-            queue.popleft()
+            queue.pop_head()
             batch.ops = [op for op in batch.ops if op.state is OpState.QUEUED]
             for op in batch.ops:
                 op.in_queue = False

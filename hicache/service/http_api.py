@@ -35,7 +35,7 @@ from hicache.assembly.sidecar import StorageBodyError
 from hicache.errors import ServiceStartError
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
-from hicache.service.snapshots import namespace_stats, store_stats
+from hicache.service.snapshots import namespace_stats, store_stats, tenant_stats
 from hicache.storage.breaker import BreakerState
 from hicache.transfer.rows import large_copy_stores
 
@@ -97,7 +97,12 @@ class ControlApi:
             "problems": problems,
             "degraded": degraded,
             "namespaces": len(self.server.namespaces),
-            "host_pools_bytes": sum(ns.host_pools_bytes for ns in self.server.namespaces.values()),
+            # an L2 shared by a rank's tenants (tenants.shared_l2) counted once
+            "host_pools_bytes": sum(
+                {
+                    ns.l2_identity: ns.host_pools_bytes for ns in self.server.namespaces.values()
+                }.values()
+            ),
             "l3": self.server.plan.storage_kind if store is not None else "none",
             "l3_breaker": None if breaker is None else breaker["state"],
         }
@@ -129,6 +134,10 @@ class ControlApi:
                 ],
                 "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
                 "l3": store_stats(store),
+                # per tenant: lookup hits, and its part of a shared L2 (tenants.shared_l2)
+                "tenants": tenant_stats(
+                    self.server.namespaces.values(), self.metrics.tenant_hit_tokens
+                ),
                 # loads engines recomputed for want of their own staging pages (heartbeats)
                 "engine_loads_starved": self.metrics.loads_starved_count,
                 # the CPU backend's row-copy kernel (native C, or numpy and why); None on CUDA

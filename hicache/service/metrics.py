@@ -56,6 +56,8 @@ class ServiceMetrics:
         # lookups are the most frequent request: plain ints here, exported at scrape time
         self.hit_tokens = {"l2": 0, "l3": 0, "miss": 0}
         self.hit_pages = {"l2": 0, "l3": 0, "miss": 0}
+        # the same tokens per tenant (of a namespace; a session with none is not counted)
+        self.tenant_hit_tokens: dict[str, dict[str, int]] = {}
         self.transfer_bytes = Histogram(
             "hicache_transfer_bytes",
             "Bytes moved per op, by direction (load: L2 to L1, backup: L1 to L2)",
@@ -107,12 +109,21 @@ class ServiceMetrics:
             child = self._requests[op] = self.requests.labels(op)
         child.observe(seconds)
 
-    def lookup(self, tokens_l2: int, tokens_total: int, tokens_asked: int) -> None:
+    def lookup(
+        self, tokens_l2: int, tokens_total: int, tokens_asked: int, tenant: str | None = None
+    ) -> None:
         page = self.page_size_tokens
         tokens, pages = self.hit_tokens, self.hit_pages
         tokens["l2"] += tokens_l2
         tokens["l3"] += tokens_total - tokens_l2
         tokens["miss"] += tokens_asked - tokens_total
+        if tenant is not None:
+            mine = self.tenant_hit_tokens.get(tenant)
+            if mine is None:
+                mine = self.tenant_hit_tokens[tenant] = {"l2": 0, "l3": 0, "miss": 0}
+            mine["l2"] += tokens_l2
+            mine["l3"] += tokens_total - tokens_l2
+            mine["miss"] += tokens_asked - tokens_total
         pages["l2"] += tokens_l2 // page
         pages["l3"] += (tokens_total - tokens_l2) // page
         pages["miss"] += tokens_asked // page - tokens_total // page
@@ -202,15 +213,18 @@ class StateCollector(Collector):
             tuple[GaugeMetricFamily | CounterMetricFamily, Callable[[TieredCache, str], int]]
         ] = [
             (used, lambda c, g: c.index.l2_pages(g) * _page_bytes(c, g)),
-            (capacity, lambda c, g: c.host_pool_stats(g).capacity_bytes),
             (pinned, lambda c, g: c.index.pinned_pages(g) * _page_bytes(c, g)),
             (l3_only, lambda c, g: c.index.l3_only_pages(g)),
             (forgotten, lambda c, g: c.index.l3_forgotten[g]),
         ]
         sums: list[dict[str, int]] = [{} for _ in per_group]
+        capacities: dict[int, dict[str, int]] = {}  # per L2: a rank's shared one counted once
         skipped_total = q_load = q_backup = inflight_bytes = 0
         for namespace in self._namespaces():
             cache = namespace.cache
+            capacities[namespace.l2_identity] = {
+                g: cache.host_pool_stats(g).capacity_bytes for g in cache.index.rules
+            }
             stats = cache.scheduler_stats()
             q_load += stats.queued_loads
             q_backup += stats.queued_backups
@@ -225,8 +239,16 @@ class StateCollector(Collector):
         for (family, _), acc in zip(per_group, sums, strict=True):
             for group, total in acc.items():
                 family.add_metric([group], total)
+        per_group_capacity: dict[str, int] = {}
+        for pools in capacities.values():
+            for group, nbytes in pools.items():
+                per_group_capacity[group] = per_group_capacity.get(group, 0) + nbytes
+        for group, total in per_group_capacity.items():
+            capacity.add_metric([group], total)
         absent_skipped.add_metric([], skipped_total)
-        yield from (queue, inflight, *(family for family, _ in per_group), absent_skipped)
+        families = [family for family, _ in per_group]  # used first, as before
+        yield from (queue, inflight, families[0], capacity, *families[1:], absent_skipped)
+        yield from self._tenants()
         store = self._store()
         breaker = GaugeMetricFamily(
             "hicache_l3_breaker_state",
@@ -269,6 +291,53 @@ class StateCollector(Collector):
             l3_seconds.add_metric(["put"], s.put_seconds)
             l3_seconds.add_metric(["get"], s.get_seconds)
         yield from (breaker, failures, l3, l3_bytes, l3_seconds)
+
+    def _tenants(self) -> Iterator[Metric]:
+        """Per-tenant families: lookup tokens by tier, and (tenants sharing L2) pages held,
+        guaranteed and evicted, summed over tensor-parallel ranks."""
+        lookups = CounterMetricFamily(
+            "hicache_tenant_lookup_tokens",
+            "Prompt tokens a tenant's lookups asked, by the tier that can serve them",
+            labels=["tenant", "tier"],
+        )
+        for tenant, tiers in sorted(self._metrics.tenant_hit_tokens.items()):
+            for tier, count in tiers.items():
+                lookups.add_metric([tenant, tier], count)
+        held = GaugeMetricFamily(
+            "hicache_tenant_l2_pages",
+            "L2 pages a tenant holds on an L2 shared by tenants (tenants.shared_l2), by group",
+            labels=["tenant", "group"],
+        )
+        share = GaugeMetricFamily(
+            "hicache_tenant_l2_share_pages",
+            "L2 pages guaranteed to a tenant's holder (itself when listed in "
+            "tenants.l2_shares, else the unlisted tenants together), by group",
+            labels=["tenant", "group"],
+        )
+        evicted = CounterMetricFamily(
+            "hicache_tenant_l2_evicted_pages",
+            "A tenant's L2 pages evicted, by group and for whom (self: its own stores and "
+            "fetches; other: another tenant's)",
+            labels=["tenant", "group", "by"],
+        )
+        sums: dict[tuple[str, str], list[int]] = {}
+        for namespace in self._namespaces():
+            shares = namespace.cache.planner.shares
+            if shares is None:
+                continue
+            tenant = namespace.key.tenant
+            for group, s in shares.stats()[tenant].items():
+                acc = sums.setdefault((tenant, group), [0, 0, 0, 0])
+                acc[0] += s.held_pages
+                acc[1] += s.share_pages
+                acc[2] += s.evicted_pages - s.evicted_by_others_pages
+                acc[3] += s.evicted_by_others_pages
+        for (tenant, group), (pages, guaranteed, by_self, by_other) in sorted(sums.items()):
+            held.add_metric([tenant, group], pages)
+            share.add_metric([tenant, group], guaranteed)
+            evicted.add_metric([tenant, group, "self"], by_self)
+            evicted.add_metric([tenant, group, "other"], by_other)
+        yield from (lookups, held, share, evicted)
 
 
 def _page_bytes(cache: TieredCache, group: str) -> int:

@@ -97,8 +97,14 @@ class Namespace:
             self.attached.discard(session_id)
 
     @property
+    def l2_identity(self) -> int:
+        """Which L2 this namespace's pages live in: its own, or (`tenants.shared_l2`) the one
+        its rank's tenants share — so totals count a shared L2 once."""
+        return id(self.cache.embedded.host_tier)
+
+    @property
     def host_pools_bytes(self) -> int:
-        """The L2 bytes this namespace's cached groups hold."""
+        """The L2 bytes this namespace's cached groups hold (a shared L2: all of it)."""
         return sum(self.cache.host_pool_stats(g).capacity_bytes for g in self.cache.index.rules)
 
     async def close(self) -> None:

@@ -39,13 +39,14 @@ class LookupOps:
             return self._reply(self._no_hit(), len(args.tokens))
         cache = namespace.cache
         hit = cache.lookup(args.tokens)
+        tenant = namespace.key.tenant
         if cache.needs_discovery(args.tokens, hit):  # ask L3 first
-            return Later(partial(self._discovering, cache, args.tokens))
-        return self._reply(hit, len(args.tokens))
+            return Later(partial(self._discovering, cache, args.tokens, tenant))
+        return self._reply(hit, len(args.tokens), tenant)
 
-    async def _discovering(self, cache: TieredCache, tokens: Sequence[int]) -> Result:
+    async def _discovering(self, cache: TieredCache, tokens: Sequence[int], tenant: str) -> Result:
         await cache.discover(tokens)
-        return self._reply(cache.lookup(tokens), len(tokens))
+        return self._reply(cache.lookup(tokens), len(tokens), tenant)
 
     def lookup_keys(self, session: Session, args: p.KeyLookup) -> Reply:
         return self._key_lookups(session, [args], "lookup_keys", _first)
@@ -62,25 +63,27 @@ class LookupOps:
         namespace, checked = self._checked(session, lookups, op)
         if namespace is None:
             return shape([self._reply(self._no_hit(), asked) for _, asked in checked])
-        cache = namespace.cache
+        cache, tenant = namespace.cache, namespace.key.tenant
         hits = []
         for keys, _ in checked:
             hit = cache.lookup_keys(keys)
             if cache.needs_discovery_keys(keys, hit):
-                return Later(partial(self._discovering_keys, cache, checked, shape))
+                return Later(partial(self._discovering_keys, cache, checked, shape, tenant))
             hits.append(hit)
         return shape(
-            [self._reply(hit, asked) for hit, (_, asked) in zip(hits, checked, strict=True)]
+            [self._reply(hit, asked, tenant) for hit, (_, asked) in zip(hits, checked, strict=True)]
         )
 
-    async def _discovering_keys(self, cache: TieredCache, checked: Checked, shape: Shape) -> Result:
+    async def _discovering_keys(
+        self, cache: TieredCache, checked: Checked, shape: Shape, tenant: str
+    ) -> Result:
         replies = []
         for keys, asked in checked:
             hit = cache.lookup_keys(keys)
             if cache.needs_discovery_keys(keys, hit):
                 await cache.discover_keys(keys)
                 hit = cache.lookup_keys(keys)
-            replies.append(self._reply(hit, asked))
+            replies.append(self._reply(hit, asked, tenant))
         return shape(replies)
 
     def _checked(
@@ -150,8 +153,8 @@ class LookupOps:
     def _no_hit(self) -> Hit:
         return Hit(self.state.plan.page_size_tokens, 0, 0, {}, {})
 
-    def _reply(self, hit: Hit, asked: int) -> Result:
-        self.state.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked)
+    def _reply(self, hit: Hit, asked: int, tenant: str | None = None) -> Result:
+        self.state.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked, tenant)
         return {
             "page_size_tokens": hit.page_size_tokens,
             "tokens_l2": hit.tokens_l2,

@@ -1,8 +1,9 @@
-"""JSON snapshots of a namespace and of the L3 store: the `stats` op and `/v1/stats` answer
-with these."""
+"""JSON snapshots of a namespace, of the tenants and of the L3 store: the `stats` op and
+`/v1/stats` answer with these."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -57,6 +58,31 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "load": asdict(sched.load),
         "backup": asdict(sched.backup),
     }
+
+
+def tenant_stats(
+    namespaces: Iterable[Namespace], hit_tokens: Mapping[str, Mapping[str, int]]
+) -> dict[str, Any]:
+    """Per tenant: the prompt tokens its lookups asked, by the tier that could serve them
+    (`l2`, `l3`, `miss`), and, when tenants share L2 (`tenants.shared_l2`), per tp_rank and
+    group: the pages it holds, its guaranteed share and cap in pages (of its holder: itself
+    when listed, else every unlisted tenant together, `*`), its pages evicted and, of
+    those, evicted to make room for another tenant."""
+    out: dict[str, Any] = {}
+    for namespace in namespaces:
+        tenant = namespace.key.tenant
+        entry = out.setdefault(tenant, {"lookup_tokens": {"l2": 0, "l3": 0, "miss": 0}})
+        shares = namespace.cache.planner.shares
+        if shares is None:
+            continue
+        entry["holder"] = shares.holder(tenant)
+        entry.setdefault("l2", {})[str(namespace.key.tp_rank)] = {
+            group: asdict(stats) for group, stats in shares.stats()[tenant].items()
+        }
+    for tenant, hits in hit_tokens.items():
+        entry = out.setdefault(tenant, {})
+        entry["lookup_tokens"] = dict(hits)
+    return dict(sorted(out.items()))
 
 
 def store_stats(store: GuardedStore | None) -> dict[str, Any] | None:

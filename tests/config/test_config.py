@@ -216,6 +216,7 @@ def test_schema_has_every_section() -> None:
         "scheduler",
         "cache",
         "service",
+        "tenants",
     }
 
 

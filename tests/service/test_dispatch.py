@@ -48,7 +48,7 @@ class FakeCache:
 
 
 def lookup_ops(cache: FakeCache, metrics: ServiceMetrics) -> LookupOps:
-    namespace = SimpleNamespace(cache=cache)
+    namespace = SimpleNamespace(cache=cache, key=NamespaceKey(0, ""))
     state = SimpleNamespace(
         readable=lambda session, op: namespace,
         deployment=SimpleNamespace(model=SimpleNamespace(page_size_tokens=PAGE)),
