@@ -233,7 +233,11 @@ def test_register_pools_and_page_range_errors(
                 client.call("register_pools", {**manifest, "groups": groups})
             assert info.value.message.endswith("overlaps groups.full.offsets[0] (k)")
             with pytest.raises(ClientError) as info:
-                client.call("register_cuda_pools", {"groups": {}, "counters_fd": counters.fd})
+                gpu = {"uuid": "GPU-0", "pci_bus_id": "0000:3b:00.0", "index": 0}
+                client.call(
+                    "register_cuda_pools",
+                    {"device": gpu, "groups": {}, "counters_fd": counters.fd},
+                )
             assert info.value.code == "refused"
             assert info.value.message.startswith(
                 "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu)"
