@@ -83,7 +83,21 @@ def _share(tensor: torch.Tensor, where: str) -> tuple[Any, ...]:
     """`_share_cuda_` of the tensor's storage (the one export of it)."""
     if tensor.device.type != "cuda":
         raise PoolManifestError(f"{where}: on {tensor.device}, not a CUDA device")
-    return tuple(tensor.untyped_storage()._share_cuda_())  # type: ignore[no-untyped-call]
+    try:
+        return tuple(tensor.untyped_storage()._share_cuda_())  # type: ignore[no-untyped-call]
+    except RuntimeError as exc:
+        conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + os.environ.get(
+            "PYTORCH_ALLOC_CONF", ""
+        )
+        hint = (
+            f"; the engine allocates with {EXPANDABLE_SEGMENTS}, whose memory the sidecar "
+            "cannot map: start the engine without it"
+            if "expandable_segments:true" in conf.replace(" ", "").lower()
+            else ""
+        )
+        raise PoolManifestError(
+            f"{where}: torch cannot export it by IPC handle: {exc}{hint}"
+        ) from None
 
 
 def _export(tensor: torch.Tensor, where: str) -> dict[str, Any]:

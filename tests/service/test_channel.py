@@ -232,8 +232,8 @@ def test_register_pools_and_page_range_errors(
             with pytest.raises(ClientError) as info:
                 client.call("register_pools", {**manifest, "groups": groups})
             assert info.value.message.endswith("overlaps groups.full.offsets[0] (k)")
+            gpu = {"uuid": "GPU-0", "pci_bus_id": "0000:3b:00.0", "index": 0}
             with pytest.raises(ClientError) as info:
-                gpu = {"uuid": "GPU-0", "pci_bus_id": "0000:3b:00.0", "index": 0}
                 client.call(
                     "register_cuda_pools",
                     {"device": gpu, "groups": {}, "counters_fd": counters.fd},
