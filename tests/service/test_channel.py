@@ -161,7 +161,7 @@ def test_hello_refusals_name_the_difference(served: tuple[SidecarProcess, Path])
         )
         assert (code, message) == (
             "refused",
-            "hello.protocol: engine speaks version 99; this sidecar speaks 3",
+            f"hello.protocol: engine speaks version 99; this sidecar speaks {p.PROTOCOL_VERSION}",
         )
     with pytest.raises(ClientError) as info:
         client_for(config, dtype="float16")
