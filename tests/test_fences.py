@@ -210,6 +210,46 @@ async def test_a_merged_load_walk_waits_on_its_steps_fence_and_drops_it_after() 
         cache.embedded.close()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("op", ["store", "load"])
+async def test_a_default_fence_is_taken_on_the_callers_thread_not_the_loops(op: str) -> None:
+    """Issue #36, finding 10: an engine thread hands `cache.store(...)` / `cache.load(...)`
+    to the cache's event loop (`run_coroutine_threadsafe`); the fence must mark the engine
+    thread's stream, so it is taken when the call is made, there — on 7767ef8 it was taken
+    when the coroutine first ran, on the loop's thread (the loop's own current stream)."""
+    backend = Recording()
+    cache = build(backend)
+    try:
+        async with cache.running():
+            tokens = list(range(16))
+            await cache.store(tokens, **store_kwargs(cache, tokens), fence=NO_FENCE)
+            loop = asyncio.get_running_loop()
+
+            def engine() -> Any:
+                if op == "store":
+                    longer = [*tokens, *range(100, 104)]
+                    call = cache.store(longer, **store_kwargs(cache, longer))
+                else:
+                    call = cache.load(tokens, load_pages(cache, tokens, 8))
+                return asyncio.run_coroutine_threadsafe(call, loop)  # type: ignore[arg-type]
+
+            engine_thread = "engine-thread"
+            done: list[Any] = []
+            worker = threading.Thread(target=lambda: done.append(engine()), name=engine_thread)
+            worker.start()
+            await asyncio.to_thread(worker.join)
+            result = await asyncio.wrap_future(done[0])
+            if op == "load":
+                handle, _ = result
+                assert handle is not None
+                await handle.done()
+        assert [m.thread for m in backend.made] == [engine_thread]
+        walked = backend.after if op == "store" else backend.load_after
+        assert walked[-1] is backend.made[0]
+    finally:
+        cache.embedded.close()
+
+
 def test_a_merged_walk_joins_distinct_fences_once_each() -> None:
     backend = CpuCopyBackend()
     try:

@@ -284,7 +284,7 @@ def test_engine_with_embedded_cache_and_client_raising_exits(fake_sidecar: FakeS
 
 @pytest.mark.gpu
 def test_cuda_backend_raising_before_close_exits() -> None:
-    """The CUDA completion thread, with a walk that copied something."""
+    """The CUDA completion threads, with a walk that copied something."""
     proc = run_child(
         """
         from hicache.transfer.cuda_backend import CudaCopyBackend
@@ -294,7 +294,10 @@ def test_cuda_backend_raising_before_close_exits() -> None:
             async with cache.scheduler.running() as sched:
                 assert (await (await sched.backup({"full": GroupPages((0, 1))})).done()).ok
         asyncio.run(main())
-        assert "hicache-cuda-complete" in hicache_threads()
+        # one completion thread per copy stream (issue #36)
+        assert {"hicache-cuda-complete-backup", "hicache-cuda-complete-load"} <= set(
+            hicache_threads()
+        )
         raise RuntimeError("engine crashed")
         """
     )

@@ -313,7 +313,7 @@ class TieredCache:
 
     # ---- store: L1 -> L2 (-> L3 behind) ------------------------------------------------------
 
-    async def store(
+    def store(
         self,
         token_ids: Sequence[int],
         device_pages: Mapping[str, Sequence[int | None]],
@@ -321,7 +321,7 @@ class TieredCache:
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
-    ) -> StoreResult:
+    ) -> Coroutine[Any, Any, StoreResult]:
         """Back up the prompt's pages the index lacks; acknowledged once L2 holds them (L3
         is written behind, per the write policy). Token groups list a device page per full
         page in token order, None where the engine no longer holds it (a sliding window's
@@ -335,12 +335,24 @@ class TieredCache:
 
         Ordering (CUDA): the copies wait on `fence`, the point after the kernels that wrote
         the pages — `backend.producer_fence(stream)` made on the engine's thread, or
-        `NO_FENCE` once the engine synchronised. Without one, it is taken here, on entry and
-        on the calling thread's current stream (before any await), so an engine that calls
-        this on the thread and stream its model runs on needs nothing more; one that wrote
-        the pages on another stream or thread must pass its fence."""
+        `NO_FENCE` once the engine synchronised. Without one, it is taken here, when this is
+        called — on the calling thread's current stream, before the coroutine is scheduled
+        (`run_coroutine_threadsafe(cache.store(...), loop)` from the engine's thread takes
+        it there, not on the event loop's) — so an engine that calls this on the thread and
+        stream its model runs on needs nothing more; one that wrote the pages on another
+        stream or thread must pass its fence."""
         if fence is None:
             fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
+        return self._store(token_ids, device_pages, snapshots, fence, attachment)
+
+    async def _store(
+        self,
+        token_ids: Sequence[int],
+        device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Mapping[int, int]] | None,
+        fence: Fence | None,
+        attachment: int,
+    ) -> StoreResult:
         self._group()
         self._resync_if_due()
         size = self.index.page_size_tokens
@@ -374,7 +386,7 @@ class TieredCache:
 
     # ---- load: (L3 ->) L2 -> L1 -------------------------------------------------------------
 
-    async def load(
+    def load(
         self,
         token_ids: Sequence[int],
         device_pages: Mapping[str, Sequence[int]],
@@ -383,17 +395,28 @@ class TieredCache:
         skip_pages: int = 0,
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
-    ) -> tuple[OpHandle | None, Hit]:
+    ) -> Coroutine[Any, Any, tuple[OpHandle | None, Hit]]:
         """Load the usable prefix into the given device pages; returns the handle (None when
         nothing beyond `skip_pages` hits) and the hit actually loaded — shorter than
         `lookup`'s when L3 pages could not be fetched in time, with those pages' positions in
         `hit.failed`. `skip_pages`: the engine's own device cache holds the prompt's first
         pages; only later ones move. `attachment`: whose device pools the pages are.
         Ordering (CUDA): the copies run after `fence` — the engine's work that still uses
-        or zeroes the pages — taken on entry on the caller's thread and current stream when
-        None (as a store's, `Scheduler.load_step`)."""
+        or zeroes the pages — taken when this is called, on the caller's thread and current
+        stream, when None (as a store's)."""
         if fence is None:
             fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
+        return self._load(token_ids, device_pages, on_layer, skip_pages, fence, attachment)
+
+    async def _load(
+        self,
+        token_ids: Sequence[int],
+        device_pages: Mapping[str, Sequence[int]],
+        on_layer: LayerListener | None,
+        skip_pages: int,
+        fence: Fence | None,
+        attachment: int,
+    ) -> tuple[OpHandle | None, Hit]:
         self._group()
         self._resync_if_due()
         size = self.index.page_size_tokens

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, Literal
 
 import msgpack
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hicache.index import KEY_BYTES
 from hicache.memory import GroupGeometry
@@ -38,13 +38,17 @@ from hicache.model import CacheKind, CacheSpec, LayerMap
 from hicache.model.tensor_parallel import TP_SIZE_MAX
 
 # 2: stores say each snapshot's length, and which pages are held; 3: pools and counters are
-# sealed memfds named by descriptor number (no paths)
-PROTOCOL_VERSION = 3
+# sealed memfds named by descriptor number (no paths); 4: register_cuda_pools names the GPU by
+# identity (UUID, PCI bus id), not by the engine's device index
+PROTOCOL_VERSION = 4
 HEADER = struct.Struct("<I")
 MAX_TOKENS = 1 << 20
 TOKEN_ID_MAX = (1 << 32) - 1
 PAGE_ID_MAX = (1 << 31) - 1
 IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
+# a cudaMalloc allocation's shareable handle as torch writes it (a version and a type byte,
+# then cudaIpcMemHandle_t's 64 bytes), with room; expandable segments' are kilobytes
+IPC_MEM_HANDLE_MAX_BYTES = 256
 MAX_LOOKUPS = 4096  # lookups in one lookup_many
 
 
@@ -114,8 +118,8 @@ class RegisterPools(Msg):
 
 
 class CudaTensor(Msg):
-    device: int = Field(ge=0, le=1024)
-    handle: bytes = Field(max_length=256)
+    device: int = Field(ge=0, le=1024)  # the engine's index: for messages (see CudaDevice)
+    handle: bytes
     storage_bytes: int = Field(ge=0)
     storage_offset_bytes: int = Field(ge=0)
     ref_handle: bytes = Field(max_length=4096)
@@ -127,6 +131,27 @@ class CudaTensor(Msg):
     offset: int = Field(ge=0)
     dtype: str = Field(max_length=32)
 
+    @field_validator("handle")
+    @classmethod
+    def _one_allocation(cls, handle: bytes) -> bytes:
+        if len(handle) > IPC_MEM_HANDLE_MAX_BYTES:
+            raise ValueError(
+                f"a CUDA IPC handle of {len(handle)} bytes (at most {IPC_MEM_HANDLE_MAX_BYTES}, "
+                "one cudaMalloc allocation's): the engine allocates with "
+                "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, whose memory the sidecar "
+                "cannot map; start the engine without it"
+            )
+        return handle
+
+
+class CudaDevice(Msg):
+    """The GPU an engine's pools are on, as any process can name it (the sidecar may see it
+    at another index: CUDA_VISIBLE_DEVICES differs between containers)."""
+
+    uuid: str = Field(max_length=64)
+    pci_bus_id: str = Field(max_length=32)
+    index: int = Field(ge=0, le=1024)  # the engine's own, for messages
+
 
 class CudaGroup(Msg):
     num_pages: int = Field(ge=1, le=PAGE_ID_MAX)
@@ -136,6 +161,7 @@ class CudaGroup(Msg):
 
 
 class RegisterCudaPools(Msg):
+    device: CudaDevice
     groups: Annotated[dict[Name, CudaGroup], Field(max_length=64)]
     counters_fd: Fd
 

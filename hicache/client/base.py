@@ -299,6 +299,13 @@ class ClientBase:
         event, handle = export_fence(self.cuda_device, stream)
         return event, handle
 
+    def record_fence(self, stream: Any = None, op: str = "store") -> tuple[Any, bytes | None]:
+        """`_engine_fence` now, on the calling thread, for a `store(..., fence=...)` sent later
+        from another thread: the fence marks the work queued on `stream` at this point (an
+        engine's hook, on its own thread), not whatever the stream holds when the request
+        goes out."""
+        return self._engine_fence(stream, op)
+
     def _keep_fence(self, event: Any) -> None:
         """After a store's reply (or its failure): the last few events stay alive a while
         longer, for a sidecar that may still hold one whose request timed out here."""

@@ -204,6 +204,7 @@ class Client(ClientBase):
         the tensors alive while registered."""
         from hicache.transfer.cuda_ipc import export_cuda_pools, pools_device
 
+        # exported once per pool: a retried registration and a reconnect reuse it (cuda_ipc)
         registration = ("register_cuda_pools", export_cuda_pools(pools))
         self.cuda_device = pools_device(pools)
         self._pools_registered(self.call(*self._registration_args(registration)))
@@ -235,6 +236,7 @@ class Client(ClientBase):
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
         *,
         stream: Any = None,
+        fence: tuple[Any, bytes | None] | None = None,
     ) -> dict[str, Any]:
         """Back up the prompt's pages the sidecar lacks. Token groups: a device page per full
         page in token order, None where the engine no longer holds it (freed out-of-window
@@ -247,10 +249,18 @@ class Client(ClientBase):
         current stream on the pools' device): an interprocess event is recorded there and
         its handle sent with the request, so the engine need not synchronise — but every
         kernel that wrote these pages must be on that stream, or ordered before it (e.g.
-        `stream.wait_stream(other)`), at the time of this call."""
-        event, fence = self._engine_fence(stream, "store")  # this thread, before the request
+        `stream.wait_stream(other)`), at the time of this call. `fence`: one recorded
+        earlier (`record_fence`, on the engine's thread) for a store sent from another
+        thread; then no `stream`."""
+        if fence is not None and stream is not None:
+            raise ClientError(
+                p.ErrorCode.BAD_REQUEST,
+                "store: give a stream or a recorded fence (record_fence(stream)), not both",
+            )
+        # this thread, before the request, unless recorded earlier where the pages were written
+        event, handle = fence if fence is not None else self._engine_fence(stream, "store")
         try:
-            return self.call("store", store_args(tokens, device_pages, snapshots, fence))
+            return self.call("store", store_args(tokens, device_pages, snapshots, handle))
         finally:
             self._keep_fence(event)  # alive until answered: see _engine_fence
 

@@ -152,10 +152,11 @@ class Stores:
         }
         if self._thread is None:
             self._thread = ThreadPoolExecutor(1, thread_name_prefix="hicache-store")
-        stream = self._stream()  # on vLLM's thread: its stream orders the fence
+        # the fence recorded here, on vLLM's thread at the hook: its stream's work so far
+        fence = client.record_fence(self._stream(), "store")
         pages = sum(len(p) for p in plan.positions.values())
         future = self._thread.submit(
-            self._timed, client, list(job.tokens), device_pages, snapshots, stream
+            self._timed, client, list(job.tokens), device_pages, snapshots, fence
         )
         self._in_flight.append((job.req_id, future))
         self.counters.pages_stored += pages
@@ -166,11 +167,11 @@ class Stores:
         tokens: list[int],
         device_pages: dict[str, list[int | None]],
         snapshots: dict[str, dict[int, int]],
-        stream: Any,
+        fence: tuple[Any, bytes | None],
     ) -> None:
         started = time.perf_counter()
         try:
-            client.store(tokens, device_pages, snapshots, stream=stream)
+            client.store(tokens, device_pages, snapshots, fence=fence)
         finally:
             self.counters.store_s += time.perf_counter() - started
 

@@ -1,29 +1,34 @@
 """`CudaCopyBackend`: page copies on dedicated CUDA streams, completion by events.
 
 Lifecycle: created at start with a load stream (higher priority) and a backup stream, one
-device staging buffer per stream, and a completion thread, all on one device (`for_device`
-gives the backend of another device: siblings made on first use and closed with this one, so
-a sidecar serving TP ranks on several GPUs stages each rank's copies on its own GPU).
-`submit_walk` enqueues every layer on the direction's stream — after the producer's fence for
-backups — recording an event per layer; the consumer's `wait()` makes its current stream wait
-on that event (no host sync); the completion thread waits the events in order and reports
-`done`. `close` lets the pending walks complete, joins the thread, synchronizes the device and
-unregisters the host buffers.
+device staging buffer per stream, and one completion thread per stream (`cuda_completion`),
+all on one device (`for_device` gives the backend of another device: siblings made on first
+use and closed with this one, so a sidecar serving TP ranks on several GPUs stages each
+rank's copies on its own GPU). `submit_walk` waits the walk's fence on the direction's
+stream (`cuda_events.wait_fence`; a load's imported events are dropped there), enqueues
+every layer, recording a blocking-sync event per layer; the consumer's `wait()` makes the
+walk's device's current stream wait on that event (no host sync); the direction's
+completion thread waits the events in order and reports `done` — a load's never waits
+behind a backup's. `close` lets the pending walks complete, joins the threads, synchronizes
+the device and unregisters the host buffers.
 
-The completion thread is a daemon registered with `workers`, so a process that raises before
-`close()` still exits: at exit the backend is closed the same way with the join bounded, and
-where the join timed out (a copy still running) the device sync and the unregistering are left
-to the process's end, never done under a copy in flight (workers.py says why this design).
+The completion threads are daemons registered with `workers`, so a process that raises
+before `close()` still exits: at exit the backend is closed the same way with the joins
+bounded, and where a join timed out (a copy still running) the device sync and the
+unregistering are left to the process's end, never done under a copy in flight (workers.py
+says why this design).
 
 Page-granular moves are batched: a run of host pages is one `cudaMemcpyAsync` into staging,
 and the device side is one gather (`index_select`) or scatter (`index_copy_`) kernel, never
 one memcpy per page per layer. A layer larger than the staging buffer goes through it in
 chunks of as many rows as fit (`chunk_runs`), in stream order. page_first host rows are
-strided: a run of pages is one `cudaMemcpy2DAsync` (`cuda_2d`), between host and staging or,
-when both sides are runs, straight between host and device; one copy per page only where the
-runtime's function cannot be found. torch's `copy_` never sees a strided host view (it would
-make a pageable temporary and copy synchronously). Nothing on the submit path waits for the
-device.
+strided, and so are vLLM's blocks seen as page rows on the device: a run of rows strided on
+either side is one `cudaMemcpy2DAsync` (`cuda_2d`), between host and staging or, when both
+sides are runs, straight between host and device; one copy per page only where the runtime's
+function cannot be found. torch's `copy_` never sees a strided view between host and device
+(a strided host view makes a pageable temporary and copies synchronously; a strided device
+view makes a device temporary of the whole run, beyond the staging budget). Nothing on the
+submit path waits for the device.
 
 Host buffers are allocated at exactly the size asked (an anonymous mapping, page-aligned, not
 torch's pinned allocator, which rounds up to a power of two: a 36 GiB pool would pin 64 GiB),
@@ -49,13 +54,9 @@ whole walk failed in `done`'s errors); a consumer already ordered after it learn
 
 from __future__ import annotations
 
-import logging
 import mmap
-import queue
 import threading
-import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -78,208 +79,28 @@ from hicache.transfer.backend import (
     WalkSignals,
 )
 from hicache.transfer.cuda_2d import Memcpy2D
+from hicache.transfer.cuda_completion import PendingWalk, per_stream
+from hicache.transfer.cuda_events import (
+    CudaFence,
+    CudaWalkSignals,
+    join_cuda_fences,
+    layer_event,
+    wait_fence,
+)
+from hicache.transfer.cuda_host import (
+    Run,
+    UploadCache,
+    chunk_runs,
+    map_host_buffer,
+    packed_rows,
+    register_chunks,
+)
 from hicache.transfer.rows import Rows, check_row_pair
-
-log = logging.getLogger("hicache.transfer")
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context
 _PAGE = mmap.PAGESIZE
 
-Run = tuple[int, int, int]  # (position in the set, first row, length)
-
-
-# ---- pure helpers (no device: unit-tested on the CPU) -----------------------------------------
-
-
-def chunk_runs(runs: Sequence[Run], total: int, limit: int) -> list[tuple[int, int, list[Run]]]:
-    """Positions 0..total split into consecutive chunks of at most `limit`: per chunk its
-    positions [a, b) and the parts of `runs` inside it, with positions relative to a. `runs`
-    cover 0..total in order (what `Rows.runs()` gives)."""
-    if limit < 1:
-        raise ValueError(f"a chunk holds at least one row; limit {limit}")
-    chunks: list[tuple[int, int, list[Run]]] = []
-    pending = list(runs)
-    k = 0
-    for a in range(0, total, limit):
-        b = min(total, a + limit)
-        inside: list[Run] = []
-        while k < len(pending):
-            pos, first, length = pending[k]
-            if pos >= b:
-                break
-            take = min(length, b - pos)
-            inside.append((pos - a, first, take))
-            if take < length:  # the run goes on into the next chunk
-                pending[k] = (pos + take, first + take, length - take)
-                break
-            k += 1
-        chunks.append((a, b, inside))
-    return chunks
-
-
-def map_host_buffer(nbytes: int) -> tuple[torch.Tensor, mmap.mmap]:
-    """A 1-D uint8 tensor of exactly `nbytes` over a fresh anonymous mapping (page-aligned,
-    the mapping rounded up to whole pages only), not yet touched. The tensor holds the
-    mapping; never `close()` it while the tensor may be used."""
-    mapping = mmap.mmap(
-        -1,
-        max(nbytes, 1),
-        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
-        prot=mmap.PROT_READ | mmap.PROT_WRITE,
-    )
-    return torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes), mapping
-
-
-def register_chunks(
-    base: int,
-    nbytes: int,
-    chunk_bytes: int,
-    register: Callable[[int, int], int],
-    registered: list[tuple[int, int]],
-) -> None:
-    """Register [base, base + nbytes) in chunks of at most `chunk_bytes` with `register(ptr,
-    size) -> status`, appending each success to `registered` (so the caller unregisters what
-    was registered even when a later chunk fails, which raises naming the memlock limit)."""
-    for offset in range(0, nbytes, chunk_bytes):
-        size = min(chunk_bytes, nbytes - offset)
-        status = int(register(base + offset, size))
-        if status != 0:
-            raise TransferError(
-                f"cudaHostRegister of {size} bytes at offset {offset} of a {nbytes}-byte host "
-                f"buffer failed with status {status}; check the memlock limit (ulimit -l)"
-            )
-        registered.append((base + offset, size))
-
-
-class UploadCache:
-    """Device copies of host index tensors, per stream key, kept while the host tensor lives.
-
-    An entry is found by identity (`id()` while a weak reference to the tensor is alive, and
-    the reference checked to be that very tensor), and dropped when its host tensor is freed,
-    so a new index tensor that happens to get a freed one's `id()` is never served the old
-    upload. At most `capacity` entries (the oldest go first). Thread-safe: weak-reference
-    callbacks run on whichever thread frees the tensor."""
-
-    def __init__(self, upload: Callable[[torch.Tensor], torch.Tensor], capacity: int = 256):
-        self._upload = upload
-        self.capacity = capacity
-        self._entries: OrderedDict[
-            tuple[str, int], tuple[weakref.ref[torch.Tensor], torch.Tensor]
-        ] = OrderedDict()
-        self._lock = threading.Lock()
-        # keys whose host tensor died, queued by the weak-reference callbacks and dropped at
-        # the next get: a callback can run inside a garbage-collection pass that an
-        # allocation under `_lock` set off, on this very thread, so it must take no lock
-        # (SimpleQueue.put is reentrant) and touch no dict mid-insertion
-        self._dead: queue.SimpleQueue[tuple[tuple[str, int], weakref.ref[torch.Tensor]]] = (
-            queue.SimpleQueue()
-        )
-        self.uploads = 0
-
-    def __len__(self) -> int:
-        with self._lock:
-            self._drop_dead()
-            return len(self._entries)
-
-    def _drop_dead(self) -> None:
-        """Under `_lock`: forget the entries whose host tensor was freed."""
-        while True:
-            try:
-                key, ref = self._dead.get_nowait()
-            except queue.Empty:
-                return
-            entry = self._entries.get(key)
-            if entry is not None and entry[0] is ref:
-                del self._entries[key]
-
-    def get(self, stream_key: str, index: torch.Tensor) -> torch.Tensor:
-        key = (stream_key, id(index))
-        with self._lock:
-            self._drop_dead()
-            hit = self._entries.get(key)
-            if hit is not None and hit[0]() is index:  # a dead or another tensor's: no hit
-                self._entries.move_to_end(key)
-                return hit[1]
-        uploaded = self._upload(index)
-        self.uploads += 1
-        dead = self._dead
-
-        def forget(ref: weakref.ref[torch.Tensor], key: tuple[str, int] = key) -> None:
-            dead.put((key, ref))
-
-        ref = weakref.ref(index, forget)
-        with self._lock:
-            self._drop_dead()
-            self._entries[key] = (ref, uploaded)
-            self._entries.move_to_end(key)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
-        return uploaded
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-            self._drop_dead()
-
-
 # ---- the backend -------------------------------------------------------------------------------
-
-
-class CudaWalkSignals(WalkSignals):
-    """One event per layer before the stop that copied something (None for a layer with
-    nothing to copy); `failure`, the stop, from submission or from the completion thread."""
-
-    __slots__ = ("_failure", "events")
-
-    def __init__(self, events: list[torch.cuda.Event | None], failure: LayerFailure | None):
-        self.events = events  # one per position before the stop (all, when it did not stop)
-        self._failure = failure
-
-    @property
-    def failure(self) -> LayerFailure | None:
-        return self._failure
-
-    def stop(self, failure: LayerFailure) -> None:
-        """The completion thread saw an event fail: keep the first stop (the earliest)."""
-        if self._failure is None or failure.position < self._failure.position:
-            self._failure = failure
-
-    def wait(self, position: int) -> LayerFailure | None:
-        failure = self._failure
-        if failure is not None and position >= failure.position:
-            return failure
-        event = self.events[position]
-        if event is not None:
-            torch.cuda.current_stream().wait_event(event)
-        return None
-
-    def is_done(self, position: int) -> bool:
-        failure = self._failure
-        if failure is not None and position >= failure.position:
-            return False
-        event = self.events[position]
-        return event is None or bool(event.query())  # type: ignore[no-untyped-call]
-
-
-@dataclass(frozen=True, slots=True)
-class _PendingWalk:
-    """What the completion thread waits for: each landed layer's event, then `last` (after
-    everything enqueued, a stopped layer's partial copies included), then `done`."""
-
-    signals: CudaWalkSignals
-    last: torch.cuda.Event | None
-    errors: dict[int, BaseException]
-    done: WalkDone
-    on_layer: LayerListener | None
-
-
-class CudaFence(Fence):
-    """Events recorded after the engine's work (or opened from the engine's IPC handles);
-    the walk's stream waits on each when the walk is submitted. One event per op; a merged
-    load walk joins its ops' (`join_fences`)."""
-
-    def __init__(self, *events: torch.cuda.Event):
-        self.events = events
 
 
 @dataclass(slots=True)
@@ -324,12 +145,9 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         self._uploads = UploadCache(self._upload)
         self._siblings: dict[int, CudaCopyBackend] = {}
         self._siblings_lock = threading.Lock()
-        self._pending: queue.SimpleQueue[_PendingWalk | None] = queue.SimpleQueue()  # None: stop
         self._closed = False
-        self._thread = threading.Thread(
-            target=self._complete, name="hicache-cuda-complete", daemon=True
-        )
-        self._thread.start()
+        # one completion thread per stream: a load never waits behind a backup's walk
+        self._completions = per_stream()
         workers.register(self)
 
     # ---- devices ------------------------------------------------------------------------
@@ -407,17 +225,16 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         return CudaFence(event)
 
     def join_fences(self, fences: Sequence[Fence | None]) -> Fence | None:
-        joined = {id(f): f for f in fences if isinstance(f, CudaFence)}.values()
-        events = tuple(e for f in joined for e in f.events)
-        return CudaFence(*events) if events else None
+        return join_cuda_fences(fences)
 
     def import_fence(self, handle: bytes) -> Fence:
-        """The engine's interprocess event, opened on this backend's device."""
+        """The engine's interprocess event, opened on this backend's device; a load's is
+        released once its walk's stream waits on it (`wait_fence`)."""
         try:
             event = torch.cuda.Event.from_ipc_handle(self.device, handle)  # type: ignore[no-untyped-call]
         except (RuntimeError, TypeError, ValueError) as exc:
             raise TransferError(f"cannot open the fence's IPC event handle: {exc}") from None
-        return CudaFence(event)
+        return CudaFence(event, imported=True)
 
     # ---- copies -------------------------------------------------------------------------
 
@@ -439,9 +256,7 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
         errors: dict[int, BaseException] = {}
         stopped: LayerFailure | None = None
         with torch.cuda.stream(stream):
-            if isinstance(after, CudaFence):
-                for event in after.events:
-                    stream.wait_event(event)
+            wait_fence(stream, after, direction)
             for position, parts in enumerate(layers):
                 if stopped is not None:
                     if parts:
@@ -458,14 +273,14 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
                     errors[position] = exc  # has landed: pins must outlive in-flight copies
                     stopped = LayerFailure.of(position, exc)
                     continue
-                last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                last = layer_event()
                 last.record(stream)
                 events.append(last)
             if stopped is not None:  # after the stopped layer's partial copies, if any
-                last = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                last = layer_event()
                 last.record(stream)
-        signals = CudaWalkSignals(events, stopped)
-        self._pending.put(_PendingWalk(signals, last, errors, done, on_layer))
+        signals = CudaWalkSignals(events, stopped, self.device)
+        self._completions[direction].put(PendingWalk(signals, last, errors, done, on_layer))
         return signals
 
     def _enqueue_layer(
@@ -533,12 +348,14 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
             self._host_runs(stage, dst, runs, stream, to_device=False)
 
     def _copy_run(self, dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
-        """dst[:] = src between a host run and a device run (both `[rows, width]`, device rows
-        packed): one async copy when the host rows are packed, one 2-D copy when strided
-        (page_first), one copy per row only without the 2-D function. Never torch's `copy_`
-        of a strided host view, which stages through pageable memory, synchronously."""
-        host = src if src.device.type == "cpu" else dst
-        if host.shape[0] <= 1 or host.stride(0) == host.shape[1]:
+        """dst[:] = src between a host run and a device run (both `[rows, width]`): one async
+        copy when both sides' rows are packed, one 2-D copy when either side's are strided
+        (page_first host rows; vLLM's blocks seen as page rows on the device), one copy per
+        row only without the 2-D function. Never torch's `copy_` of a strided view: a
+        strided host view stages through pageable memory, synchronously; a strided device
+        view goes through a device temporary of the whole run (unbounded by the staging
+        budget) and one more copy."""
+        if packed_rows(src) and packed_rows(dst):
             dst.copy_(src, non_blocking=True)
         elif self._memcpy_2d is not None:
             self._memcpy_2d.copy(dst, src, stream)
@@ -564,53 +381,23 @@ class CudaCopyBackend(workers.WorkerOwner, CopyBackend):
             else:
                 self._copy_run(hosted, staged, stream)
 
-    def _complete(self) -> None:
-        while True:
-            item = self._pending.get()
-            if item is None:
-                return
-            signals, errors, on_layer = item.signals, item.errors, item.on_layer
-            position = 0
-            try:
-                # events record in order: `last` covers the walk; with a listener, each
-                # landed layer's event is waited in turn so it hears of every layer as it lands
-                if on_layer is not None:
-                    for position, event in enumerate(signals.events):
-                        if event is not None:
-                            event.synchronize()
-                        on_layer(position + 1, None)
-                    position = len(signals.events)
-                if item.last is not None:
-                    item.last.synchronize()
-            except Exception as exc:  # the walk failed as a whole; reported through `done`
-                errors = {**errors, -1: exc}
-                signals.stop(LayerFailure.of(position, exc))
-            stopped = signals.failure
-            try:
-                if on_layer is not None and stopped is not None:
-                    on_layer(stopped.position, stopped)
-                item.done(errors)
-            except Exception:  # a dead completion thread would leave every later walk unheard
-                log.exception("completion thread: a walk's callback raised; later walks go on")
-            # nothing of the walk (its pools, the IPC-mapped memory, the listener) outlives it
-            # while this thread waits for the next
-            del item, signals, errors, on_layer
-
     def _stop(self, timeout_s: float | None) -> None:
-        """Accept no more walks, let pending ones complete, join the completion thread, then
+        """Accept no more walks, let pending ones complete, join the completion threads, then
         synchronize and unregister the host buffers (`close`, `close_for_exit`)."""
         if not self._closed:
             self._closed = True
             workers.forget(self)
-            self._pending.put(None)  # after every walk already pending
+            for completion in self._completions.values():
+                completion.stop()  # after every walk already pending
         with self._siblings_lock:
             siblings = list(self._siblings.values())
         for sibling in siblings:
             sibling._stop(timeout_s)
-        if threading.current_thread() is self._thread:
+        threads = [c.thread for c in self._completions.values()]
+        if threading.current_thread() in threads:
             return
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        ended = [c.join(timeout_s) for c in self._completions.values()]
+        if not all(ended):
             return  # a copy may still run: never unregister memory under it
         torch.cuda.synchronize(self.device)
         self._uploads.clear()

@@ -256,6 +256,12 @@ class _FakeClient:
         self.store_gate: threading.Event | None = None  # a store waits for it, when set
         self.store_entered = threading.Event()
         self.stores_finished = 0
+        self.fences_recorded: list[tuple[object, int]] = []  # (stream, thread id)
+        self.store_fences: list[tuple[Any, bytes | None] | None] = []
+
+    def record_fence(self, stream: Any = None, op: str = "store") -> tuple[Any, bytes | None]:
+        self.fences_recorded.append((stream, threading.get_ident()))
+        return (f"event {len(self.fences_recorded)}", None)
 
     def create_pools(self, num_pages: Mapping[str, int], *, prefault: bool = True) -> SharedPools:
         self.staging_prefaulted = prefault
@@ -270,7 +276,9 @@ class _FakeClient:
         device_pages: Mapping[str, Sequence[int | None]],
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
         stream: Any = None,
+        fence: tuple[Any, bytes | None] | None = None,
     ) -> dict[str, Any]:
+        self.store_fences.append(fence)
         self.stores.append({g: list(p) for g, p in device_pages.items()})
         self.store_entered.set()
         if self.store_gate is not None:
@@ -342,6 +350,33 @@ def test_direct_loads_and_stores_name_vllms_blocks_and_copy_nothing() -> None:
     assert worker.counters.load_copy_s == 0
     assert worker.counters.data_plane == "direct"
     assert worker.counters.stores == 1
+
+
+def test_a_direct_stores_fence_is_recorded_on_vllms_thread_at_the_hook() -> None:
+    """Issue #36, finding 8: the store goes out from the store thread, but its fence must
+    mark vLLM's stream as it is at the hook, on vLLM's thread, not later on the store
+    thread (where it would also cover kernels vLLM queued after the hook)."""
+    layer_map, geometries = _llama()
+    caches = _vllm_caches(layer_map, 8)
+    bound = bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
+    client = _FakeClient(geometries)
+    vllm_stream = object()
+    worker = WorkerSide(
+        layer_map,
+        bound,
+        lambda: client,  # type: ignore[arg-type,return-value]
+        {"full": 4},
+        page_size_tokens=16,
+        retry_after_s=0.01,
+        state_load_block=state_load_block,
+        state_store_block=state_store_block,
+        register=lambda c: None,
+        stream=lambda: vllm_stream,
+    )
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32)])
+    worker.before_forward()
+    assert client.fences_recorded == [(vllm_stream, threading.get_ident())]
+    assert client.store_fences == [("event 1", None)]  # that fence, sent by the store thread
 
 
 def test_a_direct_store_leaves_the_step_and_the_next_forward_waits_for_its_reply() -> None:

@@ -161,7 +161,7 @@ def test_hello_refusals_name_the_difference(served: tuple[SidecarProcess, Path])
         )
         assert (code, message) == (
             "refused",
-            "hello.protocol: engine speaks version 99; this sidecar speaks 3",
+            f"hello.protocol: engine speaks version 99; this sidecar speaks {p.PROTOCOL_VERSION}",
         )
     with pytest.raises(ClientError) as info:
         client_for(config, dtype="float16")
@@ -232,8 +232,12 @@ def test_register_pools_and_page_range_errors(
             with pytest.raises(ClientError) as info:
                 client.call("register_pools", {**manifest, "groups": groups})
             assert info.value.message.endswith("overlaps groups.full.offsets[0] (k)")
+            gpu = {"uuid": "GPU-0", "pci_bus_id": "0000:3b:00.0", "index": 0}
             with pytest.raises(ClientError) as info:
-                client.call("register_cuda_pools", {"groups": {}, "counters_fd": counters.fd})
+                client.call(
+                    "register_cuda_pools",
+                    {"device": gpu, "groups": {}, "counters_fd": counters.fd},
+                )
             assert info.value.code == "refused"
             assert info.value.message.startswith(
                 "register_cuda_pools: this sidecar copies on CPU (device.kind: cpu)"

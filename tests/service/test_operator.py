@@ -178,7 +178,7 @@ def test_a_token_of_the_wrong_type_or_length_is_never_logged(tmp_path: Path) -> 
     with SidecarProcess(config) as proc:
         for token in (secret.encode(), secret * 70, secret[:40] + "x" * 30):
             with raw(proc) as s:
-                hello = {"protocol": 3, "layout": {}, "token": token}
+                hello = {"protocol": p.PROTOCOL_VERSION, "layout": {}, "token": token}
                 _code, message = error_of(ask(s, {"op": "hello", "id": 1, "args": hello}))
                 assert secret[:16] not in message
         time.sleep(0.3)

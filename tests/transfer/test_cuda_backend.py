@@ -39,8 +39,8 @@ from hicache.transfer import (
     copy_layers_blocking,
 )
 from hicache.transfer.backend import Fence, LayerPart
-from hicache.transfer.cuda_backend import (
-    CudaCopyBackend,
+from hicache.transfer.cuda_backend import CudaCopyBackend
+from hicache.transfer.cuda_host import (
     UploadCache,
     chunk_runs,
     map_host_buffer,
@@ -253,7 +253,7 @@ def test_pools_on_two_devices_are_refused() -> None:
 
 
 def test_no_fence_orders_nothing() -> None:
-    from hicache.transfer.cuda_backend import CudaFence
+    from hicache.transfer.cuda_events import CudaFence
 
     assert not isinstance(NO_FENCE, CudaFence)
 
