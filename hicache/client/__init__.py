@@ -12,6 +12,7 @@ from hicache.client.handle import (
     LoadHandle,
     LoadLostError,
     Lookup,
+    NoReplyError,
     SidecarUnreachableError,
 )
 from hicache.client.keys import KeySpec, PromptKeys
@@ -25,6 +26,7 @@ __all__ = [
     "LoadHandle",
     "LoadLostError",
     "Lookup",
+    "NoReplyError",
     "PromptKeys",
     "SharedPools",
     "SidecarUnreachableError",

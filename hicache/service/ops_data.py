@@ -7,7 +7,8 @@ Lifecycle of a load: a free slot of the session's counter file is taken -> the c
 runs, each landed layer written to the slot from the copy thread -> its end marks the slot's
 final state -> `release` frees the slot (or cancels a load still running; its slot is freed
 when it ends). Every page a store or load names is checked against the session's registered
-pools first (`_check_pages`)."""
+pools first (`_check_pages`). A store's and a load's reply names its session (`session`,
+the epoch), whose end settles every copy it started."""
 
 from __future__ import annotations
 
@@ -57,7 +58,7 @@ class DataOps:
         self.state.metrics.evictions.inc(result.pages_evicted)
         if result.bytes_backed_up:
             self.state.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
-        return asdict(result)
+        return {**asdict(result), "session": session.id}
 
     async def prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
         namespace = self.state.readable(session, "prefetch")
@@ -108,7 +109,7 @@ class DataOps:
         if handle is None:
             row[2] = LoadState.FREE
             session.free_slots.append(slot)
-            return {"load_id": None, "tokens": 0, "failed": failed}
+            return {"load_id": None, "tokens": 0, "failed": failed, "session": session.id}
         entry = LoadEntry(slot, handle)
         session.loads[load_id] = entry
 
@@ -125,6 +126,7 @@ class DataOps:
             "tokens": hit.tokens_total,
             "num_layers": num_layers,
             "failed": failed,
+            "session": session.id,  # the epoch: which session's end settles this load
         }
 
     def _free(self, session: Session, load_id: int) -> None:

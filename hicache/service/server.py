@@ -8,8 +8,11 @@ Lifecycle of a session: connect -> `hello` (version, token, layout and namespace
 the socket's peer process and mapped; the pool is attached to its namespace's cache) -> ops in
 order: lookup (by tokens; by page keys, `lookup_keys`; several, `lookup_many`) / store / load /
 prefetch / release / stats / heartbeat -> the socket closes or
-heartbeats stop -> `end` cancels and awaits the session's loads (their pins go with
-them), detaches its pools and drops every mapping of the engine's memory; the namespace's L2
+heartbeats stop -> the request in hand is awaited (connection.py) -> `end` cancels and
+awaits the session's loads (their pins go with them), detaches its pools (its stores' backups
+and every other op of its attachment cancelled and awaited), and only then releases its claim
+on the engine's memory (`Session.ended`: a new session of the same engine may now register
+it, `claims.py`) and drops every mapping of it; the namespace's L2
 pages and index stay for the other engines attached and the next ones. Many engine sessions
 may share a namespace: each one's end touches only its own loads, pins and pools.
 
@@ -350,9 +353,13 @@ class EngineServer:
         if namespace is not None:  # its own pools only: other engines' ops go on
             await namespace.detach(session.id)
         session.loads.clear()
-        # the last references to the engine's memory: a dead engine's memfd is freed now
+        # every op of the session has settled (its request in hand awaited by the
+        # connection, its loads and its attachment's ops cancelled and awaited above): no
+        # copy touches the engine's memory any more, so another session may claim it
+        # (claims.py). The last references to it go: a dead engine's memfd is freed now.
         session.pools = session.counters = session.namespace = None
         session.memory = []
+        session.ended.set()
         self.sessions.pop(session.id, None)
         self.metrics.sessions.set(len(self.sessions))
         with contextlib.suppress(Exception):

@@ -14,6 +14,7 @@ import torch
 
 from hicache.channel.shm import SharedPools
 from hicache.client import ClientError, connect
+from hicache.client.handle import Epoch
 from hicache.client.process import SidecarProcess
 from hicache.errors import ConfigError, PoolShapeError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
@@ -256,6 +257,14 @@ class _FakeClient:
         self.store_gate: threading.Event | None = None  # a store waits for it, when set
         self.store_entered = threading.Event()
         self.stores_finished = 0
+        self.session = 1  # the session said hello in now
+        self.registered = 1  # the latest session the memory was registered in
+
+    def now(self) -> Epoch:
+        return Epoch(None, self.session)
+
+    def confirmed(self, epoch: Epoch) -> bool:
+        return self.registered > epoch.session
 
     def create_pools(self, num_pages: Mapping[str, int], *, prefault: bool = True) -> SharedPools:
         self.staging_prefaulted = prefault
@@ -302,7 +311,11 @@ class _FakeClient:
         self.stats_calls += 1
         if self.stats_refusals:
             self.stats_refusals -= 1
-            raise ClientError("refused", "register_pools: this memory is registered by session 1")
+            raise ClientError(
+                "busy", "register_pools: this memory is still registered by session 1"
+            )
+        self.session += 1  # the call reconnected, and the memory was registered again
+        self.registered = self.session
         return {}
 
     def close(self) -> None:
