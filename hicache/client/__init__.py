@@ -8,6 +8,7 @@ from hicache.client.aio import AsyncClient, connect_async
 from hicache.client.engine import Client, connect, connect_deployment
 from hicache.client.handle import (
     ClientError,
+    Epoch,
     LoadFailedError,
     LoadHandle,
     LoadLostError,
@@ -21,6 +22,7 @@ __all__ = [
     "AsyncClient",
     "Client",
     "ClientError",
+    "Epoch",
     "KeySpec",
     "LoadFailedError",
     "LoadHandle",

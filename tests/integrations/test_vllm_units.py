@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hicache.channel.shm import SharedPools
-from hicache.client import ClientError, connect
+from hicache.client import ClientError, NoReplyError, connect
 from hicache.client.handle import Epoch
 from hicache.client.process import SidecarProcess
 from hicache.errors import ConfigError, PoolShapeError
@@ -257,6 +257,7 @@ class _FakeClient:
         self.store_gate: threading.Event | None = None  # a store waits for it, when set
         self.store_entered = threading.Event()
         self.stores_finished = 0
+        self.load_error: Exception | None = None
         self.session = 1  # the session said hello in now
         self.registered = 1  # the latest session the memory was registered in
 
@@ -299,6 +300,8 @@ class _FakeClient:
     ) -> _Handle:
         self.loads.append({g: list(p) for g, p in device_pages.items()})
         self.load_streams.append(stream)
+        if self.load_error is not None:
+            raise self.load_error
         return _Handle(len(tokens))
 
     def prefetch(self, tokens: Sequence[int]) -> int:
@@ -411,6 +414,41 @@ def test_a_store_that_timed_out_keeps_its_staging_pages_from_the_next_store() ->
     client.store_error = ClientError("busy", "every L2 page is pinned")
     worker.store([StoreJob("c", tuple(range(200, 264)), 0, ((1, 2, 3, 4, 5),), 64)])
     assert worker.staging.free() == {"full": 3}
+
+
+def test_staging_pages_of_a_store_without_reply_come_back_once_its_session_is_over() -> None:
+    """Quarantined under the store's epoch: out of use while the sidecar has not confirmed
+    that session over, free again (and counted) once a later registration did."""
+    worker, client = _worker(staging_pages=6)
+    client.store_error = NoReplyError("store", Epoch(None, 1), 0.1)
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 3),), 32)])
+    client.store_error = None
+    assert worker.staging.free() == {"full": 3}
+    assert worker.staging.quarantined() == 2
+    worker.before_forward()  # no call reconnected yet: session 1 not confirmed over
+    assert worker.staging.free() == {"full": 3}
+    assert worker.counters.staging_reclaimed == 0
+    client.stats()  # a call that reconnected and registered the pool again (session 2)
+    worker.before_forward()
+    assert worker.staging.free() == {"full": 5}
+    assert worker.counters.staging_reclaimed == 2
+    assert worker.staging.quarantined() == 0
+
+
+def test_a_direct_load_whose_start_got_no_reply_holds_the_next_forward_until_settled() -> None:
+    """The load may still be writing vLLM's blocks in the sidecar: before the next forward
+    the worker waits until the sidecar confirmed the load's session over."""
+    worker, client = _worker(staging_pages=4, direct=True)
+    client.load_error = NoReplyError("load", Epoch(None, 1), 0.1)
+    client.stats_refusals = 1  # the old session still runs: the first try is refused
+    worker.start_loads([LoadJob("a", tuple(range(32)), 0, ((1, 2, 0),))])
+    worker.wait_layer(max(worker.bindings))
+    worker.finish_loads()
+    assert worker.take_load_errors() == {1, 2}
+    assert client.stats_calls == 0  # nothing waited for inside the step
+    worker.before_forward()
+    assert client.stats_calls == 2  # refused once, then registered again: confirmed
+    assert worker.counters.stores_unconfirmed == 0
 
 
 def test_a_starved_load_is_counted_and_says_what_was_free() -> None:
