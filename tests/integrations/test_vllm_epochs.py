@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -197,21 +198,26 @@ def test_stores_and_loads_without_replies_never_file_another_requests_bytes(
 
     reuses = 0
     try:
+        # the worker's client, connected and registered (on a busy machine a try may outlast
+        # TIMEOUT_S; the worker tries again on its next call, as in vLLM)
+        deadline = time.monotonic() + 60  # bounds a hang only
+        while worker.client() is None:
+            assert time.monotonic() < deadline, "the worker never connected"
+        client = clients[-1]  # the one the worker keeps (it reconnects inside)
         rounds = ROUNDS[plane]
         for n in range(rounds):
             # the reuse point: vLLM writes the next request's KV into the blocks the last
             # store named. No session that held vLLM's memory before may be alive then.
-            if clients:
-                client = clients[-1]
+            if n:
                 earlier = {e.session for e in client.registered if e != client.epoch}
                 live = _live(sidecar)
                 assert not earlier & live, (n, sorted(earlier & live), client.epoch)
                 reuses += 1
             fill(blocks, _prompt(n), STORED)
-            clients[-1].store_sent.clear() if clients else None
+            client.store_sent.clear()
             worker.store([StoreJob(f"s{n}", tuple(_prompt(n)), 0, (STORED,), len(_prompt(n)))])
             if plane == "direct":  # sent from the store thread: the load goes behind it
-                assert clients[-1].store_sent.wait(timeout=60)
+                assert client.store_sent.wait(timeout=60)
             if n:
                 worker.start_loads([LoadJob(f"l{n}", tuple(_prompt(n - 1)), 0, (LOADED,))])
                 worker.wait_layer(max(layer_map.stage_layer_ids))
@@ -219,7 +225,6 @@ def test_stores_and_loads_without_replies_never_file_another_requests_bytes(
                 worker.take_load_errors()
             worker.before_forward()
         # every prompt loaded back by another engine of the namespace: its own bytes
-        [client] = clients
         sent = client.stores_sent
         with connect(
             sidecar.socket, layer_map, page_size_tokens=PAGE, heartbeat=False, timeout_s=30.0

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 
 from hicache.channel.counters import LoadState
+from hicache.channel.shm import SharedPools
 from hicache.client import Client, ClientError, NoReplyError, connect
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
@@ -52,13 +53,33 @@ def config(tmp_path: Path) -> Path:
 
 
 def client_of(sidecar: SidecarProcess, config: Path, timeout_s: float) -> Client:
-    return connect(
-        sidecar.socket,
-        load_deployment(config).layer_map(),
-        page_size_tokens=PAGE,
-        heartbeat=False,
-        timeout_s=timeout_s,
-    )
+    """A client whose calls time out after `timeout_s`; connecting (hello) is retried, as a
+    short timeout may pass on a busy machine."""
+    deadline = time.monotonic() + 60  # bounds a hang only
+    while True:
+        try:
+            return connect(
+                sidecar.socket,
+                load_deployment(config).layer_map(),
+                page_size_tokens=PAGE,
+                heartbeat=False,
+                timeout_s=timeout_s,
+            )
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
+def registered(client: Client, pools: SharedPools) -> None:
+    """`register_pools`, tried again while a short timeout passes first."""
+    deadline = time.monotonic() + 60  # bounds a hang only
+    while True:
+        try:
+            client.register_pools(pools)
+            return
+        except NoReplyError:
+            if time.monotonic() > deadline:
+                raise
 
 
 def test_a_store_in_flight_keeps_its_memory_from_the_same_processs_next_session(
@@ -70,7 +91,7 @@ def test_a_store_in_flight_keeps_its_memory_from_the_same_processs_next_session(
         client_of(sidecar, config, TIMEOUT_S) as client,
     ):
         pools = client.create_pools(8)
-        client.register_pools(pools)
+        registered(client, pools)
         first = client.epoch
         assert first is not None
         assert first.session == client.session["session"]
