@@ -53,8 +53,12 @@ def embedded_stack(
     tp_rank: int | None = None,
 ) -> EmbeddedCache:
     """The stack a deployment describes, on `backend` (else its own, `copy_backend`) and the
-    engine's `device_pools` (else pools of its own, `device.pool_capacity_bytes`)."""
+    engine's `device_pools` (else pools of its own, `device.pool_capacity_bytes`). A build
+    that fails closes the backend only if it is its own: a given one is the caller's (the
+    sidecar's, shared by every namespace: one namespace's failed start must not stop the
+    others' copies)."""
     settings = stack_settings(d, layer_map)  # before the backend: nothing to close if bad
+    owns_backend = backend is None
     if backend is None:
         backend = copy_backend(d, device_pools)
     return EmbeddedCache.build(
@@ -64,6 +68,7 @@ def embedded_stack(
         device_pools=device_pools,
         clock=clock,
         tp_rank=tp_rank,
+        owns_backend=owns_backend,
     )
 
 

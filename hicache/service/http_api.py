@@ -128,6 +128,9 @@ class ControlApi:
                     for s in self.server.sessions.values()
                 ],
                 "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
+                # each namespace's phase (starting, running, draining, closed), the sessions
+                # attached and those waiting for its start (namespace_registry.py)
+                "namespace_states": self.server.state.registry.snapshot(),
                 "l3": store_stats(store),
                 # loads engines recomputed for want of their own staging pages (heartbeats)
                 "engine_loads_starved": self.metrics.loads_starved_count,

@@ -21,6 +21,7 @@ from hicache.channel import protocol as p
 from hicache.channel.counters import LoadState
 from hicache.errors import HicacheError
 from hicache.scheduler import OpResult, OpState
+from hicache.service.checkpoints import checkpoint
 from hicache.service.sessions import LoadEntry, Session
 from hicache.service.state import ServerState
 from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
@@ -51,6 +52,7 @@ class DataOps:
                         f"{given[tokens]} and {slot}); give one per prefix length",
                     )
         fence = engine_fence(namespace.cache.backend, args.fence, "store")
+        await checkpoint("store.begin")
         result = await namespace.cache.store(
             args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
         )
@@ -92,6 +94,7 @@ class DataOps:
 
         try:
             fence = engine_fence(namespace.cache.backend, args.fence, "load")
+            await checkpoint("load.begin")
             handle, hit = await namespace.cache.load(
                 args.tokens,
                 args.device_pages,

@@ -2,7 +2,8 @@
 its pool and load counters are sealed memfds of its own, taken from the Unix socket's peer
 process and mapped) and `register_cuda_pools` (the CUDA data plane: IPC handles) — then the
 attachment of those pools to the session's namespace, started on its first registration, over
-the server's explicit state (`ServerState`).
+the server's explicit state (`ServerState`). Which namespace a key has is the registry's
+(`state.registry`, namespace_registry.py): one per key, however many register at once.
 
 Lifecycle: after `hello`, once per session; the session's end detaches what this attached
 (`EngineServer.end`). The memory it names is claimed first (`claims.claim`): memory another
@@ -19,8 +20,8 @@ from hicache.channel.counters import CounterFile
 from hicache.channel.shm import map_pools
 from hicache.errors import HicacheError
 from hicache.memory import DevicePool
+from hicache.service.checkpoints import checkpoint
 from hicache.service.claims import claim
-from hicache.service.namespaces import Namespace
 from hicache.service.sessions import MemoryId, Prefaulting, Session, same_process
 from hicache.service.state import ServerState
 
@@ -150,24 +151,17 @@ class PoolOps:
             op,
             heartbeat_timeout_s=self.state.service.heartbeat_timeout_s,
         )
-        namespace = self.state.namespaces.get(session.key)
         try:
-            if namespace is None:
-                namespace = await Namespace.start(
-                    session.key,
-                    self.state.plan,
-                    self.state.backend,
-                    self.state.store,
-                    pools,
-                    self.state.tg,
-                )
-                self.state.namespaces[session.key] = namespace
+            # the key's one namespace: started by its first registration, awaited by the
+            # others arriving meanwhile (namespace_registry.py)
+            namespace = await self.state.registry.namespace_for(session.key, session.id, pools, op)
             namespace.attach(session.id, pools)
         except BaseException:
             session.memory = []
             raise
         session.namespace, session.pools, session.counters = namespace, pools, counters
         session.free_slots = list(range(self.state.service.load_slots - 1, -1, -1))
+        await checkpoint("attach.attached")
         return {"slots": counters.slots, "session": session.id}
 
 
