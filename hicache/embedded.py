@@ -130,14 +130,16 @@ class EmbeddedCache:
         clock: Clock | None = None,
         tp_rank: int | None = None,
         host_tier: HostTier | None = None,
+        owns_backend: bool = True,
     ) -> EmbeddedCache:
         """One stage of one tensor-parallel rank (`tp_rank` of the layout's tp_size: an
         embedded engine is one rank, its layer map that rank's share, `shard_layout`), on
-        `backend` (closed here if the build fails). `device_pools`: the engine's (else the
-        stack allocates `settings.device_pages`); `host_pages_per_group` fixes L2's pages
-        instead of dividing `settings.host_capacity_bytes` (tests); `host_tier`: an L2 built
-        before, shared with other stacks of the same geometry (tenants sharing one L2,
-        `cache.shares`), instead of one of its own."""
+        `backend` (closed here if the build fails, unless `owns_backend` is False: a backend
+        the caller shares, as the sidecar's is by every namespace). `device_pools`: the
+        engine's (else the stack allocates `settings.device_pages`); `host_pages_per_group`
+        fixes L2's pages instead of dividing `settings.host_capacity_bytes` (tests);
+        `host_tier`: an L2 built before, shared with other stacks of the same geometry
+        (tenants sharing one L2, `cache.shares`), instead of one of its own."""
         device_pages = settings.device_pages
         try:
             tp_rank = rank_of(tp_rank, layer_map.layout.tp_size, "EmbeddedCache.build")
@@ -178,7 +180,8 @@ class EmbeddedCache:
                 clock=clock,
             )
         except BaseException:
-            backend.close()
+            if owns_backend:
+                backend.close()
             raise
         return cls(
             layer_map, geometries, backend, dict(device_pools), host_tier, scheduler, tp_rank

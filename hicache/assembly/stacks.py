@@ -56,8 +56,12 @@ def embedded_stack(
 ) -> EmbeddedCache:
     """The stack a deployment describes, on `backend` (else its own, `copy_backend`) and the
     engine's `device_pools` (else pools of its own, `device.pool_capacity_bytes`); on
-    `host_tier` when given (an L2 shared by tenants), else an L2 of its own."""
+    `host_tier` when given (an L2 shared by tenants), else an L2 of its own. A build that
+    fails closes the backend only if it is its own: a given one is the caller's (the
+    sidecar's, shared by every namespace: one namespace's failed start must not stop the
+    others' copies)."""
     settings = stack_settings(d, layer_map)  # before the backend: nothing to close if bad
+    owns_backend = backend is None
     if backend is None:
         backend = copy_backend(d, device_pools)
     return EmbeddedCache.build(
@@ -68,6 +72,7 @@ def embedded_stack(
         clock=clock,
         tp_rank=tp_rank,
         host_tier=host_tier,
+        owns_backend=owns_backend,
     )
 
 

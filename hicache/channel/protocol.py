@@ -21,6 +21,14 @@ order. Keys computed under another namespace's root (another tenant, model, rank
 not in this namespace's index: they never hit. These are new ops: an engine that never sends
 them speaks version 3 as before, and a sidecar without them answers `unknown_op`, so the
 version stays 3.
+
+Epochs. The replies to `register_pools` / `register_cuda_pools`, `store` and `load` carry
+`session`: the id of the session (as `hello`'s reply names it) that ran the op, the epoch
+the engine files each op under. A registration succeeds only once no other unended session
+holds the memory it names (the engine's own earlier session included), so an engine whose
+op got no reply knows that op's copies are over when a registration of the same memory
+under a later epoch succeeds. New reply keys only (a client reads the keys it knows): the
+version stays 3.
 """
 
 from __future__ import annotations

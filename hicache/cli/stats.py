@@ -205,6 +205,11 @@ def snapshot(url: str, token: str | None, timeout: float) -> dict[str, Any]:
         "status": ready.get("status"),
         "sessions": len(stats.get("sessions", [])),
         "namespaces": len(stats.get("namespaces", [])),
+        "namespace_states": sorted(
+            f"{n.get('state')}: {len(n.get('sessions', []))} attached"
+            + (f", {len(n['waiting_sessions'])} waiting" if n.get("waiting_sessions") else "")
+            for n in stats.get("namespace_states", [])
+        ),
         "lookup_tokens": {t: int(tokens.get(t, 0)) for t in ("l2", "l3", "miss")},
         "lookup_pages": {t: int(pages.get(t, 0)) for t in ("l2", "l3", "miss")},
         "hit_rate_tokens": rates(tokens),
@@ -277,7 +282,8 @@ def render(s: dict[str, Any], interval: float | None = None) -> str:
     stall = s["layer_stall_seconds"]
     lines = [
         head,
-        f"sessions {s['sessions']}  namespaces {s['namespaces']}",
+        f"sessions {s['sessions']}  namespaces {s['namespaces']}"
+        + (f" ({'; '.join(s['namespace_states'])})" if s.get("namespace_states") else ""),
         "",
         f"hit rate (tokens looked up: {sum(t.values()):,}):  L2 {_pct(p['l2'])}  "
         f"L3 {_pct(p['l3'])}  miss {_pct(p['miss'])}",

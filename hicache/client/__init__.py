@@ -8,10 +8,12 @@ from hicache.client.aio import AsyncClient, connect_async
 from hicache.client.engine import Client, connect, connect_deployment
 from hicache.client.handle import (
     ClientError,
+    Epoch,
     LoadFailedError,
     LoadHandle,
     LoadLostError,
     Lookup,
+    NoReplyError,
     SidecarUnreachableError,
 )
 from hicache.client.keys import KeySpec, PromptKeys
@@ -20,11 +22,13 @@ __all__ = [
     "AsyncClient",
     "Client",
     "ClientError",
+    "Epoch",
     "KeySpec",
     "LoadFailedError",
     "LoadHandle",
     "LoadLostError",
     "Lookup",
+    "NoReplyError",
     "PromptKeys",
     "SharedPools",
     "SidecarUnreachableError",

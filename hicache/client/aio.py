@@ -18,7 +18,7 @@ from hicache.client.base import (
     store_args,
     unreachable,
 )
-from hicache.client.handle import ClientError, LoadHandle, Lookup
+from hicache.client.handle import ClientError, LoadHandle, Lookup, NoReplyError
 from hicache.client.keys import PromptKeys
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
@@ -64,6 +64,9 @@ class AsyncClient(ClientBase):
                     self._reader, self._writer = await asyncio.open_connection(*addr)
         except OSError as exc:  # TimeoutError among them
             raise unreachable(family, addr, exc, self.timeout_s) from exc
+        sock = self._writer.get_extra_info("socket")
+        if sock is not None:
+            self._note_peer(sock)
         try:
             self.session = await self._exchange("hello", self._hello)
             if self._registration is not None:
@@ -83,26 +86,35 @@ class AsyncClient(ClientBase):
         header = await asyncio.wait_for(self._reader.readexactly(p.HEADER.size), self.timeout_s)
         (size,) = p.HEADER.unpack(header)
         payload = await asyncio.wait_for(self._reader.readexactly(size), self.timeout_s)
-        return self._result(request_id, p.unpack(payload))
+        return self._check_epoch(op, self._result(request_id, p.unpack(payload)))
 
     async def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
         async with self._lock:
             if self._closed:
                 raise ClientError("closed", "the client is closed")
             try:
-                if self._writer is None:
-                    await self._connect()
-                return await self._exchange(op, args or {})
-            except TimeoutError:
-                self._drop()  # a late reply would be read as the next request's
-                raise
+                return await self._call_once(op, args or {})
             except (ConnectionError, asyncio.IncompleteReadError):
                 if not self.reconnect:
-                    self._drop()
                     raise
-                self._drop()
+                return await self._call_once(op, args or {})
+
+    async def _call_once(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """`Client._call_once` on asyncio: any failure drops the connection; no reply in
+        time raises `NoReplyError` with the epoch the request may still run in."""
+        try:
+            if self._writer is None:
                 await self._connect()
-                return await self._exchange(op, args or {})
+            return await self._exchange(op, args)
+        except TimeoutError as exc:
+            epoch = self.now()
+            self._drop()  # a late reply would be read as the next request's
+            if isinstance(exc, NoReplyError):
+                raise
+            raise NoReplyError(op, epoch, self.timeout_s) from exc
+        except (OSError, asyncio.IncompleteReadError):
+            self._drop()
+            raise
 
     def _drop(self) -> None:
         if self._writer is not None:

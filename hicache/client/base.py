@@ -9,6 +9,7 @@ import collections
 import itertools
 import os
 import socket
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,11 +17,30 @@ from typing import Any
 from hicache.channel import protocol as p
 from hicache.channel.counters import CounterFile
 from hicache.channel.shm import SharedPools
-from hicache.client.handle import ClientError, LoadHandle, Lookup, SidecarUnreachableError
+from hicache.client.handle import (
+    ClientError,
+    Epoch,
+    LoadHandle,
+    Lookup,
+    SidecarUnreachableError,
+)
 from hicache.client.keys import KeySpec, PromptKeys
 from hicache.errors import ConfigError
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.model import LayerMap
+
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+def _process_start(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot): with the pid, names one process
+    for good (pids are reused, start times with them never)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
 
 _HOW = (
     "write a Unix socket as a path (/run/hicache/engine.sock, ./engine.sock) and TCP as "
@@ -161,6 +181,10 @@ class ClientBase:
         self.counters: CounterFile | None = None
         self._pending_counters: CounterFile | None = None  # sent, not yet acknowledged
         self.generation = 0
+        # the epoch under which the sidecar last registered this client's memory (None: not
+        # yet): every earlier session of that sidecar holding it has ended (`confirmed`)
+        self.epoch: Epoch | None = None
+        self.sidecar_process: tuple[int, int | None] | None = None  # the socket's peer
         self.stalls: list[float] = []
         self.loads_starved = 0  # since the last heartbeat: `starved()`
         # CUDA pools: their device, and the last stores' fence events, kept alive past their
@@ -213,6 +237,50 @@ class ClientBase:
         counters.close()  # the sidecar holds its mapping; ours stays while referenced
         self.counters = counters
         self.generation += 1
+        # a sidecar before epochs names no session here: hello's, the same session
+        self.epoch = Epoch(self.sidecar_process, int(reply.get("session", self.now().session)))
+
+    def now(self) -> Epoch:
+        """The epoch a request sent now runs in (the session of the latest hello)."""
+        return Epoch(self.sidecar_process, int(self.session.get("session", 0)))
+
+    def confirmed(self, epoch: Epoch) -> bool:
+        """No op of `epoch` (`NoReplyError.epoch`, `LoadHandle.epoch`) can still touch this
+        client's memory: the same sidecar process registered that memory again under a later
+        session, which it does only once every other session holding it ended, copies and
+        all (service/claims.py); or that sidecar process has exited."""
+        registered = self.epoch
+        if (
+            registered is not None
+            and registered.sidecar == epoch.sidecar
+            and registered.session > epoch.session
+        ):
+            return True
+        if epoch.sidecar is None:  # the kernel did not name it: no way to see it exit
+            return False
+        pid, start = epoch.sidecar
+        return start is not None and _process_start(pid) != start
+
+    def _note_peer(self, sock: socket.socket) -> None:
+        """The Unix socket's peer (the sidecar) as the kernel names it, and its start time."""
+        if sock.family != socket.AF_UNIX:
+            return
+        raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        pid = _PEERCRED.unpack(raw)[0]
+        if pid > 0:
+            self.sidecar_process = (pid, _process_start(pid))
+
+    def _check_epoch(self, op: str, result: dict[str, Any]) -> dict[str, Any]:
+        """A reply that names its session names this connection's: one of an old epoch is
+        never taken for a new op's."""
+        named = result.get("session")
+        if named is not None and op != "hello" and named != self.session.get("session"):
+            raise ClientError(
+                p.ErrorCode.INTERNAL,
+                f"{op}: a reply of session {named} arrived on session "
+                f"{self.session.get('session')}",
+            )
+        return result
 
     def key_spec(self) -> KeySpec:
         """The session's keyers, from the latest hello reply (kept while a reconnect's hello
@@ -347,7 +415,7 @@ class ClientBase:
             lambda: self.generation,
             reply,
             self.stalls,
-        )
+        ).settled_by(Epoch(self.sidecar_process, int(reply.get("session", self.now().session))))
 
 
 def page_lists(device_pages: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:

@@ -30,7 +30,11 @@ of the pool (a memfd: its memory goes with the last descriptor and mapping, no f
 
 When the connection drops, the next call reconnects once, says hello and re-registers the
 same pools (loads in flight on the old connection fail with `LoadLostError`), then retries
-the call.
+the call. A request with no reply in time raises `NoReplyError` naming the session (epoch)
+it was sent in, and drops the connection (a late reply is never read as another's). The
+sidecar registers the same pools again only once that session ended, every copy of it
+settled (a wait of up to 2 s, else a `busy` refusal to retry): once `client.confirmed(epoch)`
+the engine may reuse the pages that request named.
 """
 
 from __future__ import annotations
@@ -51,7 +55,7 @@ from hicache.client.base import (
     store_args,
     unreachable,
 )
-from hicache.client.handle import ClientError, LoadHandle, Lookup
+from hicache.client.handle import ClientError, LoadHandle, Lookup, NoReplyError
 from hicache.client.keys import PromptKeys
 from hicache.config import LoadedConfig
 from hicache.memory import DevicePool
@@ -121,6 +125,7 @@ class Client(ClientBase):
             except OSError as exc:
                 raise unreachable(family, addr, exc, self.timeout_s) from exc
             self._sock = sock
+            self._note_peer(sock)
             self.session = self._exchange("hello", self._hello)
             if self._registration is not None:
                 self._pools_registered(self._exchange(*self._registration_args()))
@@ -156,24 +161,36 @@ class Client(ClientBase):
         body = first[p.HEADER.size :]
         if len(body) < size:
             body += self._recv_exact(size - len(body))
-        return self._result(request_id, p.unpack(body))
+        return self._check_epoch(op, self._result(request_id, p.unpack(body)))
 
     def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
         with self._lock:
             if self._closed.is_set():
                 raise ClientError("closed", "the client is closed")
             try:
-                if self._sock is None:
-                    self._connect()
-                return self._exchange(op, args or {})
-            except (ConnectionError, BrokenPipeError, OSError) as exc:
+                return self._call_once(op, args or {})
+            except OSError as exc:  # the connection broke (no reply in time is not retried)
                 if isinstance(exc, TimeoutError) or not self.reconnect:
-                    # a late reply would be read as the next request's: start afresh
-                    self._drop_socket()
                     raise
-                self._drop_socket()
+                return self._call_once(op, args or {})
+
+    def _call_once(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
+        """One try on the connection (made first when there is none). Any failure of the
+        socket drops it: a late reply is never read as the next request's. No reply in time:
+        `NoReplyError` with the epoch the request may still run in."""
+        try:
+            if self._sock is None:
                 self._connect()
-                return self._exchange(op, args or {})
+            return self._exchange(op, args)
+        except TimeoutError as exc:
+            epoch = self.now()
+            self._drop_socket()
+            if isinstance(exc, NoReplyError):
+                raise
+            raise NoReplyError(op, epoch, self.timeout_s) from exc
+        except OSError:
+            self._drop_socket()
+            raise
 
     def _drop_socket(self) -> None:
         if self._sock is not None:

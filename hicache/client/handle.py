@@ -37,6 +37,33 @@ class SidecarUnreachableError(HicacheError, ConnectionError):
     why (no such file, connection refused, permission denied, timed out)."""
 
 
+@dataclass(frozen=True, slots=True)
+class Epoch:
+    """Which session of which sidecar process an op ran in: `sidecar`, the process as the
+    kernel named the socket's peer ((pid, start time); None where it did not), and `session`,
+    the session id its replies carry (0: unknown). A session ends once, with every copy of
+    it; `ClientBase.confirmed` says when this client knows that it did."""
+
+    sidecar: tuple[int, int | None] | None
+    session: int
+
+
+class NoReplyError(TimeoutError):
+    """A request got no reply in time. The sidecar may still be running it in `epoch`: its
+    copies may still read or write the engine's memory until that session ended, which a
+    later registration of the same memory (or the sidecar's exit) confirms
+    (`ClientBase.confirmed`)."""
+
+    def __init__(self, op: str, epoch: Epoch, timeout_s: float):
+        super().__init__(
+            f"{op}: no reply from the sidecar in {timeout_s:g} s (session {epoch.session}); "
+            "it may still be running there: the next call reconnects, and the sidecar "
+            "registers this engine's memory again only once that session ended"
+        )
+        self.op = op
+        self.epoch = epoch
+
+
 class LoadFailedError(HicacheError):
     """A layer did not land, or a load did not end, within the caller's timeout. (A layer
     that will never land raises `LayerLoadError`.)"""
@@ -77,6 +104,8 @@ class LoadHandle:
         self.slot: int = reply["slot"]
         self.tokens: int = reply["tokens"]
         self.failed: dict[str, list[int]] = reply["failed"]
+        # the session whose end settles this load's copies (`ClientBase._handle` sets it)
+        self.epoch = Epoch(None, 0)
         self._release = release
         self._layer_map = layer_map
         self._counters = counters
@@ -89,6 +118,11 @@ class LoadHandle:
         # ns from a layer landing (sidecar's clock) to this engine seeing it, for the layers
         # it had to wait for; CLOCK_MONOTONIC is one clock for every process of the machine
         self.signal_ns: list[int] = []
+
+    def settled_by(self, epoch: Epoch) -> LoadHandle:
+        """Name the session whose end settles this load's copies."""
+        self.epoch = epoch
+        return self
 
     def _check(self) -> None:
         if self._current() != self._generation or int(self._row[0]) != self.load_id:

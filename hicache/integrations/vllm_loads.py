@@ -15,9 +15,13 @@ raise into vLLM: a layer-wise load's blocks go to `take_errors` (vLLM recomputes
 request to `failed_requests` (the pages that step computed over stale blocks are not
 stored); an asynchronous one's request to `poll_async`'s failed set.
 
-A load that did not end in time may still be writing: its staging pages stay out of use for
-good (`staging_quarantined`), or, direct, it is waited for before the next forward
-(`await_unended`, from `handle_preemptions`), since vLLM reuses the blocks from then on.
+A load that did not end in time may still be writing: its staging pages stay out of use
+(`staging_quarantined`) until the sidecar confirmed its session (epoch) over
+(`Staging.reclaim`), or, direct, it is waited for before the next forward (`await_unended`,
+from `handle_preemptions`), since vLLM reuses the blocks from then on: until the sidecar says
+it ended (its counter row), or, its connection gone, until the sidecar confirmed its session
+over (`Stores.unsettle`, settled by `Stores.drain`). A direct load whose start got no reply
+is settled the same way.
 
 Lifecycle (all on vLLM's worker thread):
     loads = Loads(layer_map, bindings, counters, stores, staging, ...)
@@ -43,7 +47,7 @@ from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
 from hicache.integrations.vllm_plan import NULL_BLOCK, LoadJob
 from hicache.integrations.vllm_staging import Staging, WorkerCounters
-from hicache.integrations.vllm_stores import Stores
+from hicache.integrations.vllm_stores import Stores, epoch_of, unanswered
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 
@@ -225,6 +229,8 @@ class Loads:
         elif self.direct and handle is not None:
             self._unended.append((active.job.req_id, handle))
         else:
+            assert handle is not None  # only a started load can fail to end
+            self.staging.quarantine(active.staging, handle.epoch)
             self.counters.staging_quarantined += sum(len(p) for p in active.staging.values())
         active.staging = {}
         return ended
@@ -405,11 +411,13 @@ class Loads:
         except (HicacheError, OSError) as exc:
             self.counters.error(f"request {job.req_id}: load failed to start: {exc}")
             active.failed = True
-            if isinstance(exc, TimeoutError):  # the sidecar may be filling staging still
+            if unanswered(exc):  # the sidecar may be filling staging (or blocks) still
+                epoch = epoch_of(exc, client)
+                self.staging.quarantine(staging, epoch)
                 self.counters.staging_quarantined += sum(len(p) for p in staging.values())
                 active.staging = {}
-                if self.direct:  # or vLLM's blocks: settled before the next forward
-                    self.stores.unsettle()
+                if self.direct:  # vLLM's blocks: settled before the next forward
+                    self.stores.unsettle(epoch)
             return active
         finally:
             self.counters.load_request_s += time.perf_counter() - started
@@ -437,7 +445,8 @@ class Loads:
                 while handle.state() == "running" and time.monotonic() < deadline:
                     time.sleep(self.retry_after_s / 20)
                 ended = handle.state() != "running"
-            except Exception:  # the connection is gone: its session's loads were cancelled
+            except Exception:  # the connection is gone: its session ends once the load did,
+                self.stores.unsettle(handle.epoch)  # which the stores' drain waits for
                 ended = True
             if not ended:
                 self.counters.loads_unconfirmed += 1

@@ -1,6 +1,11 @@
 """The vLLM worker's bookkeeping: `Staging`, the free pages of the staging pool the sidecar
 maps (page 0 of each group is scratch), and `WorkerCounters`, what the worker did and how
-long it took (written as JSON to the connector's `stats_path`)."""
+long it took (written as JSON to the connector's `stats_path`).
+
+A staging page's states: free -> `take`n (a store's or load's) -> `give`n back free once its
+op was answered and ended; or, when the op got no reply (the sidecar may still copy into or
+out of it), `quarantine`d under the op's epoch -> free again only once `reclaim` is told the
+sidecar confirmed that epoch over (`Client.confirmed`)."""
 
 from __future__ import annotations
 
@@ -8,9 +13,11 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from hicache.client.handle import Epoch
 
 log = logging.getLogger("hicache.vllm")
 
@@ -23,6 +30,8 @@ class Staging:
         self.num_pages = dict(num_pages)
         self._free = {g: list(range(n - 1, 0, -1)) for g, n in num_pages.items()}
         self._lock = threading.Lock()  # one worker thread today; cheap insurance
+        # pages an unanswered op named, by its epoch: out of use until confirmed over
+        self._quarantined: dict[Epoch, dict[str, list[int]]] = {}
 
     def take(self, wanted: Mapping[str, int]) -> dict[str, list[int]] | None:
         """`wanted[g]` pages of every group at once, or None (nothing taken)."""
@@ -41,6 +50,29 @@ class Staging:
             for g, ids in pages.items():
                 self._free[g].extend(ids)
 
+    def quarantine(self, pages: Mapping[str, Sequence[int]], epoch: Epoch) -> None:
+        """Pages an op of `epoch` named and got no reply for: never taken before `reclaim`
+        is told that epoch is over."""
+        with self._lock:
+            held = self._quarantined.setdefault(epoch, {})
+            for g, ids in pages.items():
+                held.setdefault(g, []).extend(ids)
+
+    def reclaim(self, confirmed: Callable[[Epoch], bool]) -> int:
+        """Free the pages of every quarantined epoch `confirmed` says is over; how many."""
+        with self._lock:
+            over = [e for e in self._quarantined if confirmed(e)]
+            freed = 0
+            for epoch in over:
+                for g, ids in self._quarantined.pop(epoch).items():
+                    self._free[g].extend(ids)
+                    freed += len(ids)
+            return freed
+
+    def quarantined(self) -> int:
+        with self._lock:
+            return sum(len(ids) for held in self._quarantined.values() for ids in held.values())
+
 
 @dataclass
 class WorkerCounters:
@@ -54,7 +86,8 @@ class WorkerCounters:
     stores_skipped_staging: int = 0
     loads_starved: int = 0  # loads recomputed because staging had too few free pages
     stores_skipped_failed_load: int = 0
-    staging_quarantined: int = 0
+    staging_quarantined: int = 0  # pages an unanswered op named, kept out of use
+    staging_reclaimed: int = 0  # of those, freed once the sidecar confirmed their epoch over
     pages_stored: int = 0
     stores_unconfirmed: int = 0  # no reply, and the session did not end in time
     loads_unconfirmed: int = 0  # did not end in time, and had not ended before the next step

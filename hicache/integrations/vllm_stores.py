@@ -6,13 +6,15 @@ thread of ours, which only waits on the socket, so vLLM's `wait_for_save` return
 vLLM may hand a block to another request, or zero it, only in a later step; `drain()`, run
 from `handle_preemptions` before that step's forward, waits for every reply first, so no
 store reads a block once vLLM may write it. A store with no reply in time may still be
-running in the sidecar: drain then waits until that session provably ended (the client's next
-call reconnects and registers vLLM's memory again, which the sidecar allows only once no live
-session holds it) or the sidecar is gone, up to `settle_timeout_s`.
+running in the sidecar, in the session (epoch) it was sent in (`NoReplyError.epoch`): drain
+then waits, up to `settle_timeout_s`, until the client has the sidecar's word that this
+session ended with every copy of it (`Client.confirmed`: the client's next call reconnects
+and registers vLLM's memory again under a later session, which the sidecar does only once
+no other session holds that memory, service/claims.py), or that sidecar process has exited.
 
 Staging (the fallback): vLLM's blocks are copied into staging pages on vLLM's thread, then
 the store is sent and waited for; a store with no reply in time keeps its staging pages out
-of use (`staging_quarantined`).
+of use (`staging_quarantined`) until its epoch is confirmed over (`Staging.reclaim`).
 
 Lifecycle (all calls on vLLM's worker thread):
     stores = Stores(layer_map, bindings, counters, state_store_block, staging=... | None)
@@ -30,7 +32,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.client import Client, SidecarUnreachableError
+from hicache.client import Client, NoReplyError, SidecarUnreachableError
+from hicache.client.handle import Epoch
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
 from hicache.integrations.vllm_plan import NULL_BLOCK, StoreJob
@@ -82,7 +85,8 @@ class Stores:
         }
         self._thread: ThreadPoolExecutor | None = None
         self._in_flight: list[tuple[str, Future[Any]]] = []
-        self._unsettled = False  # a store got no reply: the sidecar may still read blocks
+        # epochs of ops that got no reply: the sidecar may still copy there until confirmed
+        self._unsettled: set[Epoch] = set()
 
     # ---- planning -------------------------------------------------------------------------
 
@@ -215,10 +219,12 @@ class Stores:
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
             self.counters.error(f"request {job.req_id}: store failed: {exc}")
-            if isinstance(exc, TimeoutError):
-                # no answer in time: the sidecar may still be backing the store up from these
-                # pages; handed to the next store they would be overwritten under this
-                # prompt's keys (another prompt's bytes filed and served as this one's)
+            if unanswered(exc):
+                # no answer: the sidecar may still be backing the store up from these pages;
+                # handed to the next store before its session ended they would be
+                # overwritten under this prompt's keys (another prompt's bytes filed and
+                # served as this one's)
+                staging.quarantine(pages, epoch_of(exc, client))
                 self.counters.staging_quarantined += sum(len(p) for p in pages.values())
                 pages = {}
         finally:
@@ -227,13 +233,13 @@ class Stores:
 
     # ---- before vLLM may write a stored block again ---------------------------------------
 
-    def unsettle(self) -> None:
-        """A request got no reply in time (a load's start, say): settle its session in the
-        next `drain`, as for a store."""
-        self._unsettled = True
+    def unsettle(self, epoch: Epoch) -> None:
+        """An op of `epoch` got no reply (a load's start, say): the next `drain` waits until
+        the sidecar confirmed that session's end, as for a store."""
+        self._unsettled.add(epoch)
 
     def drain(self, client: Client | None) -> None:
-        """Every store sent so far answered (or its session provably over): from here on
+        """Every store sent so far answered (or its session confirmed over): from here on
         vLLM may overwrite any block a store named."""
         if not self._in_flight and not self._unsettled:
             return
@@ -246,31 +252,39 @@ class Stores:
             except (HicacheError, OSError) as exc:
                 self.counters.store_failures += 1
                 self.counters.error(f"request {req_id}: store failed: {exc}")
-                if not isinstance(exc, HicacheError) or isinstance(exc, SidecarUnreachableError):
-                    self._unsettled = True  # no answer: it may still be reading vLLM's blocks
+                if unanswered(exc) and client is not None:  # it may still read vLLM's blocks
+                    self._unsettled.add(epoch_of(exc, client))
         if self._unsettled and client is not None:
-            self._unsettled = not self._settle(client)
+            self._settle(client)
         self.counters.store_on_step_s += time.perf_counter() - started
 
-    def _settle(self, client: Client) -> bool:
-        """Wait until the session that had an unanswered store has ended: a call that
-        reconnects registers vLLM's memory again, which the sidecar refuses while a live
-        session holds it; or the sidecar no longer listens (the process that read is gone)."""
+    def _settle(self, client: Client) -> None:
+        """Wait until the sidecar confirmed every unsettled epoch over (`Client.confirmed`):
+        each try is a call, which reconnects and registers vLLM's memory again, refused (or
+        held) while a session of an unsettled epoch still holds it; or until that sidecar
+        process exited. Up to `settle_timeout_s`; then vLLM goes on, and it is counted."""
         deadline = time.monotonic() + self.settle_timeout_s
+        reason = "no try yet"
         while True:
+            self._unsettled = {e for e in self._unsettled if not client.confirmed(e)}
+            if not self._unsettled:
+                return
+            if time.monotonic() > deadline:
+                self.counters.stores_unconfirmed += len(self._unsettled)
+                sessions = sorted(e.session for e in self._unsettled)
+                self.counters.error(
+                    f"ops of sessions {sessions} got no reply and the sidecar did not confirm "
+                    f"their end in {self.settle_timeout_s:g} s ({reason}); vLLM goes on writing "
+                    "its blocks"
+                )
+                self._unsettled = set()
+                return
             try:
                 client.stats()
-                return True
-            except SidecarUnreachableError:
-                return True
+                reason = f"registered again under session {client.now().session}"
             except (HicacheError, OSError) as exc:
-                if time.monotonic() > deadline:
-                    self.counters.stores_unconfirmed += 1
-                    self.counters.error(
-                        f"a store got no reply and its session did not end in "
-                        f"{self.settle_timeout_s:g} s ({exc}); vLLM goes on writing its blocks"
-                    )
-                    return False
+                reason = str(exc)
+            if any(not client.confirmed(e) for e in self._unsettled):
                 time.sleep(self.retry_after_s)
 
     def close(self) -> None:
@@ -281,3 +295,15 @@ class Stores:
             self._in_flight = []
             self._thread.shutdown(wait=True)
             self._thread = None
+
+
+def unanswered(exc: BaseException) -> bool:
+    """A failure after which the op may still run in the sidecar: no reply in time, or the
+    connection gone (an error the sidecar answered settles its op)."""
+    return not isinstance(exc, HicacheError) or isinstance(exc, SidecarUnreachableError)
+
+
+def epoch_of(exc: BaseException, client: Client) -> Epoch:
+    """The epoch an unanswered op may still run in: the one `NoReplyError` names, else the
+    latest session the client said hello in (no op of it ran in a later one)."""
+    return exc.epoch if isinstance(exc, NoReplyError) else client.now()

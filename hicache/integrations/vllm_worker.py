@@ -152,9 +152,13 @@ class WorkerSide:
 
     def before_forward(self) -> None:
         """vLLM's `handle_preemptions`, before this step's forward (and any zeroing or reuse of
-        a freed block): every earlier store answered, every overrun load ended."""
+        a freed block): every overrun load ended, every earlier store answered, and every op
+        that got no reply confirmed over by the sidecar (its session's end); staging pages
+        such ops named are free again once theirs is."""
+        self.loads.await_unended()  # first: a load lost with its connection is settled below
         self.stores.drain(self._client)
-        self.loads.await_unended()
+        if self._client is not None:
+            self.counters.staging_reclaimed += self.staging.reclaim(self._client.confirmed)
 
     def close(self) -> None:
         self.finish_loads()

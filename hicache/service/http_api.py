@@ -133,6 +133,9 @@ class ControlApi:
                     for s in self.server.sessions.values()
                 ],
                 "namespaces": [namespace_stats(ns) for ns in self.server.namespaces.values()],
+                # each namespace's phase (starting, running, draining, closed), the sessions
+                # attached and those waiting for its start (namespace_registry.py)
+                "namespace_states": self.server.state.registry.snapshot(),
                 "l3": store_stats(store),
                 # per tenant: lookup hits, and its part of a shared L2 (tenants.shared_l2)
                 "tenants": tenant_stats(

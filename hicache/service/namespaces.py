@@ -7,7 +7,10 @@ pools are a scheduler attachment under its session id: its loads copy into its o
 stores back up from them, while the host tier, the index and L3 are the namespace's, shared)
 and detach (`detach`: that session's ops are cancelled and awaited, its pools dropped; every
 other session's ops go on; L2 pages and the index stay) -> `close` stops the scheduler after
-the service drains.
+the service drains (`close`: bounded by the drain's time left; a scheduler still running
+then is cancelled, so the service's TaskGroup always ends). Which namespace a key has, and
+its phase (starting, running, draining, closed), is `namespace_registry.NamespaceRegistry`'s:
+there is never a second one of a key.
 
 Each namespace copies on its pools' device: a TP rank's engine on GPU 3 gets host pools
 registered and staging allocated by the sidecar's backend for GPU 3 (`for_device`), not the
@@ -67,16 +70,25 @@ class Namespace:
         # (`attach`), not as the scheduler's default one, so they go when that engine does
         cache.drop_default_pools()
         namespace = cls(key, cache)
-        started = asyncio.Event()
+        started: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         namespace._task = tg.create_task(namespace._run(started), name=f"hicache-ns-{key}")
-        await started.wait()
+        try:
+            await asyncio.shield(started)
+        except BaseException:  # cancelled while its scheduler starts: that task stops itself
+            namespace._stop.set()
+            raise
         return namespace
 
-    async def _run(self, started: asyncio.Event) -> None:
-        async with self.cache.running():
-            started.set()
-            await self._stop.wait()
-            await self.cache.drain()
+    async def _run(self, started: asyncio.Future[None]) -> None:
+        try:
+            async with self.cache.running():
+                started.set_result(None)
+                await self._stop.wait()
+                await self.cache.drain()
+        except Exception as exc:
+            if started.done():
+                raise
+            started.set_exception(exc)  # the start's error, not the service's end
 
     def attach(self, session_id: int, device_pools: dict[str, DevicePool]) -> None:
         """Serve an engine session's pools beside the others attached; refused (ConfigError)
@@ -107,7 +119,16 @@ class Namespace:
         """The L2 bytes this namespace's cached groups hold (a shared L2: all of it)."""
         return sum(self.cache.host_pool_stats(g).capacity_bytes for g in self.cache.index.rules)
 
-    async def close(self) -> None:
+    async def close(self, timeout_s: float | None = None) -> bool:
+        """Stop the scheduler once its ops have ended; within `timeout_s` (None: no bound),
+        else its task is cancelled (and awaited). False: it ran past `timeout_s`."""
         self._stop.set()
-        if self._task is not None:
-            await self._task
+        if self._task is None:
+            return True
+        done, _ = await asyncio.wait([self._task], timeout=timeout_s)
+        if done:
+            self._task.result()
+            return True
+        self._task.cancel()
+        await asyncio.wait([self._task])
+        return False

@@ -7,7 +7,8 @@ Lifecycle of a load: a free slot of the session's counter file is taken -> the c
 runs, each landed layer written to the slot from the copy thread -> its end marks the slot's
 final state -> `release` frees the slot (or cancels a load still running; its slot is freed
 when it ends). Every page a store or load names is checked against the session's registered
-pools first (`_check_pages`)."""
+pools first (`_check_pages`). A store's and a load's reply names its session (`session`,
+the epoch), whose end settles every copy it started."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hicache.channel import protocol as p
 from hicache.channel.counters import LoadState
 from hicache.errors import HicacheError
 from hicache.scheduler import OpResult, OpState
+from hicache.service.checkpoints import checkpoint
 from hicache.service.sessions import LoadEntry, Session
 from hicache.service.state import ServerState
 from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
@@ -50,6 +52,7 @@ class DataOps:
                         f"{given[tokens]} and {slot}); give one per prefix length",
                     )
         fence = engine_fence(namespace.cache.backend, args.fence, "store")
+        await checkpoint("store.begin")
         result = await namespace.cache.store(
             args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
         )
@@ -57,7 +60,7 @@ class DataOps:
         self.state.metrics.evictions.inc(result.pages_evicted)
         if result.bytes_backed_up:
             self.state.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
-        return asdict(result)
+        return {**asdict(result), "session": session.id}
 
     async def prefetch(self, session: Session, args: p.Tokens) -> dict[str, Any]:
         namespace = self.state.readable(session, "prefetch")
@@ -91,6 +94,7 @@ class DataOps:
 
         try:
             fence = engine_fence(namespace.cache.backend, args.fence, "load")
+            await checkpoint("load.begin")
             handle, hit = await namespace.cache.load(
                 args.tokens,
                 args.device_pages,
@@ -108,7 +112,7 @@ class DataOps:
         if handle is None:
             row[2] = LoadState.FREE
             session.free_slots.append(slot)
-            return {"load_id": None, "tokens": 0, "failed": failed}
+            return {"load_id": None, "tokens": 0, "failed": failed, "session": session.id}
         entry = LoadEntry(slot, handle)
         session.loads[load_id] = entry
 
@@ -125,6 +129,7 @@ class DataOps:
             "tokens": hit.tokens_total,
             "num_layers": num_layers,
             "failed": failed,
+            "session": session.id,  # the epoch: which session's end settles this load
         }
 
     def _free(self, session: Session, load_id: int) -> None:

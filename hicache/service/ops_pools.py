@@ -2,10 +2,13 @@
 its pool and load counters are sealed memfds of its own, taken from the Unix socket's peer
 process and mapped) and `register_cuda_pools` (the CUDA data plane: IPC handles) — then the
 attachment of those pools to the session's namespace, started on its first registration, over
-the server's explicit state (`ServerState`).
+the server's explicit state (`ServerState`). Which namespace a key has is the registry's
+(`state.registry`, namespace_registry.py): one per key, however many register at once.
 
 Lifecycle: after `hello`, once per session; the session's end detaches what this attached
-(`EngineServer.end`). Memory another live session registered is refused by identity."""
+(`EngineServer.end`). The memory it names is claimed first (`claims.claim`): memory another
+unended session holds — this process's included — is waited for or refused by identity. The
+reply names the session (`session`: the epoch the engine's later replies carry)."""
 
 from __future__ import annotations
 
@@ -17,8 +20,9 @@ from hicache.channel.counters import CounterFile
 from hicache.channel.shm import map_pools
 from hicache.errors import HicacheError
 from hicache.memory import DevicePool
-from hicache.service.namespaces import Namespace
-from hicache.service.sessions import Prefaulting, Session, same_process
+from hicache.service.checkpoints import checkpoint
+from hicache.service.claims import claim
+from hicache.service.sessions import MemoryId, Prefaulting, Session, same_process
 from hicache.service.state import ServerState
 
 
@@ -102,7 +106,9 @@ class PoolOps:
             pools = map_cuda_pools(args.model_dump(), self.state.geometries)
         except HicacheError as exc:
             raise p.RequestError(p.ErrorCode.BAD_REQUEST, f"register_cuda_pools.{exc}") from None
-        return await self._attach(session, pools, pid, args.counters_fd, "register_cuda_pools", [])
+        return await self._attach(
+            session, pools, pid, args.counters_fd, "register_cuda_pools", cuda_memory(args)
+        )
 
     def _check_unregistered(self, session: Session, op: str) -> None:
         if session.lookup_only:
@@ -121,7 +127,7 @@ class PoolOps:
         pid: int,
         counters_fd: int,
         op: str,
-        memory: list[tuple[int, int]],
+        memory: list[MemoryId],
     ) -> dict[str, Any]:
         assert session.key is not None
         try:
@@ -136,34 +142,36 @@ class PoolOps:
                 p.ErrorCode.BAD_REQUEST,
                 f"{op}.counters_fd: the counters are the pool's own memory; give each its memfd",
             )
-        for other in self.state.sessions.values():
-            shared = set(memory) & set(other.memory)
-            same = (other.peer_pid, other.peer_start) == (pid, session.peer_start)
-            if other is not session and not same and shared:
-                # another process's memfd reached through a descriptor of this one (opened
-                # from /proc): the sidecar would move this session's bytes into its memory
-                raise p.RequestError(
-                    p.ErrorCode.REFUSED,
-                    f"{op}: this memory is registered by {other.describe()}; a session "
-                    "registers memfds its own process created",
-                )
-        session.memory = memory  # claimed before the await: a racing claim sees it
-        namespace = self.state.namespaces.get(session.key)
+        # claimed before the namespace's await (a racing claim sees it), once no other
+        # session holds it: not even an unended one of this process (claims.py)
+        await claim(
+            self.state.sessions,
+            session,
+            memory,
+            op,
+            heartbeat_timeout_s=self.state.service.heartbeat_timeout_s,
+        )
         try:
-            if namespace is None:
-                namespace = await Namespace.start(
-                    session.key,
-                    self.state.plan,
-                    self.state.backend,
-                    self.state.store,
-                    pools,
-                    self.state.tg,
-                )
-                self.state.namespaces[session.key] = namespace
+            # the key's one namespace: started by its first registration, awaited by the
+            # others arriving meanwhile (namespace_registry.py)
+            namespace = await self.state.registry.namespace_for(session.key, session.id, pools, op)
             namespace.attach(session.id, pools)
         except BaseException:
             session.memory = []
             raise
         session.namespace, session.pools, session.counters = namespace, pools, counters
         session.free_slots = list(range(self.state.service.load_slots - 1, -1, -1))
-        return {"slots": counters.slots}
+        await checkpoint("attach.attached")
+        return {"slots": counters.slots, "session": session.id}
+
+
+def cuda_memory(args: p.RegisterCudaPools) -> list[MemoryId]:
+    """What names a CUDA registration's memory: each allocation its tensors live in (the IPC
+    handle of the allocation, which every export of it gives alike), once."""
+    named = {
+        ("cuda", tensor.device, tensor.handle)
+        for group in args.groups.values()
+        for layer in group.tensors
+        for tensor in layer
+    }
+    return sorted(named, key=repr)

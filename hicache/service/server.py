@@ -8,8 +8,11 @@ Lifecycle of a session: connect -> `hello` (version, token, layout and namespace
 the socket's peer process and mapped; the pool is attached to its namespace's cache) -> ops in
 order: lookup (by tokens; by page keys, `lookup_keys`; several, `lookup_many`) / store / load /
 prefetch / release / stats / heartbeat -> the socket closes or
-heartbeats stop -> `end` cancels and awaits the session's loads (their pins go with
-them), detaches its pools and drops every mapping of the engine's memory; the namespace's L2
+heartbeats stop -> the request in hand is awaited (connection.py) -> `end` cancels and
+awaits the session's loads (their pins go with them), detaches its pools (its stores' backups
+and every other op of its attachment cancelled and awaited), and only then releases its claim
+on the engine's memory (`Session.ended`: a new session of the same engine may now register
+it, `claims.py`) and drops every mapping of it; the namespace's L2
 pages and index stay for the other engines attached and the next ones. Many engine sessions
 may share a namespace: each one's end touches only its own loads, pins and pools.
 
@@ -35,6 +38,7 @@ from hicache.assembly import ServiceSettings
 from hicache.assembly.sidecar import SidecarPlan
 from hicache.channel import protocol as p
 from hicache.errors import HicacheError, PoolExhaustedError, ServiceStartError
+from hicache.service.checkpoints import checkpoint
 from hicache.service.connection import EngineConnection
 from hicache.service.dispatch import (
     ConnectionLimits,
@@ -339,6 +343,7 @@ class EngineServer:
         return p.error(request_id, code, message)
 
     async def end(self, session: Session, reason: str) -> None:
+        await checkpoint("end.begin")
         running = [e.handle for e in session.loads.values() if e.handle.result is None]
         for handle in running:
             handle.cancel()
@@ -348,11 +353,16 @@ class EngineServer:
             await session.prefault.stop()
         namespace = session.namespace
         if namespace is not None:  # its own pools only: other engines' ops go on
+            await checkpoint("end.detach")
             await namespace.detach(session.id)
         session.loads.clear()
-        # the last references to the engine's memory: a dead engine's memfd is freed now
+        # every op of the session has settled (its request in hand awaited by the
+        # connection, its loads and its attachment's ops cancelled and awaited above): no
+        # copy touches the engine's memory any more, so another session may claim it
+        # (claims.py). The last references to it go: a dead engine's memfd is freed now.
         session.pools = session.counters = session.namespace = None
         session.memory = []
+        session.ended.set()
         self.sessions.pop(session.id, None)
         self.metrics.sessions.set(len(self.sessions))
         with contextlib.suppress(Exception):
@@ -387,17 +397,22 @@ class EngineServer:
     # ---- drain ----------------------------------------------------------------------------------
 
     async def drain(self) -> DrainReport:
-        """Stop listening; within `service.drain_timeout_s` for the whole drain: in-flight
-        loads finish (those still running at the deadline are cancelled), sessions close,
-        then what the write policy owes to L3 is flushed in the time left; pages L3 still
-        lacks at the deadline are counted in the report, not written."""
+        """Stop listening and refuse new registrations (those waiting for a namespace's start
+        too); within `service.drain_timeout_s` for the whole drain: in-flight loads finish
+        (those still running at the deadline are cancelled), sessions close, then every
+        namespace ever started — one still starting included — flushes what the write policy
+        owes to L3 in the time left and stops its scheduler (`NamespaceRegistry.close_all`);
+        pages L3 still lacks at the deadline are counted in the report, not written, and a
+        start or scheduler still running then is cancelled, so the drain always ends."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.service.drain_timeout_s
         self._draining = True
+        self.state.registry.begin_drain()
         for server in self._servers:
             server.close()
         if self._watchdog_task is not None:
             self._watchdog_task.cancel()
+        await checkpoint("drain.begin")
         handles = [e.handle for s in self.sessions.values() for e in s.loads.values()]
         pending = [h for h in handles if h.result is None]
         cancelled = 0
@@ -412,21 +427,31 @@ class EngineServer:
                     cancelled += 1
             if late:
                 await asyncio.gather(*late)
+        await checkpoint("drain.sessions")
         for session in list(self.sessions.values()):
             session.transport.abort()
         ending = [s.ending for s in self.sessions.values() if s.ending is not None]
-        if ending:
-            await asyncio.gather(*ending, return_exceptions=True)
+        if ending:  # a session whose op outlives the deadline is left to end by itself
+            done, _late = await asyncio.wait(ending, timeout=max(0.0, deadline - loop.time()))
+            for task in done:
+                if not task.cancelled():
+                    task.exception()  # logged by the session's end; retrieved here
         # every session ended, and with it its prefault: nothing is queued on the thread
         self.state.prefaults.shutdown(wait=False, cancel_futures=True)
-        flushed = left_pages = left_bytes = 0
-        for namespace in self.namespaces.values():
-            result = await namespace.cache.flush_within(max(0.0, deadline - loop.time()))
-            flushed += result.written
-            left_pages += result.left_pages
-            left_bytes += result.left_bytes
-            await namespace.close()
+        await checkpoint("drain.flush")
+        flushed = await self.state.registry.close_all(deadline)
+        if flushed.unsettled:
+            log.warning(
+                "drain deadline passed",
+                extra={"fields": {"cancelled": ", ".join(flushed.unsettled)}},
+            )
         if self._bound:  # never another server's socket (a second serve that failed to start)
             with contextlib.suppress(OSError):
                 self.service.socket_path.unlink()
-        return DrainReport(len(pending) - cancelled, cancelled, flushed, left_pages, left_bytes)
+        return DrainReport(
+            len(pending) - cancelled,
+            cancelled,
+            flushed.written,
+            flushed.left_pages,
+            flushed.left_bytes,
+        )

@@ -1,6 +1,12 @@
 """What the engine server keeps per engine: `Session` (its namespace, mapped pools, counter
-file, unreleased loads, the prefault of its memory), `LoadEntry`, `Prefaulting`, the
-`DrainReport`."""
+file, the memory it claims, unreleased loads, the prefault of its memory), `LoadEntry`,
+`Prefaulting`, the `DrainReport`.
+
+A session's states: open (connected) -> said hello (`key`) -> registered (`memory` claimed,
+`claims.py`; `pools` attached) -> connection gone (`ending`: `connection_gone`) -> ended
+(`EngineServer.end`: every op settled, then `memory` released and `ended` set). Its id is
+the epoch every reply of a registration, store and load carries, so an engine can tell which
+session answered."""
 
 from __future__ import annotations
 
@@ -85,6 +91,11 @@ class Prefaulting:
         await asyncio.wait([self.task])
 
 
+# what names a piece of an engine's memory: a memfd's (st_dev, st_ino), or a CUDA
+# allocation's ("cuda", device, IPC handle)
+MemoryId = tuple[object, ...]
+
+
 @dataclass
 class Session:
     id: int
@@ -99,13 +110,22 @@ class Session:
     namespace: Namespace | None = None
     pools: dict[str, DevicePool] | None = None
     counters: CounterFile | None = None
-    memory: list[tuple[int, int]] = field(default_factory=list)  # (st_dev, st_ino) mapped
+    memory: list[MemoryId] = field(default_factory=list)  # claimed (claims.py) until ended
     loads: dict[int, LoadEntry] = field(default_factory=dict)
     free_slots: list[int] = field(default_factory=list)
     in_request: int = 0  # awaited requests in progress: a busy engine is not a silent one
     lookup_only: bool = False  # hello role "lookup": no pools, no stores or loads
     ending: asyncio.Task[None] | None = None  # set once its connection is gone
     prefault: Prefaulting | None = None  # its pool's page tables being filled
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # every op settled, memory free
+
+    @property
+    def connection_gone(self) -> bool:
+        """Its socket closed (or is closing): nothing new arrives; it ends once its ops settle."""
+        return self.ending is not None or self.transport.is_closing()
+
+    def loads_running(self) -> int:
+        return sum(1 for entry in self.loads.values() if entry.handle.result is None)
 
     def describe(self) -> str:
         who = f"session {self.id}"

@@ -7,7 +7,8 @@ thread that prefaults engines' pools.
 
 Lifecycle: `EngineServer` builds it once (`ServerState.build`) and hands the same object to
 each op class (`ops_session`, `ops_pools`, `ops_lookup`, `ops_data`); the server adds and
-removes sessions, the pool registration adds namespaces, the admin API swaps `store`. Its
+removes sessions, the pool registration gets namespaces from `registry` (the one writer of
+`namespaces`: the started ones by key), the admin API swaps `store`. Its
 two gates, `ready` and `readable`, say which namespace a session's op may use (or why
 none)."""
 
@@ -23,9 +24,10 @@ from hicache.assembly import ServiceSettings
 from hicache.assembly.sidecar import SidecarPlan
 from hicache.cache.keyers import page_keyers
 from hicache.channel import protocol as p
-from hicache.memory import GroupGeometry
+from hicache.memory import DevicePool, GroupGeometry
 from hicache.model import LayerMap
 from hicache.service.metrics import ServiceMetrics
+from hicache.service.namespace_registry import NamespaceRegistry
 from hicache.service.namespaces import Namespace, NamespaceKey
 from hicache.service.sessions import Session
 from hicache.storage import GuardedStore
@@ -50,6 +52,18 @@ class ServerState:
     prefaults: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hicache-prefault")
     )
+    # which namespace each key has, and its phase: the one writer of `namespaces`
+    registry: NamespaceRegistry = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.registry = NamespaceRegistry(self.namespaces, self.tg, self._start_namespace)
+
+    async def _start_namespace(
+        self, key: NamespaceKey, device_pools: dict[str, DevicePool]
+    ) -> Namespace:
+        return await Namespace.start(
+            key, self.plan, self.backend, self.store, device_pools, self.tg
+        )
 
     @classmethod
     def build(

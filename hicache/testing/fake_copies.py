@@ -28,7 +28,7 @@ from hicache.errors import ConfigError
 from hicache.transfer.backend import Direction, LayerPart
 from hicache.transfer.cpu_backend import CpuCopyBackend
 
-_SPEC_KEYS = {"fail_load_layers", "load_layer_delay_s"}
+_SPEC_KEYS = {"fail_load_layers", "load_layer_delay_s", "backup_layer_delay_s"}
 
 
 class InjectedFault(RuntimeError):
@@ -42,6 +42,7 @@ class FakeCopyBackend(CpuCopyBackend):
         gated: bool = False,
         layer_delay_s: float = 0.0,
         load_layer_delay_s: float = 0.0,
+        backup_layer_delay_s: float = 0.0,
         fail_load_layers: frozenset[int] = frozenset(),
     ):
         self._gated = gated
@@ -50,6 +51,7 @@ class FakeCopyBackend(CpuCopyBackend):
         self._fail_lock = threading.Lock()
         self.layer_delay_s = layer_delay_s  # before each layer of every walk
         self.load_layer_delay_s = load_layer_delay_s  # and of load walks only
+        self.backup_layer_delay_s = backup_layer_delay_s  # and of backup (store) walks only
         self.fail_load_layers = fail_load_layers  # every load walk fails at these positions
         self.layers_run = 0
         super().__init__(staging_bytes=1 << 20)
@@ -57,9 +59,10 @@ class FakeCopyBackend(CpuCopyBackend):
     @classmethod
     def from_spec(cls, spec: str, where: str) -> FakeCopyBackend:
         """A fake from a JSON object (`where`: what gave it, as errors name it):
-        `fail_load_layers` (stage-local positions at which every load walk fails) and
+        `fail_load_layers` (stage-local positions at which every load walk fails),
         `load_layer_delay_s` (seconds before each layer of a load walk: time for a test to
-        cancel a load mid-walk)."""
+        cancel a load mid-walk) and `backup_layer_delay_s` (likewise before each layer of a
+        store's backup walk: a store that outlasts its engine's timeout)."""
         try:
             data = json.loads(spec)
         except json.JSONDecodeError as exc:
@@ -69,14 +72,21 @@ class FakeCopyBackend(CpuCopyBackend):
                 f"{where}: {spec!r}; a JSON object with keys from {sorted(_SPEC_KEYS)}"
             )
         layers = data.get("fail_load_layers", [])
-        delay = data.get("load_layer_delay_s", 0.0)
         if not isinstance(layers, list) or not all(isinstance(i, int) and i >= 0 for i in layers):
             raise ConfigError(
                 f"{where}: fail_load_layers {layers!r}; a list of layer positions >= 0"
             )
-        if not isinstance(delay, int | float) or delay < 0:
-            raise ConfigError(f"{where}: load_layer_delay_s {delay!r}; a number of seconds >= 0")
-        return cls(load_layer_delay_s=float(delay), fail_load_layers=frozenset(layers))
+        delays: dict[str, float] = {}
+        for key in ("load_layer_delay_s", "backup_layer_delay_s"):
+            delay = data.get(key, 0.0)
+            if not isinstance(delay, int | float) or delay < 0:
+                raise ConfigError(f"{where}: {key} {delay!r}; a number of seconds >= 0")
+            delays[key] = float(delay)
+        return cls(
+            load_layer_delay_s=delays["load_layer_delay_s"],
+            backup_layer_delay_s=delays["backup_layer_delay_s"],
+            fail_load_layers=frozenset(layers),
+        )
 
     def release(self, layers: int = 1) -> None:
         for _ in range(layers):
@@ -101,7 +111,8 @@ class FakeCopyBackend(CpuCopyBackend):
     def _start_layer(self, direction: Direction, position: int) -> None:
         if self._gated:
             self._permits.acquire()
-        delay = self.layer_delay_s + (self.load_layer_delay_s if direction is Direction.LOAD else 0)
+        only = self.load_layer_delay_s if direction is Direction.LOAD else self.backup_layer_delay_s
+        delay = self.layer_delay_s + only
         if delay:
             time.sleep(delay)
 

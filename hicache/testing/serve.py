@@ -8,8 +8,8 @@ deployment -> `serve(loaded, backend_factory=...)`, which runs exactly as `hicac
 line and exit 2, as the CLI's do. `command(faults)` is the argv a `SidecarProcess` runs it by.
 
 The faults, a JSON object (`FakeCopyBackend.from_spec`): `fail_load_layers` (stage-local
-positions at which every load walk fails) and `load_layer_delay_s` (seconds before each layer
-of a load walk). CPU deployments only.
+positions at which every load walk fails), `load_layer_delay_s` and `backup_layer_delay_s`
+(seconds before each layer of a load walk, of a store's backup walk). CPU deployments only.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from hicache.channel.shm import SharedPools
-from hicache.client import ClientError, connect
+from hicache.client import ClientError, NoReplyError, connect
+from hicache.client.handle import Epoch
 from hicache.client.process import SidecarProcess
 from hicache.errors import ConfigError, PoolShapeError
 from hicache.integrations.vllm_binding import StateSpec, bind_layers
@@ -262,6 +263,15 @@ class _FakeClient:
     def record_fence(self, stream: Any = None, op: str = "store") -> tuple[Any, bytes | None]:
         self.fences_recorded.append((stream, threading.get_ident()))
         return (f"event {len(self.fences_recorded)}", None)
+        self.load_error: Exception | None = None
+        self.session = 1  # the session said hello in now
+        self.registered = 1  # the latest session the memory was registered in
+
+    def now(self) -> Epoch:
+        return Epoch(None, self.session)
+
+    def confirmed(self, epoch: Epoch) -> bool:
+        return self.registered > epoch.session
 
     def create_pools(self, num_pages: Mapping[str, int], *, prefault: bool = True) -> SharedPools:
         self.staging_prefaulted = prefault
@@ -298,6 +308,8 @@ class _FakeClient:
     ) -> _Handle:
         self.loads.append({g: list(p) for g, p in device_pages.items()})
         self.load_streams.append(stream)
+        if self.load_error is not None:
+            raise self.load_error
         return _Handle(len(tokens))
 
     def prefetch(self, tokens: Sequence[int]) -> int:
@@ -310,7 +322,11 @@ class _FakeClient:
         self.stats_calls += 1
         if self.stats_refusals:
             self.stats_refusals -= 1
-            raise ClientError("refused", "register_pools: this memory is registered by session 1")
+            raise ClientError(
+                "busy", "register_pools: this memory is still registered by session 1"
+            )
+        self.session += 1  # the call reconnected, and the memory was registered again
+        self.registered = self.session
         return {}
 
     def close(self) -> None:
@@ -433,6 +449,41 @@ def test_a_store_that_timed_out_keeps_its_staging_pages_from_the_next_store() ->
     client.store_error = ClientError("busy", "every L2 page is pinned")
     worker.store([StoreJob("c", tuple(range(200, 264)), 0, ((1, 2, 3, 4, 5),), 64)])
     assert worker.staging.free() == {"full": 3}
+
+
+def test_staging_pages_of_a_store_without_reply_come_back_once_its_session_is_over() -> None:
+    """Quarantined under the store's epoch: out of use while the sidecar has not confirmed
+    that session over, free again (and counted) once a later registration did."""
+    worker, client = _worker(staging_pages=6)
+    client.store_error = NoReplyError("store", Epoch(None, 1), 0.1)
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 3),), 32)])
+    client.store_error = None
+    assert worker.staging.free() == {"full": 3}
+    assert worker.staging.quarantined() == 2
+    worker.before_forward()  # no call reconnected yet: session 1 not confirmed over
+    assert worker.staging.free() == {"full": 3}
+    assert worker.counters.staging_reclaimed == 0
+    client.stats()  # a call that reconnected and registered the pool again (session 2)
+    worker.before_forward()
+    assert worker.staging.free() == {"full": 5}
+    assert worker.counters.staging_reclaimed == 2
+    assert worker.staging.quarantined() == 0
+
+
+def test_a_direct_load_whose_start_got_no_reply_holds_the_next_forward_until_settled() -> None:
+    """The load may still be writing vLLM's blocks in the sidecar: before the next forward
+    the worker waits until the sidecar confirmed the load's session over."""
+    worker, client = _worker(staging_pages=4, direct=True)
+    client.load_error = NoReplyError("load", Epoch(None, 1), 0.1)
+    client.stats_refusals = 1  # the old session still runs: the first try is refused
+    worker.start_loads([LoadJob("a", tuple(range(32)), 0, ((1, 2, 0),))])
+    worker.wait_layer(max(worker.bindings))
+    worker.finish_loads()
+    assert worker.take_load_errors() == {1, 2}
+    assert client.stats_calls == 0  # nothing waited for inside the step
+    worker.before_forward()
+    assert client.stats_calls == 2  # refused once, then registered again: confirmed
+    assert worker.counters.stores_unconfirmed == 0
 
 
 def test_a_starved_load_is_counted_and_says_what_was_free() -> None:

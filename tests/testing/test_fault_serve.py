@@ -18,20 +18,28 @@ from hicache.testing.serve import command, copy_faults
 from tests.service.conftest import write_config
 
 BAD_SPECS = [
-    ("[2]", r"'\[2\]'; a JSON object with keys from \['fail_load_layers', 'load_layer_delay_s'\]"),
+    (
+        "[2]",
+        r"'\[2\]'; a JSON object with keys from \['backup_layer_delay_s', 'fail_load_layers', "
+        r"'load_layer_delay_s'\]",
+    ),
     ('{"fail_load_layers": [-1]}', r"fail_load_layers \[-1\]; a list of layer positions >= 0"),
     ('{"load_layer_delay_s": "1"}', r"load_layer_delay_s '1'; a number of seconds >= 0"),
+    ('{"backup_layer_delay_s": -1}', r"backup_layer_delay_s -1; a number of seconds >= 0"),
     ("{", r"'\{' is not JSON \(Expecting property name enclosed in double quotes\)"),
 ]
 
 
 def test_the_factory_builds_the_fake_with_its_faults(tmp_path: Path) -> None:
-    factory = copy_faults('{"fail_load_layers": [2], "load_layer_delay_s": 0.01}')
+    factory = copy_faults(
+        '{"fail_load_layers": [2], "load_layer_delay_s": 0.01, "backup_layer_delay_s": 0.02}'
+    )
     made = factory(load_deployment(write_config(tmp_path)))
     try:
         assert isinstance(made, FakeCopyBackend)
         assert made.fail_load_layers == frozenset({2})
         assert made.load_layer_delay_s == 0.01
+        assert made.backup_layer_delay_s == 0.02
     finally:
         made.close()
 
