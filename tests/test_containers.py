@@ -253,8 +253,26 @@ def image_uid() -> tuple[int, int]:
 def host(image_uid: tuple[int, int]) -> Iterator[Host]:
     folder = Path(tempfile.mkdtemp(prefix="hicache-containers-"))
     os.chmod(folder, 0o755)  # the engines' uid walks into its folders
+    uid, gid = image_uid
+    probe = subprocess.run(
+        [sys.executable, "-c", "import hicache.demo.engine"],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd="/",
+        user=uid,
+        group=gid,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert probe.returncode == 0, (
+        f"the host engines run as the image's uid {uid}, which cannot run {sys.executable} "
+        f"on the checkout {REPO}: {probe.stderr.strip().splitlines()[-1:]}; run .ci/run from "
+        "a checkout (and a venv) every user can read, e.g. not under a 0700 home folder"
+    )
     try:
-        yield Host(*image_uid, folder)
+        yield Host(uid, gid, folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
