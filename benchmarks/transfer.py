@@ -35,7 +35,8 @@ are medians of each side's timings; `baseline_gbps_p*` is the load direction's b
 
 `--plot DIR` also draws this run's GB/s by page size (ours on the churned and the fresh pool,
 and the contiguous baseline; loads solid, backups dashed) to `DIR/transfer_<layout>.svg` and
-`.png`.
+`.png`, with matplotlib (`pip install 'hicache[plots]'`; without it `--plot` is refused before
+anything is measured).
 
 On CUDA it also times a per-page `cudaMemcpyAsync` loop (`vs_loop_p*` = loop time / ours).
 On the CPU the JSON names the row kernel in use (`row_kernel`); `--numpy-kernel` times the
@@ -59,8 +60,8 @@ from pathlib import Path
 
 import torch
 
-from hicache.demo import charts
-from hicache.demo.raster import Color
+from hicache.demo import charts, plotting
+from hicache.demo.charts import Color
 from hicache.memory import DevicePool, GroupGeometry, HostPool
 from hicache.memory.page_allocator import PageAllocator
 from hicache.model import CacheGroup, CacheKind, CacheSpec, KvFormat
@@ -323,6 +324,11 @@ def main() -> None:
     pages = [int(p) for p in args.pages.split(",")]
     if args.numpy_kernel and args.device != "cpu":
         parser.error("--numpy-kernel is for --device cpu")
+    if args.plot is not None and not plotting.available():
+        parser.error(
+            f"--plot {args.plot}: the charts are drawn with matplotlib, which is not installed "
+            f"here: {plotting.INSTALL_HINT}"
+        )
     torch.set_num_threads(1)
     backend = CpuCopyBackend(native=False) if args.numpy_kernel else make_backend(args.device)
     # the numpy kernels' baseline stays the best contiguous copy: pieces through the native

@@ -39,6 +39,8 @@ class Override(dict[str, Any]):
 
 
 def _override(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.SequenceNode):  # the short form: `depends_on: !override [a, b]`
+        return Override({str(name): {} for name in loader.construct_sequence(node, deep=True)})
     assert isinstance(node, yaml.MappingNode)
     return Override({str(k): v for k, v in loader.construct_mapping(node, deep=True).items()})
 

@@ -144,7 +144,8 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="PATH",
-        help="also write the per-layer load timeline to PATH, as .html and .png (kept)",
+        help="also write the per-layer load timeline to PATH, as .html and .png (kept; needs "
+        "matplotlib: pip install 'hicache[plots]')",
     )
     trace = demo.add_argument_group("trace")
     for name, value in _trace_defaults():

@@ -10,9 +10,10 @@ spills to L3) -> print the deployment the sidecar runs (its `/v1/config`, also s
 metrics endpoint, SIGTERM the sidecar (it must drain and exit 0) -> print the summary table
 (and with `--json` a last line of JSON; the text in `demo.report`) -> write the per-layer
 timeline of a few loads (`demo.timeline`: `timeline.html` and `timeline.png` in the run
-directory, and at `--timeline PATH`) -> exit non-zero on any mismatch or failure. SIGTERM /
-SIGINT stop the engine and the sidecar, remove the run directory (unless `--keep`) and exit
-128 + signal.
+directory, and at `--timeline PATH`; without matplotlib, one line saying how to get them, and
+`--timeline PATH` refused before anything starts) -> exit non-zero on any mismatch or failure.
+SIGTERM / SIGINT stop the engine and the sidecar, remove the run directory (unless `--keep`)
+and exit 128 + signal.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 from hicache.assembly import geometries as deployment_geometries
 from hicache.client.process import SidecarProcess, SidecarStartError
 from hicache.config import load_deployment, parse_bytes
+from hicache.demo import plotting
 from hicache.demo import timeline as timeline_mod
 from hicache.demo.report import (
     Progress,
@@ -148,6 +150,13 @@ def run_demo(
     except ValueError as exc:
         print(f"hicache demo: --host-capacity: {exc}", file=sys.stderr)
         return 2
+    if timeline is not None and not plotting.available():
+        print(
+            f"hicache demo: --timeline {timeline}: the timeline is drawn with matplotlib, which "
+            f"is not installed here: {plotting.INSTALL_HINT}",
+            file=sys.stderr,
+        )
+        return 2
     try:
         tiers = size_tiers(
             geometries,
@@ -243,19 +252,7 @@ def _run(
     print(f"\n== summary (sidecar /metrics: HTTP {status}, {series} hicache series)", file=out)
     print(render(figures, prefill_tokens_per_s), file=out)
     if loads:
-        shown = timeline_mod.pick(loads)
-        title = f"hicache demo: per-layer load timeline ({len(shown)} of {len(loads)} loads)"
-        targets = [run_dir / "timeline"] + ([timeline.with_suffix("")] if timeline else [])
-        written = [timeline_mod.write(shown, base, title) for base in targets]
-        kept = keep or timeline is not None
-        page, png = written[-1]
-        print(
-            f"\n== timeline: {page} and {png}"
-            + ("" if kept else " (removed with the run directory: --keep or --timeline PATH)"),
-            file=out,
-        )
-        if kept:
-            figures["timeline_html"], figures["timeline_png"] = str(page), str(png)
+        _write_timeline(loads, run_dir, timeline, keep, figures)
     if keep:
         figures["run_dir"] = str(run_dir)
     if code != 0:
@@ -263,6 +260,35 @@ def _run(
     if as_json:
         print(json.dumps(figures), file=out)
     return 1 if figures["mismatches"] or code != 0 else 0
+
+
+def _write_timeline(
+    loads: list[LoadTimeline],
+    run_dir: Path,
+    timeline: Path | None,
+    keep: bool,
+    figures: dict[str, Any],
+) -> None:
+    out = sys.stdout
+    if not plotting.available():
+        print(
+            f"\n== timeline: not drawn (matplotlib is not installed): {plotting.INSTALL_HINT}",
+            file=out,
+        )
+        return
+    shown = timeline_mod.pick(loads)
+    title = f"hicache demo: per-layer load timeline ({len(shown)} of {len(loads)} loads)"
+    targets = [run_dir / "timeline"] + ([timeline.with_suffix("")] if timeline else [])
+    written = [timeline_mod.write(shown, base, title) for base in targets]
+    kept = keep or timeline is not None
+    page, png = written[-1]
+    print(
+        f"\n== timeline: {page} and {png}"
+        + ("" if kept else " (removed with the run directory: --keep or --timeline PATH)"),
+        file=out,
+    )
+    if kept:
+        figures["timeline_html"], figures["timeline_png"] = str(page), str(png)
 
 
 def _drive(

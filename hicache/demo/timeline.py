@@ -1,11 +1,19 @@
-"""The demo's picture: per-layer timelines of a few loads, as an HTML page (inline SVG) and a
-PNG (drawn on `raster.Canvas`: zlib + struct, no plotting library).
+"""The demo's picture: per-layer timelines of a few loads, drawn with matplotlib
+(`demo.plotting`) as a PNG and as an HTML page holding the same figure as inline SVG (vector:
+it stays sharp when zoomed, and the page has a zoom slider).
 
 Per layer of a load, in time since the load was issued: the copy of layer i (from when layer
 i-1 was seen landed to when layer i was: layers land in order, so this is the window its copy
 finished in), the simulated compute of layer i (after its wait), and the stall (the engine
 blocked in `wait_layer` instead of computing), marked in red on the compute row when it is
-longer than `STALL_MARK_S`.
+longer than `STALL_MARK_S`. One panel per load, layer 0 at the top, each panel on its own time
+scale (its title gives the load's length and its stall).
+
+Lifecycle: `from_event` per engine event that carries a timeline -> `pick` the loads shown ->
+`figure(loads)` (panel n is the Axes with gid `load-n`; its copy, compute and stall bars are one
+collection each, gids `load-n-copy` / `-compute` / `-stall`, one rectangle per layer) ->
+`write(loads, base, title)` for `base`.html and `base`.png. Without matplotlib, `figure` and
+`write` raise `plotting.PlotsUnavailable`, whose message says what to install.
 """
 
 from __future__ import annotations
@@ -14,18 +22,20 @@ import html
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from hicache.demo.raster import Canvas, text_width
+from hicache.demo import plotting
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 STALL_MARK_S = 20e-6
 MAX_LOADS = 4
 
-COPY = (66, 133, 244)  # blue
-COMPUTE = (52, 168, 83)  # green
-STALL = (219, 68, 55)  # red
-BACKGROUND = (255, 255, 255)
-AXIS = (160, 160, 160)
+COPY = "#4285f4"  # blue
+COMPUTE = "#34a853"  # green
+STALL = "#db4437"  # red
+KINDS = ("copy", "compute", "stall")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,52 +83,14 @@ def pick(loads: Sequence[LoadTimeline], n: int = MAX_LOADS) -> list[LoadTimeline
     return [loads[i] for i in sorted(ranked[:n])]
 
 
-# ---- geometry shared by both renderings -------------------------------------------------------
+# ---- the figure ------------------------------------------------------------------------------
 
-WIDTH = 900
-LEFT = 60  # layer labels
-RIGHT = 20
-ROW = 8  # per layer
-GAP = 2
-TITLE = 28  # per panel, above its rows
-BOTTOM = 16
-
-
-def _panel_height(load: LoadTimeline) -> int:
-    return TITLE + len(load.layers) * ROW + BOTTOM
-
-
-def _rects(load: LoadTimeline, top: int) -> list[tuple[int, list[tuple[str, int, int, int, int]]]]:
-    """Per layer: (layer id, [(kind, x, y, w, h)]) for the copy, compute and stall bars."""
-    scale = (WIDTH - LEFT - RIGHT) / max(load.end, 1e-9)
-    half = (ROW - GAP) // 2
-    out = []
-    for row, span in enumerate(load.layers):
-        y = top + TITLE + row * ROW
-
-        def bar(
-            kind: str, start: float, end: float, y0: int, h: int
-        ) -> tuple[str, int, int, int, int]:
-            x0 = LEFT + int(start * scale)
-            return (kind, x0, y0, max(1, int(end * scale) + LEFT - x0), h)
-
-        bars = [
-            bar("copy", span.copy_start, span.landed, y, half),
-            bar("compute", span.landed, span.compute_end, y + half, half),
-        ]
-        if span.stall > STALL_MARK_S:
-            bars.append(bar("stall", span.wait_start, span.landed, y + half, half))
-        out.append((span.layer_id, bars))
-    return out
-
-
-# ---- HTML (inline SVG) --------------------------------------------------------------------------
-
+WIDTH_IN = 9.0
+LAYER_IN = 0.07  # panel height per layer
+PANEL_IN = 0.75  # per panel: its title and time axis
+LEGEND_IN = 0.45
+LAYER_TICK_EVERY = 8
 _FILL = {"copy": COPY, "compute": COMPUTE, "stall": STALL}
-
-
-def _rgb(c: tuple[int, int, int]) -> str:
-    return f"rgb({c[0]},{c[1]},{c[2]})"
 
 
 def _label(load: LoadTimeline) -> str:
@@ -128,87 +100,93 @@ def _label(load: LoadTimeline) -> str:
     )
 
 
-def render_html(loads: Sequence[LoadTimeline], title: str) -> str:
-    height = sum(_panel_height(load) for load in loads) or TITLE
-    parts = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
-        f'viewBox="0 0 {WIDTH} {height}" font-family="sans-serif" font-size="11">'
+def bars(load: LoadTimeline) -> dict[str, list[tuple[float, float, float]]]:
+    """Per kind, one (row, start_ms, width_ms) per bar: a copy and a compute bar per layer,
+    a stall bar for a layer that waited over `STALL_MARK_S`."""
+    out: dict[str, list[tuple[float, float, float]]] = {kind: [] for kind in KINDS}
+    for row, span in enumerate(load.layers):
+        out["copy"].append((row, span.copy_start * 1e3, (span.landed - span.copy_start) * 1e3))
+        out["compute"].append((row, span.landed * 1e3, (span.compute_end - span.landed) * 1e3))
+        if span.stall > STALL_MARK_S:
+            out["stall"].append((row, span.wait_start * 1e3, span.stall * 1e3))
+    return out
+
+
+def figure(loads: Sequence[LoadTimeline], title: str = "") -> Figure:
+    """One panel per load (layer rows top down; copy on the upper half of a row, compute and
+    stall on the lower), a key below, `title` above."""
+    heights = [max(1, len(load.layers)) * LAYER_IN + PANEL_IN for load in loads] or [PANEL_IN]
+    fig = plotting.new_figure(WIDTH_IN, sum(heights) + LEGEND_IN)  # PlotsUnavailable first
+    from matplotlib.collections import PolyCollection
+    from matplotlib.patches import Patch
+
+    if title:
+        fig.suptitle(title, x=0.01, ha="left", fontsize="medium")
+    if not loads:
+        ax = fig.add_subplot()
+        ax.set_axis_off()
+        ax.text(0.5, 0.5, "no loads to show", ha="center", va="center")
+        return fig
+    axes = fig.subplots(len(loads), 1, squeeze=False, height_ratios=heights)[:, 0]
+    for n, (ax, load) in enumerate(zip(axes, loads, strict=True)):
+        ax.set_gid(f"load-{n}")
+        for kind, spans in bars(load).items():
+            top = 0.05 if kind == "copy" else 0.5  # copy on a row's upper half
+            rects = [_rect(start, width, row + top, 0.45) for row, start, width in spans]
+            ax.add_collection(
+                PolyCollection(rects, facecolors=_FILL[kind], linewidths=0, gid=f"load-{n}-{kind}")
+            )
+        rows = len(load.layers)
+        ax.set_ylim(rows, 0)  # layer 0 at the top
+        ax.set_xlim(0, max(load.end, 1e-9) * 1e3)
+        ticks = list(range(0, rows, LAYER_TICK_EVERY))
+        ax.set_yticks(
+            [t + 0.5 for t in ticks], [f"L{load.layers[t].layer_id}" for t in ticks], fontsize=7
+        )
+        ax.tick_params(axis="x", labelsize=8)
+        ax.set_title(_label(load), fontsize=9, loc="left")
+        ax.grid(True, axis="x", color="#e6e6e6")
+        ax.set_axisbelow(True)
+    axes[-1].set_xlabel("ms since the load was issued (each panel on its own scale)")
+    key = [
+        Patch(color=COPY, label="copy of layer i"),
+        Patch(color=COMPUTE, label="compute of layer i"),
+        Patch(color=STALL, label=f"stall (engine waited over {STALL_MARK_S * 1e6:.0f} us)"),
     ]
-    top = 0
-    for n, load in enumerate(loads):
-        label = _label(load)
-        parts.append(f'<g class="load" data-load="{n}">')
-        parts.append(f'<text x="4" y="{top + 18}">{html.escape(label)}</text>')
-        for layer_id, bars in _rects(load, top):
-            y = bars[0][2]
-            parts.append(f'<g class="layer" data-layer="{layer_id}">')
-            if layer_id % 8 == 0:
-                parts.append(f'<text x="4" y="{y + ROW - 2}" font-size="8">L{layer_id}</text>')
-            for kind, x, by, w, h in bars:
-                parts.append(
-                    f'<rect class="{kind}" x="{x}" y="{by}" width="{w}" height="{h}" '
-                    f'fill="{_rgb(_FILL[kind])}"/>'
-                )
-            parts.append("</g>")
-        parts.append("</g>")
-        top += _panel_height(load)
-    parts.append("</svg>")
-    legend = " ".join(
-        f'<span style="color:{_rgb(c)}">&#9632;</span> {k}'
-        for k, c in (("copy of layer i", COPY), ("compute of layer i", COMPUTE))
-    )
-    legend += (
-        f' <span style="color:{_rgb(STALL)}">&#9632;</span> stall '
-        f"(engine waited over {STALL_MARK_S * 1e6:.0f} us for layer i)"
+    fig.legend(handles=key, loc="outside lower center", ncols=3, frameon=False)
+    return fig
+
+
+def _rect(x: float, width: float, y: float, height: float) -> list[tuple[float, float]]:
+    return [(x, y), (x, y + height), (x + width, y + height), (x + width, y)]
+
+
+def render_html(loads: Sequence[LoadTimeline], title: str, fig: Figure | None = None) -> str:
+    """A self-contained page: the key in words, a zoom slider and the figure (`fig`, else
+    `figure(loads, title)`) as inline SVG."""
+    svg = plotting.svg_markup(fig if fig is not None else figure(loads, title))
+    legend = (
+        "copy of layer i (blue), compute of layer i (green), stall (red: the engine waited "
+        f"over {STALL_MARK_S * 1e6:.0f} us for layer i)"
     )
     return (
         "<!doctype html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{html.escape(title)}</title></head>\n<body style='font-family:sans-serif'>\n"
-        f"<h2>{html.escape(title)}</h2>\n<p>Per layer, time since the load was issued: "
-        f"{legend}.</p>\n" + "\n".join(parts) + "\n</body></html>\n"
+        f"<title>{html.escape(title)}</title>\n"
+        "<style>#zoom svg{width:100%;height:auto}</style></head>\n"
+        "<body style='font-family:sans-serif'>\n"
+        "<p>Per layer, time since the load was issued: "
+        f"{html.escape(legend)}.</p>\n"
+        "<p><label>zoom <input type='range' min='100' max='800' value='100' "
+        "oninput=\"document.getElementById('zoom').style.width=this.value+'%'\"></label></p>\n"
+        "<div style='overflow-x:auto'><div id='zoom' style='width:100%'>\n"
+        f"{svg}</div></div>\n</body></html>\n"
     )
-
-
-# ---- PNG --------------------------------------------------------------------------------------
-
-
-PNG_LEGEND = 24  # the PNG's key, below the panels (the HTML page says it in words)
-INK = (30, 30, 30)
-
-
-def render_png(loads: Sequence[LoadTimeline]) -> bytes:
-    """The panels as in the HTML page (labels in the bitmap font), then a key."""
-    panels = sum(_panel_height(load) for load in loads) or TITLE
-    canvas = Canvas(WIDTH, panels + PNG_LEGEND, BACKGROUND)
-    top = 0
-    for load in loads:
-        canvas.fill(LEFT - 2, top + TITLE, 1, len(load.layers) * ROW, AXIS)  # time axis origin
-        canvas.fill(0, top + 4, WIDTH, 1, AXIS)  # a rule between panels
-        label = _label(load)
-        scale = 2 if text_width(label, 2) <= WIDTH - 8 else 1
-        canvas.text(4, top + 8, label, INK, scale)
-        for layer_id, bars in _rects(load, top):
-            if layer_id % 8 == 0:
-                canvas.text(4, bars[0][2], f"L{layer_id}", INK)
-            for kind, x, y, w, h in bars:
-                canvas.fill(x, y, w, h, _FILL[kind])
-        top += _panel_height(load)
-    x = 4
-    key = (
-        ("copy of layer i", COPY),
-        ("compute of layer i", COMPUTE),
-        (f"stall (engine waited over {STALL_MARK_S * 1e6:.0f} us)", STALL),
-    )
-    for name, color in key:
-        canvas.fill(x, panels + 8, 14, 10, color)
-        x += 20 + canvas.text(x + 20, panels + 6, name, INK, 2) + 20
-    return canvas.png()
 
 
 def write(loads: Sequence[LoadTimeline], base: Path, title: str) -> tuple[Path, Path]:
-    """`base`.html and `base`.png; returns their paths."""
+    """`base`.html and `base`.png, from one figure; returns their paths."""
+    fig = figure(loads, title)
     base.parent.mkdir(parents=True, exist_ok=True)
-    page, png = base.with_suffix(".html"), base.with_suffix(".png")
-    page.write_text(render_html(loads, title))
-    png.write_bytes(render_png(loads))
-    return page, png
+    page = base.with_suffix(".html")
+    page.write_text(render_html(loads, title, fig))
+    return page, plotting.save(fig, base.with_suffix(".png"))
