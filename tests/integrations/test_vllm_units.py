@@ -259,13 +259,13 @@ class _FakeClient:
         self.stores_finished = 0
         self.fences_recorded: list[tuple[object, int]] = []  # (stream, thread id)
         self.store_fences: list[tuple[Any, bytes | None] | None] = []
+        self.load_error: Exception | None = None
+        self.session = 1  # the session said hello in now
+        self.registered = 1  # the latest session the memory was registered in
 
     def record_fence(self, stream: Any = None, op: str = "store") -> tuple[Any, bytes | None]:
         self.fences_recorded.append((stream, threading.get_ident()))
         return (f"event {len(self.fences_recorded)}", None)
-        self.load_error: Exception | None = None
-        self.session = 1  # the session said hello in now
-        self.registered = 1  # the latest session the memory was registered in
 
     def now(self) -> Epoch:
         return Epoch(None, self.session)
