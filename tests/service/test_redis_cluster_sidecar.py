@@ -33,6 +33,9 @@ import yaml
 from tests.conftest import REPO, shared_model
 
 if __name__ != "__main__":  # the test (an engine process needs none of this)
+    from tests.storage.servers import REDIS_CLIENT
+
+    pytest.importorskip("redis", reason=REDIS_CLIENT)
     import redis
 
     from hicache.client.process import SidecarProcess
