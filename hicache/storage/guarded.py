@@ -386,8 +386,11 @@ class GuardedStore:
         return bool(await self.calls.call("delete", 0, run))
 
     async def probe(self) -> BreakerState:
-        """The background retry: when the breaker lets a trial call through (half-open), make
-        one cheap call so a recovered backend closes it before the next engine request."""
-        if self.breaker.state is BreakerState.HALF_OPEN:
-            await self.calls.call("probe", 0, lambda: self.backend.exists_many([PROBE_KEY]))
+        """The background retry (`PROBE_INTERVAL_S`): while the breaker is open or half-open,
+        one cheap call, without waiting for `reset_after_s` (`CircuitBreaker.allow_probe`),
+        so a recovered backend closes it within one probe interval and one call."""
+        if self.breaker.state is not BreakerState.CLOSED:
+            await self.calls.call_why(
+                "probe", 0, lambda: self.backend.exists_many([PROBE_KEY]), probe=True
+            )
         return self.breaker.state
