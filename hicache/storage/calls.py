@@ -64,19 +64,12 @@ class GuardedCalls:
         return (await self.call_why(what, nbytes, coro_factory))[0]
 
     async def call_why(
-        self,
-        what: str,
-        nbytes: int,
-        coro_factory: Callable[[], Awaitable[T]],
-        *,
-        probe: bool = False,
+        self, what: str, nbytes: int, coro_factory: Callable[[], Awaitable[T]]
     ) -> tuple[T | None, str | None]:
         """`call`, and why it gave None: "open", "timeout" or the exception's name. On a
         timeout the call is cancelled: only for calls whose threads touch no caller memory
-        that outlives them (scatter reads go through `launch` / `settle_call`). `probe`:
-        the background probe's trial, let through an open breaker (`allow_probe`)."""
-        allowed = self.breaker.allow_probe() if probe else self.breaker.allow()
-        if not allowed:
+        that outlives them (scatter reads go through `launch` / `settle_call`)."""
+        if not self.breaker.allow():
             self.stats.skipped_open += 1
             return None, "open"
         try:

@@ -139,6 +139,29 @@ async def test_the_probe_lets_a_recovered_backend_in_without_waiting_for_the_res
     assert bytes(got[0]) == b"v" * 64
 
 
+@pytest.mark.asyncio
+async def test_a_probe_that_timed_out_is_left_to_end_before_the_next(tmp_path: Path) -> None:
+    """A backend whose calls outlast the probe's timeout (Mooncake's RPC timeout is longer
+    than ours) gets one probe call at a time, never one per interval piling up."""
+    faulty = FaultyBackend(FileBackend(tmp_path, capacity_bytes=1 << 20))
+    store = GuardedStore(faulty, base_timeout_s=0.05, failure_threshold=1, reset_after_s=3600.0)
+    faulty.down = True
+    assert await store.get([b"k" * 16]) == [None]
+    faulty.down, faulty.latency_s = False, 60.0  # back, but each call hangs a minute
+    calls = faulty.calls
+    assert await store.probe() is BreakerState.OPEN  # timed out: left running
+    assert store.stats.failures["probe:timeout"] == 1
+    assert faulty.calls == calls + 1
+    assert await store.probe() is BreakerState.OPEN  # the first still runs: no second call
+    assert faulty.calls == calls + 1
+    assert store._probing is not None
+    store._probing.cancel()  # (the test's stand-in for the hung call ending)
+    await asyncio.gather(store._probing, return_exceptions=True)
+    faulty.latency_s = 0.0
+    assert await store.probe() is BreakerState.CLOSED
+    assert faulty.calls == calls + 2
+
+
 def test_one_trial_at_a_time_probe_or_engine_call() -> None:
     now = [0.0]
     breaker = CircuitBreaker(1, reset_after_s=5.0, clock=lambda: now[0])
