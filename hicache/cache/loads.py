@@ -15,6 +15,16 @@ scheduler; the pins are released when the load ends, or at once when it moves no
 the scheduler refuses it. A fetch plans its pages, waits for a persist batch that holds the
 room it lacks, and reads them into reserved host pages (`L3Io.read_into`); it reads nothing
 once L3 was detached or replaced meanwhile.
+
+A fetch goes in rounds. A page that does not arrive because L3 answered that it is damaged
+or gone (`commit_fetch` drops its L3 mark) breaks the hit there; the prompt is looked up
+again, and the longest prefix the tiers still serve may need pages the longer hit did not
+(a sliding window's pages before the break, a state group's snapshot stored at the shorter
+length), which the next round fetches. The load then serves that prefix from L2, never 0
+tokens for a break in the middle. Each round's hit is strictly shorter than the one before;
+a round that shortens nothing (L3 did not answer, L2 has no room) is the last. Pages a
+round read beyond the break stay in L2 as cached pages (unpinned, evictable); every
+reservation of a round is committed or freed by `commit_fetch` as before.
 """
 
 from __future__ import annotations
@@ -74,7 +84,7 @@ class Loads:
         hit = self.index.lookup(token_ids, skip_pages=skip_pages)
         failed: dict[str, tuple[int, ...]] = {}
         if hit.pages_total > hit.pages_l2 and self._l3() is not None:
-            await self._prefetch(hit, len(token_ids))
+            await self._prefetch(token_ids, skip_pages, hit)
             failed = {
                 group: lost
                 for group, rows in hit.needed.items()
@@ -115,10 +125,10 @@ class Loads:
         hit = self.index.lookup(token_ids)
         if hit.pages_total == hit.pages_l2 or self._l3() is None:
             return 0
-        gained = await self._spawn(lambda: self._fetch(hit), "prefetch")
+        gained = await self._spawn(lambda: self._fetch(token_ids, 0, hit), "prefetch")
         return int(gained or 0)
 
-    async def _prefetch(self, hit: Hit, tokens: int) -> None:
+    async def _prefetch(self, token_ids: Sequence[int], skip_pages: int, hit: Hit) -> None:
         """Bring the hit's L3-only pages into L2 within the prefetch policy's wait; the
         fetch goes on in the background past it (owned by the running cache), so the next
         request for the prefix finds it in L2."""
@@ -129,12 +139,34 @@ class Loads:
         )
         # the reads in flight go first (L3 serves them meanwhile), then this one
         queued = self.io.reading_bytes + l3_bytes
-        wait = self._prefetch_policy().wait_s(tokens, queued, self.io.read_rate.bytes_per_s())
-        task = self._spawn(lambda: self._fetch(hit), "fetch")
+        wait = self._prefetch_policy().wait_s(
+            len(token_ids), queued, self.io.read_rate.bytes_per_s()
+        )
+        task = self._spawn(lambda: self._fetch(token_ids, skip_pages, hit), "fetch")
         if wait != 0.0:
             await asyncio.wait({task}, timeout=wait)
 
-    async def _fetch(self, hit: Hit) -> int:
+    async def _fetch(self, token_ids: Sequence[int], skip_pages: int, hit: Hit) -> int:
+        """The hit's L3-only pages into L2, in rounds. Where some page did not arrive —
+        damaged or gone from L3, which the index learns from L3's answer — the hit it broke
+        is looked up again: the longest prefix the tiers still serve, whose needs may
+        differ (a window's pages before the break, a state group's snapshot at the shorter
+        length, which the longer hit never asked for). Its pages L2 lacks are the next
+        round. Each round's hit is strictly shorter than the last, so the rounds end; a
+        round that shortens nothing (L3 did not answer, L2 has no room) is the last."""
+        gained = 0
+        while True:
+            gained += await self._fetch_round(hit)
+            if all(r.l2_page is not None for rows in hit.needed.values() for _, r in rows):
+                return gained
+            if self._l3() is None:
+                return gained
+            shorter = self.index.lookup(token_ids, skip_pages=skip_pages)
+            if shorter.pages_total >= hit.pages_total or shorter.pages_total == shorter.pages_l2:
+                return gained
+            hit = shorter
+
+    async def _fetch_round(self, hit: Hit) -> int:
         """Plan, read, commit: the hit's L3-only pages into reserved host pages."""
         l3 = self._l3()
         if l3 is None:

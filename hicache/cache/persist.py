@@ -36,6 +36,9 @@ class PersistStats:
     skipped_pages: int  # left L2 (or reached L3 another way) before their turn
     failed_pages: int
     detached_pages: int = 0  # waiting when L3 was detached or replaced: dropped
+    # in the batch being written now (pinned while L3 reads them); with `queued_pages`, 0
+    # means idle: every write behind an acknowledged store has ended and let go of L2
+    writing_pages: int = 0
 
 
 class PersistQueue:
@@ -57,6 +60,7 @@ class PersistQueue:
         self._batch_done.set()
         self._offered = self._dropped = self._written = self._skipped = self._failed = 0
         self._detached = 0
+        self._writing = 0  # pages of the batch being written
 
     def offer(self, records: Mapping[str, Sequence[PageRecord]]) -> int:
         """Queue the pages for L3; returns how many were accepted (the rest dropped)."""
@@ -112,6 +116,7 @@ class PersistQueue:
             if not size:
                 continue
             self._batch_done.clear()
+            self._writing = size
             task = asyncio.ensure_future(write(batch))
             try:
                 written, skipped = await asyncio.shield(task)
@@ -122,6 +127,7 @@ class PersistQueue:
                 self._failed += size
                 continue
             finally:
+                self._writing = 0
                 self._batch_done.set()
             self._written += written
             self._skipped += skipped
@@ -171,4 +177,5 @@ class PersistQueue:
             self._skipped,
             self._failed,
             self._detached,
+            self._writing,
         )

@@ -26,8 +26,9 @@ class L3Guard(Section):
 
     `GuardedStore` takes these (`hicache.assembly.store_of`): each call times out
     after `base_timeout_s + bytes / min_bandwidth_bytes_per_s`; `breaker_failure_threshold`
-    failures in a row open the breaker, `breaker_reset_after_s` later a trial call may close
-    it; batches are cut into calls of about `chunk_bytes`."""
+    failures in a row open the breaker, `breaker_reset_after_s` later an engine's call may
+    close it (the sidecar's probe, every second, sooner); batches are cut into calls of
+    about `chunk_bytes`."""
 
     base_timeout_s: float = Field(
         default=1.0,
@@ -56,8 +57,9 @@ class L3Guard(Section):
         gt=0,
         le=3600,
         allow_inf_nan=False,
-        description="an open breaker waits this long before a trial call (the sidecar's probe "
-        "makes it) that lets L3 back in",
+        description="an open breaker waits this long before an engine call may try L3 again; "
+        "the sidecar's probe tries every second meanwhile (at most half of this) and lets L3 "
+        "back in as soon as it answers",
     )
     chunk_bytes: ByteSize = Field(
         default=parse_bytes("16MiB"),

@@ -1,7 +1,9 @@
 """What the vLLM connector derives from vLLM's configuration, both roles alike: hicache's
 layout of the model (from vLLM's own config.json), the page size (vLLM's attention block),
 the default tenant (pages hold vLLM's block bytes as its backend packs them), and which block
-of a state group holds a snapshot. Pure functions of vLLM's config objects."""
+of a state group holds a snapshot. Pure functions of vLLM's config objects; vLLM is imported
+inside the functions that read its objects, so the state-block rules load without it (the
+unit tests run where vLLM's CPU build is not installed)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from vllm.v1.kv_cache_interface import MambaSpec
 
 from hicache.errors import ConfigError
 from hicache.integrations.vllm_plan import NULL_BLOCK
@@ -36,6 +37,8 @@ def layer_map_of(vllm_config: VllmConfig) -> LayerMap:
 
 
 def token_block_size(kv_cache_config: KVCacheConfig) -> int:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
     sizes = {
         g.kv_cache_spec.block_size
         for g in kv_cache_config.kv_cache_groups
@@ -51,6 +54,7 @@ def token_block_size(kv_cache_config: KVCacheConfig) -> int:
 
 def default_tenant(kv_cache_config: KVCacheConfig) -> str:
     from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import MambaSpec
 
     platform = str(current_platform.device_type or "unknown")
     if not current_platform.is_cpu():

@@ -38,15 +38,22 @@ from hicache.service.logs import configure
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.storage import GuardedStore
+from hicache.storage.breaker import PROBE_INTERVAL_S
 from hicache.transfer import CopyBackend
 
 log = logging.getLogger("hicache.service")
 
 
 async def _probe_l3(server: EngineServer) -> None:
+    """Probe L3 while its breaker is open (`GuardedStore.probe`), every `PROBE_INTERVAL_S`
+    (at most half of `reset_after_s`): hits are back within an interval and a call of the
+    outage's end."""
     while True:
         store = server.store
-        await asyncio.sleep(1.0 if store is None else max(0.1, store.breaker.reset_after_s / 2))
+        every = PROBE_INTERVAL_S
+        if store is not None:
+            every = min(PROBE_INTERVAL_S, max(0.1, store.breaker.reset_after_s / 2))
+        await asyncio.sleep(every)
         if server.store is not None:
             await server.store.probe()
 

@@ -10,7 +10,8 @@ dependency, no ASGI layer or second server process; every handler reads snapshot
     GET  /metrics                 Prometheus text format
     GET  /v1/config               the effective deployment, secrets redacted
     GET  /v1/stats                sessions, namespaces (L2, pins, queues, bytes), L3 counters
-    POST /v1/admin/clear?tier=l2  drop every unpinned L2 page (tier=l3: delete known L3 pages)
+    POST /v1/admin/clear?tier=l2  drop every L2 page no op holds; says how many it dropped and
+                                  how many ops held (tier=l3: delete known L3 pages)
     POST /v1/admin/l3/detach      stop using L3 (pages stay where they are)
     POST /v1/admin/l3/attach      use the configured L3 again (or a `storage` section as JSON)
 
@@ -176,9 +177,14 @@ class ControlApi:
         tier = request.query.get("tier", "l2")
         self._authorize(request, "clear", tier=tier)
         if tier == "l2":
-            dropped = sum(ns.cache.clear_l2() for ns in self.server.namespaces.values())
-            self._audit(request, "clear", f"{dropped} L2 pages dropped", tier=tier)
-            return web.json_response({"tier": "l2", "pages_dropped": dropped})
+            namespaces = list(self.server.namespaces.values())
+            dropped = sum(ns.cache.clear_l2() for ns in namespaces)
+            # what stayed: pages an op holds now (a load's pins, an L3 write reading them, a
+            # store's plan); a caller that wants them gone waits for those ops to end first
+            indexes = [ns.cache.index for ns in namespaces]
+            held = sum(index.l2_pages(group) for index in indexes for group in index.rules)
+            self._audit(request, "clear", f"{dropped} L2 pages dropped, {held} held", tier=tier)
+            return web.json_response({"tier": "l2", "pages_dropped": dropped, "pages_held": held})
         if tier == "l3":
             deleted = 0
             try:

@@ -3,9 +3,15 @@
 Closed: calls go through; `failure_threshold` failures in a row open it. Open: calls are
 refused at once (the store reports misses). After `reset_after_s` it is half-open: one trial
 call goes through; its success closes the breaker, its failure re-opens it, and a trial that
-ends neither way (its caller was cancelled) is `abandon`ed so the next call may try. The
-sidecar's probe task makes that trial in the background, so a recovered backend is back
-before the next engine request needs it.
+ends neither way (its caller was cancelled) is `abandon`ed so the next call may try.
+
+The sidecar's probe task (`GuardedStore.probe`, every `PROBE_INTERVAL_S`) does not wait for
+`reset_after_s`: while the breaker is open or half-open it takes the trial (`allow_probe`:
+one call at a time), since its cheap call costs no engine request anything. So a backend
+that came back is let in within one probe interval and one call, whatever `reset_after_s`
+says (#32: with only the half-open trial, hits stayed away for up to `reset_after_s` and a
+probe tick after an outage ended); `reset_after_s` still spaces the trials engine calls
+make, each of which pays the call's timeout while the backend is down.
 
 Both thresholds are constructor parameters (defaults: 3 failures, 5 s), checked there.
 `failure(why)` keeps the reason of the latest failure; `describe()` is what a readiness
@@ -24,6 +30,7 @@ from typing import Any
 
 DEFAULT_FAILURE_THRESHOLD = 3
 DEFAULT_RESET_AFTER_S = 5.0
+PROBE_INTERVAL_S = 1.0  # the background probe's period (at most `reset_after_s / 2`)
 
 
 class BreakerState(StrEnum):
@@ -80,6 +87,15 @@ class CircuitBreaker:
             self._trial_in_flight = True
             return True
         return False
+
+    def allow_probe(self) -> bool:
+        """May the background probe make its call now? While open or half-open, when no
+        other trial is in flight (it then takes the trial): it does not wait for
+        `reset_after_s`. Closed: nothing to find out."""
+        if self._opened_at is None or self._trial_in_flight:
+            return False
+        self._trial_in_flight = True
+        return True
 
     def success(self) -> None:
         self._failures = 0

@@ -69,7 +69,13 @@ from hicache.storage.breaker import (
     CircuitBreaker,
 )
 from hicache.storage.calls import GuardedCalls
-from hicache.storage.fetch_handles import Fetched, FetchedInto, FetchInto, Outstanding
+from hicache.storage.fetch_handles import (
+    Fetched,
+    FetchedInto,
+    FetchInto,
+    Outstanding,
+    retrieve_quietly,
+)
 from hicache.storage.object_format import Parts, payload_bytes
 from hicache.storage.scatter_reads import ScatterReads
 
@@ -134,6 +140,7 @@ class GuardedStore:
         self._arena: memoryview | None = None
         self._arena_lock = asyncio.Lock()
         self.scatter = ScatterReads(backend, self.calls, self.stats)
+        self._probing: asyncio.Future[list[bool]] | None = None  # the probe's latest call
 
     @property
     def breaker(self) -> CircuitBreaker:
@@ -386,8 +393,32 @@ class GuardedStore:
         return bool(await self.calls.call("delete", 0, run))
 
     async def probe(self) -> BreakerState:
-        """The background retry: when the breaker lets a trial call through (half-open), make
-        one cheap call so a recovered backend closes it before the next engine request."""
-        if self.breaker.state is BreakerState.HALF_OPEN:
-            await self.calls.call("probe", 0, lambda: self.backend.exists_many([PROBE_KEY]))
+        """The background retry (`PROBE_INTERVAL_S`): while the breaker is open or half-open,
+        one cheap call, without waiting for `reset_after_s` (`CircuitBreaker.allow_probe`),
+        so a recovered backend closes it within one probe interval and one call. A probe
+        call that timed out is left to end, never cancelled, and no other probe starts
+        until it has: a backend whose calls hang on its threads (Mooncake's RPC timeout
+        outlasts ours) never gets a pile of them, one per interval."""
+        if self.breaker.state is BreakerState.CLOSED:
+            return self.breaker.state
+        if self._probing is not None and not self._probing.done():
+            return self.breaker.state  # the last probe's call still runs
+        if not self.breaker.allow_probe():
+            return self.breaker.state
+        call = asyncio.ensure_future(self.backend.exists_many([PROBE_KEY]))
+        call.add_done_callback(retrieve_quietly)
+        self._probing = call
+        try:
+            done, _ = await asyncio.wait({call}, timeout=self.calls.timeout(0))
+        except asyncio.CancelledError:
+            self.breaker.abandon()
+            raise
+        if not done:
+            self.calls.failed("probe:timeout")
+        elif call.cancelled():
+            self.calls.failed("probe:cancelled")
+        elif (exc := call.exception()) is not None:
+            self.calls.failed(f"probe:{type(exc).__name__}", exc)
+        else:
+            self.breaker.success()
         return self.breaker.state

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -248,8 +249,9 @@ class Gates(FaultyBackend):
 
 
 async def parked(gates: Gates) -> None:
-    """Until some call waits at a closed gate."""
-    for _ in range(2000):
+    """Until some call waits at a closed gate (the deadline bounds a hang only, #26)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         if gates.waiting:
             return
         await asyncio.sleep(0.001)

@@ -101,3 +101,36 @@ async def test_entries_left_behind_stay_bounded_while_the_worker_is_held_up() ->
     written = (await drain(queue)).written
     assert sorted(r.key for r in written) == [b"k0", b"k1", b"k2"]
     assert all(record is latest[record.key] for record in written)  # the newest records
+
+
+@pytest.mark.asyncio
+async def test_a_batch_being_written_is_counted_until_its_write_returns() -> None:
+    """`writing_pages` covers the gap between the worker taking a batch (no longer queued)
+    and the write returning (the pages let go): idle is both counters at 0 (#32)."""
+    queue = PersistQueue(batch_pages=3)
+    started = asyncio.Event()
+    releases: asyncio.Queue[None] = asyncio.Queue()  # one item lets one batch's write return
+
+    async def held_writer(batch: Mapping[str, Sequence[PageRecord]]) -> tuple[int, int]:
+        started.set()
+        await releases.get()
+        return sum(len(group) for group in batch.values()), 0
+
+    queue.offer({"g": records("a", "b", "c", "d")})
+    worker = asyncio.create_task(queue.run(held_writer))
+    try:
+        await asyncio.wait_for(started.wait(), timeout=60)
+        stats = queue.stats()
+        assert (stats.queued_pages, stats.writing_pages, stats.written_pages) == (1, 3, 0)
+        started.clear()
+        releases.put_nowait(None)
+        await asyncio.wait_for(started.wait(), timeout=60)  # the second batch: "d"
+        stats = queue.stats()
+        assert (stats.queued_pages, stats.writing_pages, stats.written_pages) == (0, 1, 3)
+        releases.put_nowait(None)
+        await asyncio.wait_for(queue.idle(), timeout=60)
+        stats = queue.stats()
+        assert (stats.queued_pages, stats.writing_pages, stats.written_pages) == (0, 0, 4)
+    finally:
+        worker.cancel()
+        await asyncio.gather(worker, return_exceptions=True)

@@ -133,6 +133,7 @@ def test_loaded_from_the_sidecars_l3_after_l2_is_emptied(
                 stats = json.loads(reply.read())
             busy = [
                 ns["persist"]["queued_pages"]
+                + ns["persist"]["writing_pages"]
                 + sum(g["pinned_pages"] for g in ns["groups"].values())
                 for ns in stats["namespaces"]
             ]

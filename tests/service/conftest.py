@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -76,3 +77,21 @@ def read_event(proc: subprocess.Popen[str]) -> dict[str, Any]:
     assert line, f"engine exited early: {proc.stderr.read() if proc.stderr else ''}"
     event: dict[str, Any] = json.loads(line)
     return event
+
+
+def wait_persisted(proc: SidecarProcess, pages: int, timeout_s: float = 120.0) -> None:
+    """Until the sidecar's persist workers have written at least `pages` pages in all and are
+    idle (nothing waits, no batch is being written). A written page's L3 object is visible
+    before its write returns and lets go of the L2 page (an L2 clear in between keeps the
+    page, #32), so tests wait for these counters, never for the objects. The deadline only
+    bounds a hang."""
+    deadline = time.monotonic() + timeout_s
+    persist: list[dict[str, Any]] = []
+    while time.monotonic() < deadline:
+        persist = [ns["persist"] for ns in proc.get_json("/v1/stats")["namespaces"]]
+        written = sum(p["written_pages"] for p in persist)
+        busy = sum(p["queued_pages"] + p["writing_pages"] for p in persist)
+        if written >= pages and not busy:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"the sidecar did not persist {pages} pages in {timeout_s} s: {persist}")

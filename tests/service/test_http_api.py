@@ -18,7 +18,7 @@ from hicache.service.http_api import ControlApi
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
 from hicache.storage import CircuitBreaker, FileBackend, GuardedStore
-from tests.service.conftest import engine, engine_result, write_config
+from tests.service.conftest import engine, engine_result, wait_persisted, write_config
 
 TOKEN = "s3cret-token"
 
@@ -50,6 +50,7 @@ def test_health_ready_metrics_config_stats(tmp_path: Path) -> None:
         assert ready["l3_breaker"] == "closed"
         result = engine_result(engine("roundtrip", config, "--prompts", "2"))
         assert result["mismatches"] == 0
+        wait_persisted(proc, 1)  # the writes behind the stores pin L2 pages while they run
         status, text = proc.get("/metrics")
         assert status == 200
         # hybrid-aware hit counters, transfer histograms, pool gauges, breaker state
@@ -86,13 +87,14 @@ def test_admin_endpoints_need_the_token(tmp_path: Path) -> None:
     config = write_config(tmp_path, token=TOKEN)
     with SidecarProcess(config) as proc:
         engine_result(engine("roundtrip", config, "--prompts", "1"))
+        wait_persisted(proc, 7)  # the writes behind the acked store have let go of L2
         status, text = post(proc, "/v1/admin/clear?tier=l2")
         assert status == 401
         assert "Authorization: Bearer <service.token>" in text
         assert post(proc, "/v1/admin/clear?tier=l2", token="wrong")[0] == 401
         status, reply = post(proc, "/v1/admin/clear?tier=l2", token=TOKEN)
         assert status == 200
-        assert reply == {"tier": "l2", "pages_dropped": 7}
+        assert reply == {"tier": "l2", "pages_dropped": 7, "pages_held": 0}
         status, text = post(proc, "/v1/admin/clear?tier=l9", token=TOKEN)
         assert (status, text) == (400, "tier 'l9' is not known; allowed: l2, l3")
         # L3 still holds the prompt: a fresh engine finds it there and verifies every byte
@@ -286,7 +288,7 @@ async def test_admin_without_token_opens_them_and_logs_each_call(
     caplog.set_level("INFO", logger="hicache.service.admin")
     assert await _admin(inputs, "/v1/admin/clear?tier=l2") == (
         200,
-        '{"tier": "l2", "pages_dropped": 0}',
+        '{"tier": "l2", "pages_dropped": 0, "pages_held": 0}',
     )
     status, text = await _admin(inputs, "/v1/admin/clear?tier=l9")
     assert (status, text) == (400, "tier 'l9' is not known; allowed: l2, l3")
@@ -294,7 +296,7 @@ async def test_admin_without_token_opens_them_and_logs_each_call(
     assert (await _admin(inputs, "/v1/admin/l3/detach"))[0] == 200
     events = [(level, f) for level, f in _admin_events(caplog)]
     assert [(level, f["action"], f["outcome"]) for level, f in events] == [
-        ("INFO", "clear", "0 L2 pages dropped"),
+        ("INFO", "clear", "0 L2 pages dropped, 0 held"),
         ("WARNING", "clear", "refused: unknown tier"),
         ("INFO", "l3_attach", "attached file"),
         ("INFO", "l3_detach", "detached"),

@@ -6,7 +6,6 @@ tp_size or tp_rank does not fit the deployment is refused with both values named
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import yaml
 from hicache.client import Client, ClientError, connect
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
+from tests.service.conftest import wait_persisted
 
 PAGE = 16
 PAGES = 4
@@ -121,13 +121,6 @@ def l3_objects(tmp_path: Path) -> list[Path]:
     return [p for p in (tmp_path / "l3").rglob("*") if p.is_file() and not p.name.startswith(".")]
 
 
-def wait_for_objects(tmp_path: Path, count: int, timeout_s: float = 30.0) -> list[Path]:
-    deadline = time.monotonic() + timeout_s
-    while len(objects := l3_objects(tmp_path)) < count and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return objects
-
-
 def namespace(proc: SidecarProcess, tp_rank: int) -> dict[str, Any]:
     for ns in proc.get_json("/v1/stats")["namespaces"]:
         if ns["namespace"] == f"tp_rank={tp_rank} tenant=''":
@@ -150,9 +143,12 @@ def test_two_ranks_keep_their_own_heads(tmp_path: Path) -> None:
                 reply = client.store(TOKENS, {"full": list(range(PAGES))})
                 assert reply["pages_stored"] == PAGES
             assert not same(stored[0], stored[1])
-            # each rank's pages are its own objects: 2 x 4 in L3
-            assert len(wait_for_objects(tmp_path, 2 * PAGES)) == 2 * PAGES
-            assert post(proc, "/v1/admin/clear?tier=l2")["pages_dropped"] == 2 * PAGES
+            # each rank's pages are its own objects: 2 x 4 in L3. Waited for by the persist
+            # counter: an object is visible before its write releases the L2 page (#32)
+            wait_persisted(proc, 2 * PAGES)
+            assert len(l3_objects(tmp_path)) == 2 * PAGES
+            cleared = post(proc, "/v1/admin/clear?tier=l2")
+            assert cleared == {"tier": "l2", "pages_dropped": 2 * PAGES, "pages_held": 0}
             for client in ranks:
                 assert client.lookup(TOKENS).tokens_l2 == 0
             back = [loaded_back(client) for client in ranks]
@@ -174,13 +170,14 @@ def test_an_mla_latent_is_stored_once_and_served_to_every_rank(tmp_path: Path) -
                 client.register_pools(client.create_pools(2 * PAGES))
             written = fill(ranks[0], seed=7)
             assert ranks[0].store(TOKENS, {"full": list(range(PAGES))})["pages_stored"] == PAGES
-            assert len(wait_for_objects(tmp_path, PAGES)) == PAGES
+            wait_persisted(proc, PAGES)
+            assert len(l3_objects(tmp_path)) == PAGES
             # rank 1 computed the same latent: it stores it in its own L2, never in L3
             fill(ranks[1], seed=7)
             assert ranks[1].store(TOKENS, {"full": list(range(PAGES))})["pages_stored"] == PAGES
             assert namespace(proc, 1)["persist"]["offered_pages"] == 0
             assert len(l3_objects(tmp_path)) == PAGES  # one object per page, not one per rank
-            post(proc, "/v1/admin/clear?tier=l2")
+            assert post(proc, "/v1/admin/clear?tier=l2")["pages_held"] == 0
             assert ranks[1].lookup(TOKENS).tokens_total == PAGES * PAGE  # rank 0's objects
             assert same(loaded_back(ranks[1]), written)
             assert len(l3_objects(tmp_path)) == PAGES

@@ -10,6 +10,9 @@ import pytest
 
 from hicache.testing import local_servers
 
+# the redis client is an extra (hicache[redis], in [dev]); without it its tests skip, saying so
+REDIS_CLIENT = "the redis client is not installed (pip install 'hicache[redis]')"
+
 
 def _unavailable(name: str) -> None:
     if os.environ.get("CI"):

@@ -26,13 +26,11 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-import redis.asyncio as aioredis
 
 from hicache.service.snapshots import store_stats
 from hicache.storage import BreakerState, FileBackend, GuardedStore, object_format
-from hicache.storage.redis_backend import RedisBackend
 from hicache.testing.local_servers import RedisServer as RedisServerType
-from tests.storage.servers import RedisServer
+from tests.storage.servers import REDIS_CLIENT, RedisServer
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = 4096
@@ -316,6 +314,9 @@ def server(tmp_path: Path) -> Iterator[RedisServerType]:
 
 @pytest_asyncio.fixture
 async def redis_store(server: RedisServerType) -> AsyncIterator[GuardedStore]:
+    pytest.importorskip("redis", reason=REDIS_CLIENT)
+    from hicache.storage.redis_backend import RedisBackend
+
     backend = RedisBackend(server.url)
     store = GuardedStore(backend)
     items = [(k, bytes([i]) * PAGE) for i, k in enumerate([*INTACT, DAMAGED])]
@@ -329,6 +330,8 @@ async def redis_store(server: RedisServerType) -> AsyncIterator[GuardedStore]:
 async def test_redis_a_wrong_type_under_a_key_is_a_per_key_miss(
     server: RedisServerType, redis_store: GuardedStore, command: str
 ) -> None:
+    import redis.asyncio as aioredis  # the fixture skipped without it
+
     raw = aioredis.Redis.from_url(server.url)
     name = f"hicache:{{{DAMAGED.hex()}}}"
     store = redis_store

@@ -7,13 +7,17 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.storage.servers import REDIS_CLIENT, RedisServer
+
+pytest.importorskip("redis", reason=REDIS_CLIENT)
+
 import pytest_asyncio
 import redis.asyncio as aioredis
 
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
 from hicache.storage.redis_backend import RedisBackend
 from hicache.testing.local_servers import RedisServer as RedisServerType
-from tests.storage.servers import RedisServer
 
 
 @pytest.fixture

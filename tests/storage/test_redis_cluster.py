@@ -20,6 +20,11 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.storage.servers import REDIS_CLIENT, RedisClusterServers
+
+pytest.importorskip("redis", reason=REDIS_CLIENT)
+
 import pytest_asyncio
 import redis
 import redis._parsers.base
@@ -38,7 +43,6 @@ from hicache.storage.redis_wire import is_failover, object_name
 from hicache.testing.local_servers import RedisClusterServers as ClusterType
 from tests.config.test_config import BASE, write
 from tests.storage.prompt_engine import Engine, dense_cache
-from tests.storage.servers import RedisClusterServers
 
 PAGE = 16
 PROMPT_PAGES = 4

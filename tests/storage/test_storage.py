@@ -108,6 +108,79 @@ async def test_breaker_turns_a_dead_backend_into_misses_and_recovers(tmp_path: P
 
 
 @pytest.mark.asyncio
+async def test_the_probe_lets_a_recovered_backend_in_without_waiting_for_the_reset(
+    tmp_path: Path,
+) -> None:
+    """#32: the background probe takes the trial while the breaker is open — engine calls
+    still wait `reset_after_s` — so an outage's end is seen within one probe interval. The
+    clock never reaches the reset time here: only the probe can close the breaker."""
+    now = [0.0]
+    faulty = FaultyBackend(FileBackend(tmp_path, capacity_bytes=1 << 20))
+    breaker = CircuitBreaker(1, reset_after_s=3600.0, clock=lambda: now[0])
+    store = GuardedStore(faulty, breaker=breaker)
+    key = b"k" * 16
+    assert await store.put([(key, b"v" * 64)]) == [True]
+    calls = faulty.calls
+    assert await store.probe() is BreakerState.CLOSED  # closed: nothing to find out
+    assert faulty.calls == calls  # no call made
+    faulty.down = True
+    assert await store.get([key]) == [None]
+    assert breaker.state is BreakerState.OPEN
+    assert await store.probe() is BreakerState.OPEN  # still down: the probe's call failed
+    assert store.stats.failures["probe:TierUnavailableError"] == 1
+    assert await store.get([key]) == [None]  # engine calls are refused, not made
+    assert store.stats.skipped_open == 1
+    faulty.down = False  # the outage ends
+    assert await store.get([key]) == [None]  # engine calls still wait for the reset
+    assert await store.probe() is BreakerState.CLOSED  # the probe's success closes it
+    assert breaker.outages == 1
+    got = await store.get([key])
+    assert got[0] is not None
+    assert bytes(got[0]) == b"v" * 64
+
+
+@pytest.mark.asyncio
+async def test_a_probe_that_timed_out_is_left_to_end_before_the_next(tmp_path: Path) -> None:
+    """A backend whose calls outlast the probe's timeout (Mooncake's RPC timeout is longer
+    than ours) gets one probe call at a time, never one per interval piling up."""
+    faulty = FaultyBackend(FileBackend(tmp_path, capacity_bytes=1 << 20))
+    store = GuardedStore(faulty, base_timeout_s=0.05, failure_threshold=1, reset_after_s=3600.0)
+    faulty.down = True
+    assert await store.get([b"k" * 16]) == [None]
+    faulty.down, faulty.latency_s = False, 60.0  # back, but each call hangs a minute
+    calls = faulty.calls
+    assert await store.probe() is BreakerState.OPEN  # timed out: left running
+    assert store.stats.failures["probe:timeout"] == 1
+    assert faulty.calls == calls + 1
+    assert await store.probe() is BreakerState.OPEN  # the first still runs: no second call
+    assert faulty.calls == calls + 1
+    assert store._probing is not None
+    store._probing.cancel()  # (the test's stand-in for the hung call ending)
+    await asyncio.gather(store._probing, return_exceptions=True)
+    faulty.latency_s = 0.0
+    assert await store.probe() is BreakerState.CLOSED
+    assert faulty.calls == calls + 2
+
+
+def test_one_trial_at_a_time_probe_or_engine_call() -> None:
+    now = [0.0]
+    breaker = CircuitBreaker(1, reset_after_s=5.0, clock=lambda: now[0])
+    assert breaker.allow_probe() is False  # closed
+    breaker.failure("get:timeout")
+    assert breaker.allow_probe() is True  # open: the probe takes the trial
+    assert breaker.allow_probe() is False  # one at a time
+    now[0] = 5.0
+    assert breaker.allow() is False  # half-open, but the probe's trial is in flight
+    breaker.failure("probe:timeout")  # it failed: open again, from now
+    assert breaker.state is BreakerState.OPEN
+    now[0] = 10.0
+    assert breaker.allow() is True  # an engine call's trial after the reset
+    assert breaker.allow_probe() is False  # while it is in flight
+    breaker.abandon()
+    assert breaker.allow_probe() is True
+
+
+@pytest.mark.asyncio
 async def test_timeouts_scale_with_bytes_and_count_as_failures(tmp_path: Path) -> None:
     slow = FaultyBackend(FileBackend(tmp_path, capacity_bytes=1 << 20), latency_s=0.2)
     store = GuardedStore(slow, base_timeout_s=0.01, min_bandwidth_bytes_per_s=1e9)

@@ -287,12 +287,12 @@ class Cluster:
         )
 
     def wait_persisted(self, host: Host, pages: int, timeout_s: float = 60.0) -> None:
-        """Until `host`'s persist queue is empty with at least `pages` pages written."""
+        """Until `host`'s persist queue is empty and idle with at least `pages` pages written."""
         deadline = time.monotonic() + timeout_s
         persist: list[dict[str, Any]] = []
         while time.monotonic() < deadline:
             persist = [ns["persist"] for ns in self.stats(host)["namespaces"]]
-            queued = sum(p["queued_pages"] for p in persist)
+            queued = sum(p["queued_pages"] + p["writing_pages"] for p in persist)
             if persist and queued == 0 and sum(p["written_pages"] for p in persist) >= pages:
                 return
             time.sleep(0.2)
