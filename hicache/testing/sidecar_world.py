@@ -7,7 +7,8 @@ What differs from `hicache serve`, and why:
 - copies run on the event loop's thread (`InlineCopyBackend`: the CPU backend's walk, one
   loop callback per walk), so no copy thread races the explorer's test for a quiet loop;
   `fail_allocs` makes the next host allocations fail (a namespace whose start fails);
-- L3 is `MemoryBackend` (a dict of objects behind the real `GuardedStore`), so what reached
+- L3 is `MemoryBackend` (a dict of objects behind the real `GuardedStore`, its default
+  timeouts and breaker; the deployment's `storage` section is not read), so what reached
   L3 can be read back after the drain, and nothing waits on a disk;
 - an engine's connection is `EngineLink`, the transport the server writes to and aborts: its
   `abort` ends the session as a real connection does (the op in hand finishes first, then
@@ -36,12 +37,10 @@ from typing import Any, cast
 import msgpack
 
 from hicache.assembly.sidecar import sidecar_plan
-from hicache.assembly.stores import guarded
 from hicache.channel import protocol as p
 from hicache.channel.counters import CounterFile
 from hicache.channel.shm import SharedPools
 from hicache.config import load_deployment
-from hicache.config.storage_schema import L3Guard
 from hicache.demo.content import check_page, fill_page, seeds_for
 from hicache.errors import TransferError
 from hicache.service.metrics import ServiceMetrics
@@ -49,6 +48,7 @@ from hicache.service.namespaces import NamespaceKey
 from hicache.service.server import EngineServer
 from hicache.service.sessions import DrainReport, Session, process_start
 from hicache.service.snapshots import namespace_stats
+from hicache.storage import GuardedStore
 from hicache.storage.backend import Buffer, StorageBackend
 from hicache.transfer.backend import CancelToken, Direction, Fence, LayerPart
 from hicache.transfer.cpu_backend import CpuCopyBackend, WalkProgress
@@ -327,14 +327,11 @@ class SidecarWorld:
                 f"{config}: groups {state_groups} hold state snapshots; the world's engines "
                 "write token groups only: give a model without state caches"
             )
-        section = loaded.deployment.storage
-        if not isinstance(section, L3Guard):
-            raise ValueError(f"{config}: storage.kind {section.kind!r}; give an L3 (e.g. file)")
         backend, l3 = InlineCopyBackend(), MemoryBackend()
         world: SidecarWorld | None = None
         try:
             async with asyncio.TaskGroup() as tg:
-                server = EngineServer(plan, backend, guarded(l3, section), tg, ServiceMetrics())
+                server = EngineServer(plan, backend, GuardedStore(l3), tg, ServiceMetrics())
                 world = cls(server, backend, l3, plan.page_size_tokens)
                 try:
                     yield world

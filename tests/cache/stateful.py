@@ -1,11 +1,16 @@
 """A hypothesis state machine over one `TieredCache`: interleaved lookups, stores, loads,
 evictions, cancellations at random await points, L3 faults, slow reads past their timeout,
 and concurrent calls on the same prefix — the schedule a busy engine and a flaky L3 make.
+Several sessions share it, as engines share a sidecar namespace: the default attachment and
+two more (`SESSIONS`), each with device pools of its own, attached and detached at random
+(`attach`, `detach`, a detach while one of its ops runs: `detach_mid_op`); an op of a
+session not attached is refused by name; one session loads what another stored.
 
 Invariants after every step (once the step's ops and background work have ended):
 - every byte a load moved is what was stored for that prefix (token pages, and the state
   snapshot for exactly the hit's length);
 - no pin outlives its op; nothing stays pending; the index agrees with every allocator;
+- the scheduler holds the device pools of exactly the sessions attached;
 - nothing raised but documented errors (cancellation where the rule cancels).
 
 The cache runs on its own event loop in one long-lived task (a TaskGroup must be entered and
@@ -30,7 +35,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from hicache.assembly import by_key
 from hicache.demo.content import check_page, fill_page, prefix_seed
+from hicache.memory import DevicePool
 from hicache.model import ExplicitLayout, LayerMap
+from hicache.scheduler import DEFAULT_ATTACHMENT, OpRequestError
 from hicache.storage import FileBackend, GuardedStore
 from hicache.testing.faulty_storage import FaultyBackend
 
@@ -56,6 +63,7 @@ PROMPTS = [
     C[: 3 * PAGE] + list(range(700, 700 + 2 * PAGE)),
 ]
 LANES = 3  # concurrent ops use disjoint device pages: lane k owns pages [16k, 16k + 16)
+SESSIONS = (DEFAULT_ATTACHMENT, 1, 2)  # engine sessions of the namespace (attachments)
 
 
 def lane_pages(lane: int, load: bool, count: int) -> list[int]:
@@ -144,20 +152,27 @@ class CacheMachine(RuleBasedStateMachine):
         self.rng = random.Random(0)
         self.driver = Driver(Path(self._tmp.name), seed=0)
         self.cache = self.driver.cache
-        self.pools = self.driver.embedded.device_pools
         self.rules = self.cache.index.rules
+        # each session's own device pools; the default one's are the stack's
+        self.session_pools = {DEFAULT_ATTACHMENT: self.driver.embedded.device_pools}
+        for session in SESSIONS[1:]:
+            self.session_pools[session] = {
+                name: DevicePool.allocate(geom, 16 * LANES)
+                for name, geom in self.driver.embedded.geometries.items()
+            }
+        self.attached = {DEFAULT_ATTACHMENT}
         self.loads = 0
         self.loaded_tokens = 0
 
     # ---- the engine's side: what a prefill writes, and the check of a load -------------------
 
     def _fill(
-        self, tokens: list[int], lane: int
+        self, tokens: list[int], lane: int, session: int
     ) -> tuple[dict[str, list[int]], dict[str, dict[int, int]]]:
         full = len(tokens) // PAGE
         pages, snapshots = {}, {}
         for group, group_rule in self.rules.items():
-            pool = self.pools[group]
+            pool = self.session_pools[session][group]
             if group_rule.kind.is_token_cache:
                 dev = lane_pages(lane, False, full)
                 for i, page in enumerate(dev):
@@ -172,17 +187,38 @@ class CacheMachine(RuleBasedStateMachine):
                 snapshots[group] = snaps
         return pages, snapshots
 
-    async def _store(self, which: int, lane: int, freed: bool) -> None:
+    async def _refused_unless_attached(self, session: int, op: Awaitable[int]) -> None:
+        """An op of a session not attached: refused by name, or it needed no copy."""
+        if session in self.attached:
+            await op
+            return
+        refusal = ""
+        try:
+            moved = await op
+        except OpRequestError as exc:  # the documented refusal, by name
+            refusal = str(exc)
+        if refusal:
+            assert f"attachment {session}: no device pools are attached" in refusal, refusal
+        else:  # a store of pages L2 holds already, a load of nothing: no pool touched
+            assert moved == 0, f"session {session}, not attached, moved {moved} bytes"
+
+    async def _store(
+        self, which: int, lane: int, freed: bool, session: int = DEFAULT_ATTACHMENT
+    ) -> int:
+        """The bytes it backed up from the session's pools."""
         tokens = PROMPTS[which]
-        pages, snapshots = self._fill(tokens, lane)
+        pages, snapshots = self._fill(tokens, lane, session)
         held: dict[str, list[int | None]] = {g: list(p) for g, p in pages.items()}
         if freed:  # the engine freed the sliding pages its window left
             keep = max(0, (len(tokens) - 8) // PAGE)
             held["sliding"] = [None if i < keep else p for i, p in enumerate(held["sliding"])]
-        await self.cache.store(tokens, held, snapshots=snapshots)
+        result = await self.cache.store(tokens, held, snapshots=snapshots, attachment=session)
+        return result.bytes_backed_up
 
-    async def _load(self, which: int, lane: int) -> None:
+    async def _load(self, which: int, lane: int, session: int = DEFAULT_ATTACHMENT) -> int:
+        """The tokens it loaded into the session's pools."""
         tokens = PROMPTS[which]
+        pools = self.session_pools[session]
         full = len(tokens) // PAGE
         dev = {
             g: lane_pages(lane, True, full)
@@ -192,19 +228,19 @@ class CacheMachine(RuleBasedStateMachine):
         }
         for group in dev:  # NaN-like poison: anything not loaded fails the check
             for page in dev[group]:
-                for layer in self.pools[group].tensors:
+                for layer in pools[group].tensors:
                     for t in layer.values():
                         t[page * (PAGE if self.rules[group].kind.is_token_cache else 1)].fill_(-1.0)
-        handle, hit = await self.cache.load(tokens, dev)
+        handle, hit = await self.cache.load(tokens, dev, attachment=session)
         if handle is None:
-            return
+            return 0
         result = await handle.done()
         if not result.ok:
-            return  # a failed load is reported, never served
+            return 0  # a failed load is reported, never served
         self.loads += 1
         self.loaded_tokens += hit.tokens_total
         for group, rows in hit.needed.items():
-            pool = self.pools[group]
+            pool = pools[group]
             for i, _ in rows:
                 if self.rules[group].kind.is_token_cache:
                     seed = prefix_seed(tokens, (i + 1) * PAGE, group)
@@ -212,21 +248,73 @@ class CacheMachine(RuleBasedStateMachine):
                 else:
                     seed = prefix_seed(tokens, hit.tokens_total, group)
                     assert check_page(pool, dev[group][0], seed), (group, hit.tokens_total)
+        return int(hit.tokens_total)
 
-    async def _cancelled(self, op: Awaitable[None], after_s: float) -> None:
+    async def _cancelled(self, op: Awaitable[Any], after_s: float) -> None:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(after_s):
                 await op
 
     # ---- rules ---------------------------------------------------------------------------
 
-    @rule(which=st.integers(0, len(PROMPTS) - 1), freed=st.booleans())
-    def store(self, which: int, freed: bool) -> None:
-        self.driver.call(lambda: self._store(which, 0, freed))
+    @rule(
+        which=st.integers(0, len(PROMPTS) - 1),
+        freed=st.booleans(),
+        session=st.sampled_from(SESSIONS),
+    )
+    def store(self, which: int, freed: bool, session: int) -> None:
+        self.driver.call(
+            lambda: self._refused_unless_attached(session, self._store(which, 0, freed, session))
+        )
 
-    @rule(which=st.integers(0, len(PROMPTS) - 1))
-    def load(self, which: int) -> None:
-        self.driver.call(lambda: self._load(which, 0))
+    @rule(which=st.integers(0, len(PROMPTS) - 1), session=st.sampled_from(SESSIONS))
+    def load(self, which: int, session: int) -> None:
+        self.driver.call(
+            lambda: self._refused_unless_attached(session, self._load(which, 0, session))
+        )
+
+    @rule(session=st.sampled_from(SESSIONS[1:]))
+    def attach(self, session: int) -> None:
+        """An engine session registers its pools (again, once it detached)."""
+        if session not in self.attached:
+            self.cache.attach_device_pools(self.session_pools[session], attachment=session)
+            self.attached.add(session)
+
+    @rule(session=st.sampled_from(SESSIONS[1:]))
+    def detach(self, session: int) -> None:
+        """A session ends: its ops cancelled and awaited, its pools dropped."""
+        self.driver.call(lambda: self.cache.end_attachment(session))
+        self.attached.discard(session)
+
+    @rule(
+        session=st.sampled_from(SESSIONS[1:]),
+        which=st.integers(0, len(PROMPTS) - 1),
+        store=st.booleans(),
+        other=st.integers(0, len(PROMPTS) - 1),
+    )
+    def detach_mid_op(self, session: int, which: int, store: bool, other: int) -> None:
+        """A session ends while an op of its own runs and another session loads: its op
+        is served or cancelled (never wrong bytes, never a pin left); the other's goes on."""
+        self.attach(session)
+
+        async def race() -> None:
+            own = self._store(which, 1, False, session) if store else self._load(which, 1, session)
+            results = await asyncio.gather(
+                own,
+                self.cache.end_attachment(session),
+                self._load(other, 2, DEFAULT_ATTACHMENT),
+                return_exceptions=True,
+            )
+            self.attached.discard(session)
+            for result in results[1:]:
+                if isinstance(result, BaseException):
+                    raise result
+            if isinstance(results[0], BaseException) and not isinstance(
+                results[0], OpRequestError | asyncio.CancelledError
+            ):
+                raise results[0]
+
+        self.driver.call(race)
 
     @rule(which=st.integers(0, len(PROMPTS) - 1))
     def lookup(self, which: int) -> None:
@@ -311,6 +399,7 @@ class CacheMachine(RuleBasedStateMachine):
             assert not self.cache.planner.pending[group], group
             assert stats.num_pages - stats.free_pages == self.cache.index.l2_pages(group), group
         assert self.cache.background_errors == 0
+        assert self.cache.attachments == len(self.attached), (self.attached, self.cache.attachments)
 
     def teardown(self) -> None:
         self.driver.close()

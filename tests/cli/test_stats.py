@@ -42,12 +42,14 @@ def test_once_and_json_read_a_running_sidecar(tmp_path: Path) -> None:
         assert "hit rate (tokens looked up: " in frame
         assert "queue depth: loads 0  backups 0" in frame
         assert "layer stalls (" in frame
+        assert "namespaces 1 (running: " in frame  # its phase and sessions (the registry's)
         assert "L3 (file): breaker closed" in frame
         assert "L2 per group:" in frame
         assert "{" not in frame  # a table, not Python reprs
         as_json = stats("--url", proc.http, "--json")
         assert as_json.returncode == 0, as_json.stderr
         data = json.loads(as_json.stdout)
+        assert [state.split(":")[0] for state in data["namespace_states"]] == ["running"]
         full = next(g for g in data["l2"] if g["group"] == "full")
         assert full["pages"] > 0
         assert full["capacity_pages"] >= full["pages"]

@@ -120,6 +120,8 @@ def test_a_failed_start_fails_its_waiters_and_a_later_register_starts_afresh(
         survivors = [later] + [e for e in (a, b) if outcomes[e.name].ok]
         assert len(world.server.namespaces) == 1
         await cross_check(survivors)
+        # the restarted namespace copies (a failed build must not stop the shared backend)
+        assert await later.load(prompt(0), first=4) == len(prompt(0)), "later: its own store"
 
     run_all("failed start with waiters", body, config)
 
