@@ -20,6 +20,7 @@ from hicache.channel import protocol as p
 from hicache.channel.counters import LoadState
 from hicache.errors import HicacheError
 from hicache.scheduler import OpResult, OpState
+from hicache.service.kv_events import storing_tokens
 from hicache.service.sessions import LoadEntry, Session
 from hicache.service.state import ServerState
 from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
@@ -50,9 +51,14 @@ class DataOps:
                         f"{given[tokens]} and {slot}); give one per prefix length",
                     )
         fence = engine_fence(namespace.cache.backend, args.fence, "store")
-        result = await namespace.cache.store(
-            args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
-        )
+        with storing_tokens(self.state, namespace, args.tokens):  # KV events hash its pages
+            result = await namespace.cache.store(
+                args.tokens,
+                args.device_pages,
+                snapshots=snapshots,
+                fence=fence,
+                attachment=session.id,
+            )
         del fence  # an opened IPC event goes before the reply: the engine may then free its own
         self.state.metrics.evictions.inc(result.pages_evicted)
         if result.bytes_backed_up:

@@ -160,6 +160,8 @@ class PoolOps:
                     self.state.tg,
                 )
                 self.state.namespaces[session.key] = namespace
+                if self.state.kv_events is not None:
+                    self.state.kv_events.watch(namespace.cache.index)
             namespace.attach(session.id, pools)
         except BaseException:
             session.memory = []

@@ -25,6 +25,7 @@ from hicache.cache.keyers import page_keyers
 from hicache.channel import protocol as p
 from hicache.memory import GroupGeometry
 from hicache.model import LayerMap
+from hicache.service.kv_events import KvEvents
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespaces import Namespace, NamespaceKey
 from hicache.service.sessions import Session
@@ -46,6 +47,8 @@ class ServerState:
     sessions: dict[int, Session] = field(default_factory=dict)
     session_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     load_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # KV events for routers (`service.kv_events`; None: off), set by `serve` before listening
+    kv_events: KvEvents | None = None
     # the one thread that prefaults engines' pools (`sessions.Prefaulting`), shut at the drain
     prefaults: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hicache-prefault")
