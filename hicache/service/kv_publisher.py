@@ -112,8 +112,8 @@ class ZmqEventPublisher:
             self._socket.close(linger=0)
             self._context.term()
             raise ConfigError(
-                f"service.kv_events.endpoint {endpoint!r}: cannot bind ({exc}); allowed: a free "
-                "tcp://host:port or ipc:// path"
+                f"service.kv_events.endpoint {endpoint!r}: cannot bind ({exc.strerror}); "
+                "allowed: a free tcp://host:port or ipc:// path"
             ) from None
         self.endpoint = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._topic = topic.encode()
