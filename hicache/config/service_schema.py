@@ -15,8 +15,9 @@ from hicache.config.sizes import parse_bytes
 
 
 class KvEventsSection(Section):
-    """KV events for cache-aware routers: what the host's shared cache holds, in vLLM's
-    KV-event format on a ZMQ PUB socket (`service/kv_events.py`)."""
+    """KV events for routers: what the host's shared cache holds, as vLLM publishes them.
+
+    vLLM's KV-event format on a ZMQ PUB socket (`service/kv_events.py`)."""
 
     endpoint: str = Field(
         default="tcp://127.0.0.1:5557",

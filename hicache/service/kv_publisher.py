@@ -6,7 +6,7 @@ big-endian batch number counting from 0, `payload` a msgpack `EventBatch` — an
 `AllBlocksCleared` with their `medium`. No replay socket: a subscriber that sees a gap in
 `seq` has lost batches (a slow one, past the socket's high-water mark, as with vLLM's PUB).
 The socket is an XPUB (a PUB to subscribers) so the thread also sees subscriptions come and
-go: `stats().subscriptions`, how many topics are subscribed now.
+go: `stats().subscriptions`, how many (subscriber, topic) pairs there are now.
 
 Lifecycle: built (the socket bound, its errors raised to the caller) -> the publisher thread
 runs -> `submit` from the event loop hands it one batch of events without blocking: the queue
@@ -91,7 +91,7 @@ class PublisherStats:
     batches_dropped: int  # the queue was full, or the socket refused the send
     events_dropped: int
     queued_batches: int
-    subscriptions: int  # topics subscribed now (XPUB: one per distinct topic, not per peer)
+    subscriptions: int  # (subscriber, topic) pairs now
 
 
 class ZmqEventPublisher:
@@ -105,6 +105,9 @@ class ZmqEventPublisher:
         # subscribers hold (a test or operator waits for a router to be listening)
         self._socket = self._context.socket(zmq.XPUB)
         self._socket.setsockopt(zmq.SNDHWM, hwm)
+        # every subscribe and unsubscribe comes up (not only a topic's first and last): the
+        # count is of subscribers' topics, a peer's going unsubscribes its own
+        self._socket.setsockopt(zmq.XPUB_VERBOSER, 1)
         self._socket.setsockopt(zmq.LINGER, 0)
         try:
             self._socket.bind(endpoint)

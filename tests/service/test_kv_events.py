@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -27,6 +29,7 @@ from hicache.client import connect
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
 from hicache.service.kv_hashes import BlockHasher
+from tests.conftest import REPO
 
 zmq = pytest.importorskip("zmq", reason="pyzmq (the events extra) is not installed")
 msgspec = pytest.importorskip("msgspec", reason="msgspec (the events extra) is not installed")
@@ -76,7 +79,7 @@ def serve() -> Iterator[Callable[[Path], SidecarProcess]]:
 class Router:
     """A subscriber keeping, per medium, the blocks the events say are held."""
 
-    def __init__(self, sidecar: SidecarProcess, rcvhwm: int = 100_000):
+    def __init__(self, sidecar: SidecarProcess, rcvhwm: int = 100_000, subscribers: int = 1):
         self.sidecar = sidecar
         self.endpoint = sidecar.get_json("/v1/stats")["kv_events"]["endpoint"]
         self.context = zmq.Context()
@@ -91,7 +94,8 @@ class Router:
         self.stored = {"CPU": 0, "STORAGE": 0}  # block hashes stored, counted
         self.removed = {"CPU": 0, "STORAGE": 0}
         self.seqs: list[int] = []
-        wait_until(lambda: self.subscriptions() >= 1, "the sidecar to see the subscription")
+        # once the sidecar has it, every later batch reaches this socket (no slow joiner)
+        wait_until(lambda: self.subscriptions() == subscribers, "the sidecar to see it")
 
     def subscriptions(self) -> int:
         count: int = self.sidecar.get_json("/v1/stats")["kv_events"]["subscriptions"]
@@ -256,7 +260,8 @@ def test_l3_persists_are_storage_blocks_and_each_clear_removes_its_medium(
 ) -> None:
     deploy = write_deploy(tmp_path, {"kind": "file", "path": str(tmp_path / "l3")})
     sidecar = serve(deploy)
-    router = Router(sidecar)
+    watch = docs_subscriber(tmp_path, sidecar)  # docs/engines.md's, as written
+    router = Router(sidecar, subscribers=2)
     a, b = engine(sidecar, deploy), engine(sidecar, deploy)
     try:
         p = prompts(4, 2, 3)
@@ -274,10 +279,44 @@ def test_l3_persists_are_storage_blocks_and_each_clear_removes_its_medium(
         assert clear(sidecar, "l3") == 6
         router.until(lambda r: not r.held["STORAGE"], "the STORAGE blocks removed")
         assert router.stored == router.removed == {"CPU": 6, "STORAGE": 6}
+        last = f"seq={router.seqs[-1]} CPU=0 STORAGE=0"
+        lines = read_until(watch, last)
+        assert any(line.endswith("CPU=6 STORAGE=6") for line in lines), lines
     finally:
         for client in (a, b):
             client.close()
         router.close()
+        watch.kill()
+        watch.communicate(timeout=30)
+
+
+def docs_subscriber(tmp_path: Path, sidecar: SidecarProcess) -> subprocess.Popen[str]:
+    """docs/engines.md's minimal subscriber, run as written, once the sidecar counts it."""
+    text = (REPO / "docs" / "engines.md").read_text()
+    start = text.index("A minimal subscriber")
+    code = text[text.index("```python\n", start) + len("```python\n") :]
+    script = tmp_path / "kv_watch.py"
+    script.write_text(code[: code.index("```")])
+    endpoint = sidecar.get_json("/v1/stats")["kv_events"]["endpoint"]
+    proc = subprocess.Popen(
+        [sys.executable, str(script), endpoint], stdout=subprocess.PIPE, text=True
+    )
+    wait_until(
+        lambda: sidecar.get_json("/v1/stats")["kv_events"]["subscriptions"] == 1,
+        "the docs' subscriber to subscribe",
+    )
+    return proc
+
+
+def read_until(proc: subprocess.Popen[str], last: str) -> list[str]:
+    """The subscriber's lines up to `last` (it prints one per batch as it comes)."""
+    assert proc.stdout is not None
+    lines: list[str] = []
+    while not lines or lines[-1] != last:
+        line = proc.stdout.readline()
+        assert line, f"the subscriber exited: {lines[-5:]}"
+        lines.append(line.strip())
+    return lines
 
 
 def test_a_stalled_subscriber_slows_neither_the_sidecar_nor_another_subscriber(
@@ -291,7 +330,7 @@ def test_a_stalled_subscriber_slows_neither_the_sidecar_nor_another_subscriber(
     sub.setsockopt(zmq.RCVBUF, 4096)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(sidecar.get_json("/v1/stats")["kv_events"]["endpoint"])
-    router = Router(sidecar)  # the live one (same topic: the count stays one)
+    router = Router(sidecar, subscribers=2)  # the live one, once the stalled one is counted
     client = engine(sidecar, deploy)
     try:
         p = prompts(5, 200, 1)
