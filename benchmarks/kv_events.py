@@ -1,7 +1,9 @@
 """Does a subscriber that stops reading slow the sidecar? Store round trips against one real
 `hicache serve` with KV events on (`service.kv_events`), in three modes interleaved trial by
-trial in one run, so the machine's load falls on all of them alike:
+trial in one run, so the machine's load falls on all of them alike — and, as the baseline of
+the feature's own cost, a second sidecar alike but with KV events off:
 
+  off       the second sidecar (no `service.kv_events`)
   none      no subscriber connected
   live      a subscriber reading every batch on a thread of this process
   stalled   a subscriber connected and subscribed that never reads (RCVHWM 1, a 4 KiB
@@ -13,6 +15,7 @@ Every store is a new one-page prompt into an L2 of 16 pages, so each one publish
   store_p50_us_{mode}, store_p99_us_{mode}   store round trip, this process's clock
   ratio_stalled_vs_none                      p50 stalled / p50 none (1.0: no effect)
   ratio_live_vs_none                         p50 live / p50 none
+  ratio_none_vs_off                          p50 none / p50 off: what publishing costs a store
   batches_sent, batches_dropped              the sidecar's counts at the end
   stalled_received                           batches the stalled subscriber got, of all
 
@@ -42,7 +45,7 @@ PAGE = 16
 PAGE_BYTES = 2 * 2 * 2 * 64 * 2 * PAGE  # 2 layers x K,V x 2 heads x 64 x bf16 x 16 tokens
 
 
-def deployment(tmp: Path) -> Path:
+def deployment(tmp: Path, events: bool = True) -> Path:
     data = {
         "model": {
             "model_type": "tiny",
@@ -53,12 +56,12 @@ def deployment(tmp: Path) -> Path:
         "host": {"capacity_bytes": 16 * PAGE_BYTES},
         "storage": {"kind": "none"},
         "service": {
-            "socket_path": str(tmp / "e.sock"),
+            "socket_path": str(tmp / ("e.sock" if events else "off.sock")),
             "http_port": 0,
-            "kv_events": {"endpoint": "tcp://127.0.0.1:0", "hwm": 64},
+            **({"kv_events": {"endpoint": "tcp://127.0.0.1:0", "hwm": 64}} if events else {}),
         },
     }
-    path = tmp / "deploy.yaml"
+    path = tmp / ("deploy.yaml" if events else "off.yaml")
     path.write_text(yaml.safe_dump(data))
     return path
 
@@ -118,8 +121,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hicache-kv-bench-") as tmp_dir:
         deploy = deployment(Path(tmp_dir))
         sidecar = SidecarProcess(deploy).start()
+        off_deploy = deployment(Path(tmp_dir), events=False)
+        off = SidecarProcess(off_deploy).start()
         context = zmq.Context()
-        client = None
+        client = off_client = None
         stalled_received = 0
         try:
             endpoint = sidecar.get_json("/v1/stats")["kv_events"]["endpoint"]
@@ -130,7 +135,15 @@ def main() -> None:
                 heartbeat=False,
             )
             client.register_pools(client.create_pools(4))
-            times: dict[str, list[float]] = {"none": [], "live": [], "stalled": []}
+            off_client = connect(
+                off.socket,
+                load_deployment(off_deploy).layer_map(),
+                page_size_tokens=PAGE,
+                heartbeat=False,
+            )
+            off_client.register_pools(off_client.create_pools(4))
+            modes = ("off", "none", "live", "stalled")
+            times: dict[str, list[float]] = {mode: [] for mode in modes}
             for _ in range(args.trials):
                 for mode in times:
                     live, stuck = None, None
@@ -138,11 +151,12 @@ def main() -> None:
                         live = Live(context, endpoint)
                     elif mode == "stalled":
                         stuck = stalled(context, endpoint)
-                    wait_subscriptions(sidecar, 0 if mode == "none" else 1)
+                    wait_subscriptions(sidecar, 0 if mode in ("off", "none") else 1)
+                    engine = off_client if mode == "off" else client
                     for _ in range(args.stores):
                         tokens = [rng.randrange(100_000) for _ in range(PAGE)]
                         start = time.perf_counter()
-                        client.store(tokens, {"full": [0]})
+                        engine.store(tokens, {"full": [0]})
                         times[mode].append(time.perf_counter() - start)
                     if live is not None:
                         live.close()
@@ -154,10 +168,12 @@ def main() -> None:
                     wait_subscriptions(sidecar, 0)
             stats = sidecar.get_json("/v1/stats")["kv_events"]
         finally:
-            if client is not None:
-                client.close()
+            for engine in (client, off_client):
+                if engine is not None:
+                    engine.close()
             context.term()
             sidecar.stop()
+            off.stop()
     p50 = {m: statistics.median(t) for m, t in times.items()}
     figures: dict[str, Any] = {}
     for mode, samples in times.items():
@@ -166,6 +182,7 @@ def main() -> None:
         figures[f"store_p99_us_{mode}"] = round(ordered[int(0.99 * (len(ordered) - 1))] * 1e6, 1)
     figures["ratio_stalled_vs_none"] = round(p50["stalled"] / p50["none"], 3)
     figures["ratio_live_vs_none"] = round(p50["live"] / p50["none"], 3)
+    figures["ratio_none_vs_off"] = round(p50["none"] / p50["off"], 3)
     figures["batches_sent"] = stats["batches_sent"]
     figures["batches_dropped"] = stats["batches_dropped"]
     figures["stalled_received"] = stalled_received
