@@ -289,16 +289,12 @@ class NamespaceEvents:
             page.media.discard(medium)
             self.events.removed(page, medium)
 
-    def close(self) -> None:
-        """The namespace is gone: what it held leaves the host's count."""
-        for key in list(self.pages):
-            self.forgotten(self.group or "", key)
 
-
-def storing_tokens(state: Any, namespace: Any, tokens: Sequence[int]) -> Any:
+def storing_tokens(
+    events: KvEvents | None, index: PrefixIndex, tokens: Sequence[int]
+) -> contextlib.AbstractContextManager[None]:
     """The store handler's context: `NamespaceEvents.storing` when KV events are on."""
-    events: KvEvents | None = state.kv_events
-    watcher = namespace.cache.index.watcher
+    watcher = index.watcher
     if events is None or not isinstance(watcher, NamespaceEvents):
         return contextlib.nullcontext()
     return watcher.storing(tokens)

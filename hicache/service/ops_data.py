@@ -51,7 +51,8 @@ class DataOps:
                         f"{given[tokens]} and {slot}); give one per prefix length",
                     )
         fence = engine_fence(namespace.cache.backend, args.fence, "store")
-        with storing_tokens(self.state, namespace, args.tokens):  # KV events hash its pages
+        # KV events (service.kv_events) hash the pages this store brings into L2
+        with storing_tokens(self.state.kv_events, namespace.cache.index, args.tokens):
             result = await namespace.cache.store(
                 args.tokens,
                 args.device_pages,
