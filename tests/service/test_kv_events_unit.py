@@ -181,6 +181,8 @@ def test_one_turn_of_the_loop_is_one_batch_of_vllm_style_chains() -> None:
 
 
 def test_a_full_queue_drops_the_batch_and_counts_it() -> None:
+    pytest.importorskip("zmq", reason="pyzmq (the events extra) is not installed")
+    pytest.importorskip("msgspec", reason="msgspec (the events extra) is not installed")
     from hicache.service.kv_publisher import ZmqEventPublisher
 
     class Gated(ZmqEventPublisher):
@@ -229,6 +231,8 @@ def test_missing_packages_are_refused_naming_the_extra(monkeypatch: pytest.Monke
 
 
 def test_an_endpoint_in_use_is_refused_by_name() -> None:
+    pytest.importorskip("zmq", reason="pyzmq (the events extra) is not installed")
+    pytest.importorskip("msgspec", reason="msgspec (the events extra) is not installed")
     from hicache.service.kv_publisher import ZmqEventPublisher
 
     first = ZmqEventPublisher("tcp://127.0.0.1:0", "", queue_depth=1, hwm=1)
