@@ -13,7 +13,9 @@ the consequence of an op the test has already seen answered."""
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -359,3 +361,34 @@ def test_a_stalled_subscriber_slows_neither_the_sidecar_nor_another_subscriber(
         router.close()
         sub.close(linger=0)
         stalled.term()
+
+
+def test_an_endpoint_the_sidecar_cannot_bind_stops_its_start_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
+    deploy = write_deploy(tmp_path, {"kind": "none"}, endpoint=endpoint)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "hicache", "serve", "--config", str(deploy)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            timeout=DEADLINE_S,
+        )
+    finally:
+        taken.close()
+    assert proc.returncode == 2, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hicache: ")]
+    assert "Traceback" not in proc.stderr
+    assert len(errors) == 1, proc.stderr  # one line naming the key, the value and the cause
+    assert errors[0].startswith(
+        f"hicache: error: service.kv_events.endpoint '{endpoint}': cannot bind (Address already "
+        "in use"
+    ), errors[0]
+    assert errors[0].endswith("); allowed: a free tcp://host:port or ipc:// path"), errors[0]
+    assert not (tmp_path / "e.sock").exists()  # nothing left listening
