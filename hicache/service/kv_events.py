@@ -23,7 +23,8 @@ first one takes it and `BlockRemoved` when the last one lets it go (a count per 
 hash).
 
 Lifecycle of a page's entry (`NamespaceEvents.pages`): a store names its tokens (`storing`:
-its keys pending, with their tokens) -> `l2_in` computes its hash and publishes CPU ->
+the store is active while it runs) -> `l2_in` of a key no entry has finds it among the
+active stores' keys (computed then, once per store), computes its hash and publishes CPU ->
 `l3_in` STORAGE -> `l2_out` / `l3_out` remove per medium -> `forgotten` (the index deleted
 the record) removes what is left and drops the entry. Events of one turn of the event loop are
 coalesced (consecutive blocks of a chain in one `BlockStored`) and handed to the publisher
@@ -56,11 +57,19 @@ class _Page:
 
 @dataclass(slots=True)
 class _Storing:
-    """One store's prompt, while it runs: its keys and tokens, hashes computed on demand."""
+    """One store's prompt, while it runs: its keys computed only when a page it names enters
+    L2 (a store of pages L2 already holds costs nothing), hashes computed on demand."""
 
     tokens: Sequence[int]
-    keys: list[bytes]
+    keys: list[bytes] | None = None
+    positions: dict[bytes, int] = field(default_factory=dict)
     hashes: dict[int, bytes] = field(default_factory=dict)
+
+    def position(self, key: bytes, index: PrefixIndex, group: str) -> int | None:
+        if self.keys is None:
+            self.keys = index.keys(self.tokens)[group]
+            self.positions = {k: i for i, k in enumerate(self.keys)}
+        return self.positions.get(key)
 
 
 class KvEvents:
@@ -184,7 +193,7 @@ class NamespaceEvents:
         whole = [g for g, rule in index.rules.items() if rule.needs_whole_prefix]
         self.group: str | None = whole[0] if whole else None
         self.pages: dict[bytes, _Page] = {}
-        self._storing: dict[bytes, tuple[_Storing, int, int]] = {}  # key -> (store, pos, refs)
+        self._active: list[_Storing] = []  # stores running now, oldest first
 
     @contextlib.contextmanager
     def storing(self, tokens: Sequence[int]) -> Iterator[None]:
@@ -192,46 +201,37 @@ class NamespaceEvents:
         if self.group is None or len(tokens) < self.events.block_size:
             yield
             return
-        keys = self.index.keys(tokens)[self.group]
-        store = _Storing(tokens, keys)
-        named = []
-        for pos, key in enumerate(keys):
-            if key in self.pages:
-                continue
-            held = self._storing.get(key)
-            self._storing[key] = (store, pos, 1) if held is None else (*held[:2], held[2] + 1)
-            named.append(key)
+        store = _Storing(tokens)
+        self._active.append(store)
         try:
             yield
         finally:
-            for key in named:
-                held = self._storing[key]
-                if held[2] == 1:
-                    del self._storing[key]
-                else:
-                    self._storing[key] = (*held[:2], held[2] - 1)
+            self._active.remove(store)
 
     def _page_of(self, key: bytes) -> _Page | None:
         page = self.pages.get(key)
-        if page is not None:
+        if page is not None or self.group is None:
             return page
-        held = self._storing.get(key)
-        if held is None:
-            return None
-        store, pos, _ = held
-        size = self.events.block_size
-        parent = self._hash_at(store, pos - 1) if pos else None
-        tokens = store.tokens[pos * size : (pos + 1) * size]
-        block_hash = self.events.hasher.block(parent, tokens)
-        store.hashes[pos] = block_hash
-        page = self.pages[key] = _Page(block_hash, parent, array("q", tokens))
-        return page
+        for store in reversed(self._active):  # the newest store naming it first
+            pos = store.position(key, self.index, self.group)
+            if pos is None:
+                continue
+            size = self.events.block_size
+            parent = self._hash_at(store, pos - 1) if pos else None
+            tokens = store.tokens[pos * size : (pos + 1) * size]
+            block_hash = self.events.hasher.block(parent, tokens)
+            store.hashes[pos] = block_hash
+            page = self.pages[key] = _Page(block_hash, parent, array("q", tokens))
+            return page
+        return None
 
     def _hash_at(self, store: _Storing, pos: int) -> bytes:
         """Block `pos`'s hash of a store's prompt: from the nearest known block before it."""
         start = pos
+        keys = store.keys
+        assert keys is not None  # computed by `position` before any hash is asked for
         while start >= 0 and start not in store.hashes:
-            known = self.pages.get(store.keys[start])
+            known = self.pages.get(keys[start])
             if known is not None:
                 store.hashes[start] = known.block_hash
                 break

@@ -158,7 +158,7 @@ def test_two_stores_naming_one_page_keep_its_tokens_until_both_end() -> None:
         index.insert_l2("full", keys[0], 1)
         index.insert_l2("full", keys[1], 2)
     assert rec.take() == [stored("CPU", tokens[:PAGE]), stored("CPU", tokens, 1)]
-    assert watcher._storing == {}  # nothing pending once both ended
+    assert watcher._active == []  # nothing pending once both ended
 
 
 def test_one_turn_of_the_loop_is_one_batch_of_vllm_style_chains() -> None:
