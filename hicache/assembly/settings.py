@@ -21,6 +21,7 @@ from hicache.config.schema import (
     Deployment,
     DeviceSection,
     HostSection,
+    KvEventsSection,
     ModelSection,
     SchedulerSection,
     ServiceSection,
@@ -127,6 +128,7 @@ class ServiceSettings:
     slow_reader_timeout_s: float
     drain_timeout_s: float
     log_format: Literal["text", "json"]
+    kv_events: KvEventsSection | None
 
 
 def service_settings(section: ServiceSection) -> ServiceSettings:

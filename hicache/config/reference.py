@@ -18,6 +18,7 @@ from hicache.config.schema import (
     DeviceSection,
     FileStorage,
     HostSection,
+    KvEventsSection,
     L3Guard,
     ModelSection,
     MooncakeStorage,
@@ -42,6 +43,7 @@ SECTIONS: list[tuple[str, type[BaseModel]]] = [
     ("scheduler", SchedulerSection),
     ("cache", CacheSection),
     ("service", ServiceSection),
+    ("service.kv_events", KvEventsSection),
     ("tenants", TenantsSection),
     ("tenants.l2_shares.<tenant>", TenantShare),
 ]

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from hicache.config.section import ByteSize, Section
-from hicache.config.service_schema import ServiceSection
+from hicache.config.service_schema import KvEventsSection, ServiceSection
 from hicache.config.sizes import parse_bytes
 from hicache.config.storage_schema import (
     FileStorage,
@@ -37,6 +37,7 @@ __all__ = [
     "Dtype",
     "FileStorage",
     "HostSection",
+    "KvEventsSection",
     "L3Guard",
     "ModelSection",
     "MooncakeStorage",

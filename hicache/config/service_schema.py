@@ -14,6 +14,52 @@ from hicache.config.section import ByteSize, Section
 from hicache.config.sizes import parse_bytes
 
 
+class KvEventsSection(Section):
+    """KV events for routers: what the host's shared cache holds, as vLLM publishes them.
+
+    vLLM's KV-event format on a ZMQ PUB socket (`service/kv_events.py`)."""
+
+    endpoint: str = Field(
+        default="tcp://127.0.0.1:5557",
+        description="ZMQ PUB address the sidecar binds (tcp://host:port or ipc://path); "
+        "routers subscribe to it. Events carry prompt token ids: bind beyond loopback only "
+        "on a trusted network",
+    )
+    topic: str = Field(default="", description="the topic frame of every message")
+    queue_depth: int = Field(
+        default=10_000,
+        ge=1,
+        description="event batches queued for the publisher thread, at most; a batch that "
+        "finds the queue full is dropped and counted",
+    )
+    hwm: int = Field(
+        default=100_000, ge=1, description="the PUB socket's send high-water mark (messages)"
+    )
+    hash_algo: Literal["sha256", "sha256_cbor"] = Field(
+        default="sha256", description="the engines' prefix_caching_hash_algo"
+    )
+    hash_seed: str = Field(
+        default="vllm-none-hash",
+        description="the seed of vLLM's NONE_HASH: the engines' PYTHONHASHSEED when they set "
+        "it, else vLLM's fixed default",
+    )
+    int_hashes: bool = Field(
+        default=False,
+        description="publish the hashes' low 64 bits as integers, as vLLM does with "
+        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1",
+    )
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint_form(cls, value: str) -> str:
+        if not value.startswith(("tcp://", "ipc://")) or value in ("tcp://", "ipc://"):
+            raise ValueError(
+                f"{value!r} is no ZMQ endpoint the sidecar can bind; allowed: "
+                "tcp://host:port (port 0: any free one) or ipc://path"
+            )
+        return value
+
+
 class ServiceSection(Section):
     """The sidecar: engine channel (Unix socket, or TCP), HTTP control API, sessions."""
 
@@ -78,6 +124,11 @@ class ServiceSection(Section):
     )
     log_format: Literal["text", "json"] = Field(
         default="text", description="one line per event: key=value text or JSON"
+    )
+    kv_events: KvEventsSection | None = Field(
+        default=None,
+        description="publish what the shared cache holds as vLLM KV events for cache-aware "
+        "routers (null: off)",
     )
 
     @field_validator("token")

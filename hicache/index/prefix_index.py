@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from hicache.errors import HicacheError, PinError
 from hicache.index.eviction import EVICTION_POLICIES, EvictionPolicy
 from hicache.index.keys import PageKey, PageKeyer
+from hicache.index.watch import NO_WATCHER, IndexWatcher
 from hicache.model import CacheGroup, CacheKind
 
 
@@ -152,6 +153,7 @@ class PrefixIndex:
         self._l3_only: dict[str, OrderedDict[PageKey, None]] = {g: OrderedDict() for g in rules}
         self.l3_forgotten = {g: 0 for g in rules}
         self._pinned = {g: 0 for g in rules}  # records with pins > 0
+        self.watcher: IndexWatcher = NO_WATCHER  # told of every tier change (`index/watch.py`)
 
     # ---- lookup ---------------------------------------------------------------------------
 
@@ -299,6 +301,7 @@ class PrefixIndex:
         self._l2_keys[group].add(key)
         self._policies[group].insert(key)
         self._l3_only[group].pop(key, None)
+        self.watcher.l2_in(group, key)
         return record
 
     def mark_l3(self, group: str, key: PageKey) -> PageRecord:
@@ -308,13 +311,17 @@ class PrefixIndex:
         """L3 holds these pages (a persist acknowledged, or found by asking L3); the bound on
         L3-only records never forgets one of them to make room for another."""
         records = self._records[group]
-        marked = []
+        marked, new = [], []
         for key in keys:
             record = records.get(key)
             if record is None:
                 record = records[key] = PageRecord(key)
+            if not record.in_l3:
+                new.append(key)
             record.in_l3 = True
             marked.append(record)
+        if new:
+            self.watcher.l3_in(group, new)
         self._note_l3_only(group, [r.key for r in marked if r.l2_page is None])
         return marked
 
@@ -338,6 +345,7 @@ class PrefixIndex:
         for old in victims:
             del l3_only[old]
             del records[old]
+            self.watcher.forgotten(group, old)
         self.l3_forgotten[group] += len(victims)
 
     def l2_victims(
@@ -381,18 +389,23 @@ class PrefixIndex:
         self._l2_count[group] -= 1
         self._l2_keys[group].discard(key)
         self._policies[group].remove(key)
+        self.watcher.l2_out(group, key)
         if record.in_l3:
             self._note_l3_only(group, [key])
         else:
             del self._records[group][key]
+            self.watcher.forgotten(group, key)
         return page
 
     def drop_l3(self, group: str, key: PageKey) -> None:
         record = self._require(group, key)
-        record.in_l3 = False
+        was_in_l3, record.in_l3 = record.in_l3, False
         self._l3_only[group].pop(key, None)
+        if was_in_l3:
+            self.watcher.l3_out(group, key)
         if record.l2_page is None and record.pins == 0:  # a pinned one goes at its last unpin
             del self._records[group][key]
+            self.watcher.forgotten(group, key)
 
     def pin(self, group: str, keys: Sequence[PageKey]) -> None:
         records = [self._require(group, k) for k in keys]
@@ -412,6 +425,7 @@ class PrefixIndex:
             self._pinned[group] -= 1
             if record.l2_page is None and not record.in_l3:
                 del self._records[group][record.key]  # no tier holds it any more
+                self.watcher.forgotten(group, record.key)
 
     def l2_pages(self, group: str) -> int:
         return self._l2_count[group]

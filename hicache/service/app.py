@@ -6,7 +6,9 @@ engine namespace, a scheduler task), the HTTP control API and the L3 probe -> pr
 `ready` line (socket, HTTP port) -> run until SIGTERM or SIGINT -> drain, all of it within
 `service.drain_timeout_s`: stop listening, let in-flight loads finish (cancel those still
 running at the deadline), close sessions, flush what the write policy owes to L3 in the time
-left (what is still unwritten at the deadline is counted, not written) -> the `stopped` line
+left (what is still unwritten at the deadline is counted, not written) -> the KV-event
+publisher (`service.kv_events`, bound before the engine channel opens) sends what is queued
+and stops -> the `stopped` line
 (loads finished and cancelled, pages flushed, pages and bytes unflushed) -> close the store and
 the backend -> exit 0.
 
@@ -34,6 +36,7 @@ from hicache.assembly.stores import cause
 from hicache.config import LoadedConfig
 from hicache.errors import HicacheError, ServiceStartError
 from hicache.service.http_api import start_http
+from hicache.service.kv_events import KvEvents, start_kv_events
 from hicache.service.logs import configure
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.server import EngineServer
@@ -91,6 +94,7 @@ async def serve(
     store: GuardedStore | None = None
     server: EngineServer | None = None
     runner: web.AppRunner | None = None
+    kv_events: KvEvents | None = None
     ready = False
     try:
         with starting(loaded, "device.kind", f"cannot start the {plan.device_kind} copy backend"):
@@ -103,6 +107,10 @@ async def serve(
         metrics.page_size_tokens = plan.page_size_tokens
         async with asyncio.TaskGroup() as tg:
             server = EngineServer(plan, backend, store, tg, metrics)
+            if service.kv_events is not None:  # bound before engines come: no store unseen
+                kv_events = start_kv_events(service.kv_events, plan.page_size_tokens)
+                server.state.kv_events = kv_events
+                metrics.kv_events = kv_events.counts
             metrics.watch(lambda: list(server.namespaces.values()), lambda: server.store)
             http_port = None
             if service.http_port is not None:  # first: it logs nothing if the rest fails
@@ -118,6 +126,7 @@ async def serve(
                 "model": layer_map.model_type,
                 "model_name": server.model_name,
                 "l3": plan.storage_kind,
+                "kv_events": None if kv_events is None else kv_events.publisher.endpoint,
             }
             gc.freeze()  # start-up objects (torch's among them) leave the collector's scans
             row_kernel = getattr(backend, "row_kernel", None)  # CPU: native C or numpy (why)
@@ -170,6 +179,8 @@ async def serve(
     finally:
         if server is not None and not ready:
             await _close_listeners(server, runner, service.drain_timeout_s)
+        if kv_events is not None:  # what the drain published goes out, then the thread ends
+            kv_events.close()
         live = server.store if server is not None else store
         if live is not None:
             with contextlib.suppress(Exception):

@@ -120,6 +120,7 @@ class ControlApi:
 
     async def stats(self, request: web.Request) -> web.Response:
         store = self.server.store
+        kv_events = self.server.state.kv_events
         row_kernel = getattr(self.server.backend, "row_kernel", None)
         return web.json_response(
             {
@@ -144,6 +145,8 @@ class ControlApi:
                 ),
                 # loads engines recomputed for want of their own staging pages (heartbeats)
                 "engine_loads_starved": self.metrics.loads_starved_count,
+                # the KV-event publisher (service.kv_events): sent, dropped; None when off
+                "kv_events": None if kv_events is None else kv_events.stats(),
                 # the CPU backend's row-copy kernel (native C, or numpy and why); None on CUDA
                 "row_kernel": row_kernel,
                 # what CPU copies of 8 MiB or more store with, measured on the first of them

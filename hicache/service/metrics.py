@@ -53,6 +53,8 @@ class ServiceMetrics:
             "hicache_request_errors", "Error replies, by error code", ["code"], registry=r
         )
         self.sessions = Gauge("hicache_sessions", "Engine sessions attached", registry=r)
+        # the KV-event publisher's counts (`KvEvents.counts`), read at scrape time; none: off
+        self.kv_events: Callable[[], dict[str, int]] = dict
         # lookups are the most frequent request: plain ints here, exported at scrape time
         self.hit_tokens = {"l2": 0, "l3": 0, "miss": 0}
         self.hit_pages = {"l2": 0, "l3": 0, "miss": 0}
@@ -291,6 +293,26 @@ class StateCollector(Collector):
             l3_seconds.add_metric(["put"], s.put_seconds)
             l3_seconds.add_metric(["get"], s.get_seconds)
         yield from (breaker, failures, l3, l3_bytes, l3_seconds)
+        yield from self._kv_events()
+
+    def _kv_events(self) -> Iterator[Metric]:
+        counts = self._metrics.kv_events()
+        events = CounterMetricFamily(
+            "hicache_kv_events",
+            "KV events for routers (service.kv_events), by outcome: sent, or dropped (the "
+            "publisher's queue full or the socket refusing the send; empty when off)",
+            labels=["outcome"],
+        )
+        batches = CounterMetricFamily(
+            "hicache_kv_event_batches",
+            "KV event batches (one ZMQ message each), by outcome: sent, dropped",
+            labels=["outcome"],
+        )
+        for outcome in ("sent", "dropped"):
+            if f"events_{outcome}" in counts:
+                events.add_metric([outcome], counts[f"events_{outcome}"])
+                batches.add_metric([outcome], counts[f"batches_{outcome}"])
+        yield from (events, batches)
 
     def _tenants(self) -> Iterator[Metric]:
         """Per-tenant families: lookup tokens by tier, and (tenants sharing L2) pages held,

@@ -22,6 +22,7 @@ from hicache.channel.counters import LoadState
 from hicache.errors import HicacheError
 from hicache.scheduler import OpResult, OpState
 from hicache.service.checkpoints import checkpoint
+from hicache.service.kv_events import storing_tokens
 from hicache.service.sessions import LoadEntry, Session
 from hicache.service.state import ServerState
 from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
@@ -53,9 +54,15 @@ class DataOps:
                     )
         fence = engine_fence(namespace.cache.backend, args.fence, "store")
         await checkpoint("store.begin")
-        result = await namespace.cache.store(
-            args.tokens, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
-        )
+        # KV events (service.kv_events) hash the pages this store brings into L2
+        with storing_tokens(self.state.kv_events, namespace.cache.index, args.tokens):
+            result = await namespace.cache.store(
+                args.tokens,
+                args.device_pages,
+                snapshots=snapshots,
+                fence=fence,
+                attachment=session.id,
+            )
         del fence  # an opened IPC event goes before the reply: the engine may then free its own
         self.state.metrics.evictions.inc(result.pages_evicted)
         if result.bytes_backed_up:

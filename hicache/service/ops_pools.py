@@ -153,7 +153,8 @@ class PoolOps:
         )
         try:
             # the key's one namespace: started by its first registration, awaited by the
-            # others arriving meanwhile (namespace_registry.py)
+            # others arriving meanwhile (namespace_registry.py); KV events watch its index
+            # from its start (ServerState._start_namespace)
             namespace = await self.state.registry.namespace_for(session.key, session.id, pools, op)
             namespace.attach(session.id, pools)
         except BaseException:

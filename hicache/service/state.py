@@ -26,6 +26,7 @@ from hicache.cache.keyers import page_keyers
 from hicache.channel import protocol as p
 from hicache.memory import DevicePool, GroupGeometry
 from hicache.model import LayerMap
+from hicache.service.kv_events import KvEvents
 from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespace_registry import NamespaceRegistry
 from hicache.service.namespaces import Namespace, NamespaceKey
@@ -48,6 +49,8 @@ class ServerState:
     sessions: dict[int, Session] = field(default_factory=dict)
     session_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
     load_ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
+    # KV events for routers (`service.kv_events`; None: off), set by `serve` before listening
+    kv_events: KvEvents | None = None
     # the one thread that prefaults engines' pools (`sessions.Prefaulting`), shut at the drain
     prefaults: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hicache-prefault")
@@ -61,9 +64,12 @@ class ServerState:
     async def _start_namespace(
         self, key: NamespaceKey, device_pools: dict[str, DevicePool]
     ) -> Namespace:
-        return await Namespace.start(
+        namespace = await Namespace.start(
             key, self.plan, self.backend, self.store, device_pools, self.tg
         )
+        if self.kv_events is not None:  # from its start: no store of it unseen
+            self.kv_events.watch(namespace.cache.index)
+        return namespace
 
     @classmethod
     def build(
