@@ -2,7 +2,7 @@
 `TieredCache.load` / `prefetch` run once the request is checked and L3 was asked about pages
 the index did not know.
 
-    handle, hit = await loads.load(token_ids, device_pages, ...)   # the scheduler's load
+    handle, hit = await loads.load(keys, device_pages, ...)   # the prompt's page keys
     gained = await loads.prefetch(token_ids)                        # L3 -> L2 only
 
 A load looks the prompt up; when L3 holds part of the hit, a background fetch (owned by the
@@ -26,7 +26,7 @@ from typing import Any
 from hicache.cache.l3_io import L3Io
 from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner
-from hicache.index import Hit, PrefetchPolicy, PrefixIndex
+from hicache.index import Hit, PageKey, PrefetchPolicy, PrefixIndex
 from hicache.memory import HostTier
 from hicache.scheduler import GroupPages, OpHandle, Scheduler
 from hicache.storage import GuardedStore
@@ -61,26 +61,28 @@ class Loads:
 
     async def load(
         self,
-        token_ids: Sequence[int],
+        keys: Mapping[str, Sequence[PageKey]],
         device_pages: Mapping[str, Sequence[int]],
         *,
         on_layer: LayerListener | None,
         skip_pages: int,
         fence: Fence | None,
         attachment: int,
+        num_tokens: int,
     ) -> tuple[OpHandle | None, Hit]:
-        """`TieredCache.load` past its checks, its fence and the discovery."""
+        """`TieredCache.load` / `load_keys` past their checks, fence and discovery: the prompt
+        of `num_tokens` tokens given by every cached group's page keys."""
         size = self.index.page_size_tokens
-        hit = self.index.lookup(token_ids, skip_pages=skip_pages)
+        hit = self.index.lookup_keys(keys, skip_pages=skip_pages)
         failed: dict[str, tuple[int, ...]] = {}
         if hit.pages_total > hit.pages_l2 and self._l3() is not None:
-            await self._prefetch(hit, len(token_ids))
+            await self._prefetch(hit, num_tokens)
             failed = {
                 group: lost
                 for group, rows in hit.needed.items()
                 if (lost := tuple(i for i, r in rows if r.l2_page is None))
             }
-        plan = self.planner.plan_load(token_ids, skip_pages)
+        plan = self.planner.plan_load(keys, skip_pages)
         hot = {g: rs for g, rs in plan.hot.items() if g not in self.io.replica_groups}
         if hot and self._l3() is not None:
             self.persist.offer(hot)  # selective write-through: hit often enough (rank 0's)

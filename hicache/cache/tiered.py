@@ -398,12 +398,65 @@ class TieredCache:
         check_load_pages(self.index.rules, self._moved(device_pages), len(token_ids) // size)
         await self.discover(token_ids)
         return await self.loads.load(
-            token_ids,
+            self.index.keys(token_ids),
             device_pages,
             on_layer=on_layer,
             skip_pages=skip_pages,
             fence=fence,
             attachment=attachment,
+            num_tokens=len(token_ids),
+        )
+
+    # ---- by the engine's own keys: an engine that keys pages itself (SGLang's page hashes,
+    # namespaced) and has no tokens to send; the same ops, keyed as given
+
+    async def store_keys(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        device_pages: Mapping[str, Sequence[int | None]],
+        *,
+        fence: Fence | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
+    ) -> StoreResult:
+        """`store` of a prompt given by every cached group's keys of its full pages (one
+        per page, the same count in each) instead of its tokens; token groups' pages only
+        (state snapshots are filed by prefix length, which keys do not carry)."""
+        if fence is None:
+            fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
+        self._group()
+        self._resync_if_due()
+        size = self.index.page_size_tokens
+        full_pages = min((len(k) for k in keys.values()), default=0)
+        wanted = store_positions(self.index.rules, size, self._moved(device_pages), {}, full_pages)
+        return await self.stores.store(keys, wanted, fence, attachment)
+
+    async def load_keys(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        device_pages: Mapping[str, Sequence[int]],
+        *,
+        on_layer: LayerListener | None = None,
+        skip_pages: int = 0,
+        fence: Fence | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
+    ) -> tuple[OpHandle | None, Hit]:
+        """`load` of a prompt given by every cached group's page keys (see `store_keys`)."""
+        if fence is None:
+            fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
+        self._group()
+        self._resync_if_due()
+        size = self.index.page_size_tokens
+        pages = min((len(k) for k in keys.values()), default=0)
+        check_load_pages(self.index.rules, self._moved(device_pages), pages)
+        await self.discover_keys(keys)
+        return await self.loads.load(
+            keys,
+            device_pages,
+            on_layer=on_layer,
+            skip_pages=skip_pages,
+            fence=fence,
+            attachment=attachment,
+            num_tokens=pages * size,
         )
 
     async def prefetch(self, token_ids: Sequence[int]) -> int:
