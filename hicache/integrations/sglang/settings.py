@@ -14,8 +14,20 @@ from hicache.errors import ConfigError
 
 WHERE = "--hicache-storage-backend-extra-config"
 OWN_KEYS = ("config", "token", "tenant", "timeout_s", "load_timeout_s", "retry_after_s")
-# what SGLang itself reads from the same JSON and leaves in it (the rest it pops)
-SGLANG_KEYS = ("backend_name", "module_path", "class_name", "interface_v1", "allocator")
+# what SGLang itself reads from the same JSON (the ones it pops before the backend sees them
+# too, should a release leave them in)
+SGLANG_KEYS = (
+    "backend_name",
+    "module_path",
+    "class_name",
+    "interface_v1",
+    "allocator",
+    "prefetch_threshold",
+    "prefetch_timeout_base",
+    "prefetch_timeout_per_ki_token",
+    "hicache_storage_pass_prefix_keys",
+    "tp_lcm_size",
+)
 
 
 @dataclass(frozen=True, slots=True)
