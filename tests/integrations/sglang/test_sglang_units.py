@@ -268,3 +268,13 @@ def test_a_down_sidecar_is_tried_again_only_after_retry_after_s() -> None:
     for _ in range(5):
         assert link.use("op", lambda c: 1, default=0) == 0
     assert len(tries) == 1
+
+
+def test_the_demo_help_names_both_engines(capsys: pytest.CaptureFixture[str]) -> None:
+    from hicache.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "vLLM through its KV connector (hicache.integrations.vllm)" in text
+    assert "SGLang through its HiCache storage backend (hicache.integrations.sglang)" in text
