@@ -28,7 +28,11 @@ from typing import Any
 DEFAULTS: dict[str, Any] = {
     "device": "cpu",
     "dtype": "bfloat16",
-    "mem_fraction_static": 0.05,
+    # on CPU SGLang checks that the memory available after loading the weights is at least
+    # (1 - this) of what it was before: at 0.05 any other process allocating meanwhile (the
+    # other engine starting beside it) failed the start; the KV pool is capped by
+    # max_total_tokens either way, so a higher fraction allocates nothing more
+    "mem_fraction_static": 0.5,
     "max_total_tokens": 4096,
     "page_size": 16,
     "disable_cuda_graph": True,
