@@ -86,6 +86,18 @@ def _fake_env(dev: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(dev, "STAMP", venv / ".hicache-installed")
     monkeypatch.setattr(dev, "_venv_python", lambda: python)
     monkeypatch.setattr(dev, "_wants_vllm", lambda: False)
+    sglang_venv = tmp_path / ".venv-sglang"
+    sglang_python = sglang_venv / "bin" / "python"
+    monkeypatch.setattr(dev, "SGLANG_VENV", sglang_venv)
+    monkeypatch.setattr(dev, "SGLANG_STAMP", sglang_venv / ".hicache-installed")
+    monkeypatch.setattr(dev, "_sglang_python", lambda: sglang_python)
+    # the SGLang venv is "created" by making its python; nothing is installed
+    monkeypatch.setattr(
+        dev.venv.EnvBuilder,
+        "create",
+        lambda self, where: (sglang_python.parent.mkdir(parents=True), sglang_python.touch()),
+    )
+    monkeypatch.delenv("SGLANG_KERNEL_WHEELS", raising=False)
     recorder = _Recorder()
     monkeypatch.setattr(dev, "_run", recorder)
     return recorder
@@ -135,3 +147,101 @@ def test_dev_py_is_stdlib_only() -> None:
         )
     }
     assert names <= set(sys.stdlib_module_names) | {"__future__"}
+
+
+def _kernel_dir(tmp_path: Path, *names: str) -> Path:
+    folder = tmp_path / "wheels"
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_bytes(b"wheel " + name.encode())
+    return folder
+
+
+PY = f"{sys.version_info.major}{sys.version_info.minor}"
+KERNEL = f"sglang_kernel_cpu-0.4.5-cp{PY}-cp{PY}-linux_x86_64.whl"
+
+
+def test_no_kernel_no_sglang_environment(
+    dev: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = _fake_env(dev, tmp_path, monkeypatch)
+    assert dev.main(["setup"]) == 0
+    assert not any(".venv-sglang" in " ".join(c) for c in recorder.commands)
+    assert not dev.SGLANG_VENV.exists()
+
+
+def test_the_kernel_folder_builds_the_sglang_environment_and_is_remembered(
+    dev: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    recorder = _fake_env(dev, tmp_path, monkeypatch)
+    folder = _kernel_dir(tmp_path, KERNEL, "sglang_kernel_cpu-0.4.5-cp310-cp310-linux_x86_64.whl")
+    assert dev.main(["setup", "--sglang-kernel", str(folder)]) == 0
+    sglang = [c for c in recorder.commands if str(dev.SGLANG_VENV) in c[0]]
+    installs = [c[c.index("-q") + 1 :] for c in sglang]
+    assert installs[0] == ["torch==2.13.0"]
+    assert installs[1] == ["--no-deps", "sglang==0.5.23"]  # its metadata pulls a CUDA torch
+    assert installs[2][:2] == ["-c", str(dev.SGLANG_VENV / "torch-constraint.txt")]
+    assert "triton" in installs[2]
+    assert installs[3] == ["--no-deps", "--force-reinstall", str(folder / KERNEL)]
+    assert installs[4][-2:] == ["-e", str(dev.ROOT)]
+    assert (dev.SGLANG_VENV / "torch-constraint.txt").read_text() == "torch==2.13.0\n"
+    stamp = dev.SGLANG_STAMP.read_text().splitlines()
+    assert stamp[1] == str(folder)
+    # a later run with neither flag nor variable keeps the environment as it is
+    recorder.commands.clear()
+    assert dev.main(["setup"]) == 0
+    assert recorder.commands == []
+    # `dev.py test` then requires the SGLang tests (and runs pytest: recorded elsewhere)
+    # (dev.py sets it in its own environment: a copy here, so it does not leak)
+    monkeypatch.setattr(
+        dev.os,
+        "environ",
+        {k: v for k, v in dev.os.environ.items() if k != "_HICACHE_REQUIRE_SGLANG"},
+    )
+    ran: list[list[str]] = []
+    monkeypatch.setattr(
+        dev.subprocess, "run", lambda cmd, **kw: ran.append(cmd) or type("R", (), {"returncode": 0})
+    )
+    assert dev.main(["test", "-q"]) == 0
+    assert dev.os.environ["_HICACHE_REQUIRE_SGLANG"] == "1"
+    # another wheel in the folder changes the stamp: rebuilt
+    (folder / KERNEL).write_bytes(b"another build")
+    assert dev.main(["setup"]) == 0
+    assert any(str(folder / KERNEL) in c for c in recorder.commands)
+
+
+def test_the_kernel_folder_from_the_variable_and_an_empty_one_means_none(dev: ModuleType) -> None:
+    env = {"SGLANG_KERNEL_WHEELS": "/w"}
+    assert dev.sglang_kernel_dir(None, env, None) == "/w"
+    assert dev.sglang_kernel_dir("/flag", env, None) == "/flag"
+    assert dev.sglang_kernel_dir("", env, None) is None
+    assert dev.sglang_kernel_dir(None, {"SGLANG_KERNEL_WHEELS": ""}, "t\n/stamped\nx") is None
+    assert dev.sglang_kernel_dir(None, {}, "t\n/stamped\nx") == "/stamped"
+    assert dev.sglang_kernel_dir(None, {}, None) is None
+    # not HICACHE_*: every `hicache serve` reads that prefix as configuration
+    assert not dev.SGLANG_KERNEL_ENV.startswith("HICACHE_")
+
+
+def test_a_kernel_folder_without_exactly_one_wheel_for_this_python_is_refused(
+    dev: ModuleType, tmp_path: Path
+) -> None:
+    with pytest.raises(
+        SystemExit,
+        match=r"/nowhere .* is not a directory; give a folder holding sglang_kernel_cpu-\*-cp",
+    ):
+        dev.sglang_kernel_wheel("/nowhere", PY)
+    folder = _kernel_dir(tmp_path, "sglang_kernel_cpu-0.4.5-cp310-cp310-linux_x86_64.whl")
+    with pytest.raises(
+        SystemExit,
+        match=rf"holds 0 wheels matching sglang_kernel_cpu-\*-cp{PY}-cp{PY}-\*\.whl \(wheels there: \['sglang_kernel_cpu-0.4.5-cp310-cp310-linux_x86_64.whl'\]\); it needs exactly one",
+    ):
+        dev.sglang_kernel_wheel(folder, PY)
+
+
+def test_setup_flags_parse_in_any_order_and_refuse_the_rest(dev: ModuleType) -> None:
+    assert dev.parse_setup([]) == (None, None)
+    assert dev.parse_setup(["--sglang-kernel", "/k", "--torch-index=u"]) == ("u", "/k")
+    assert dev.parse_setup(["--torch-index", "u"]) == ("u", None)
+    assert dev.parse_setup(["--sglang-kernel"]) is None
+    assert dev.parse_setup(["--torch-index", "a", "--torch-index", "b"]) is None
+    assert dev.parse_setup(["--bogus"]) is None

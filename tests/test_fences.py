@@ -177,7 +177,7 @@ async def test_a_merged_load_walk_waits_on_its_steps_fence_and_drops_it_after() 
         async with cache.running():
             tokens = list(range(16))
             await cache.store(tokens, **store_kwargs(cache, tokens), fence=NO_FENCE)
-            plan = cache.planner.plan_load(tokens, 0)
+            plan = cache.planner.plan_load(cache.index.keys(tokens), 0)
             scheduler = cache.embedded.scheduler
             fence = Marker("engine")
             held = weakref.ref(fence)

@@ -2,7 +2,7 @@
 `TieredCache.load` / `prefetch` run once the request is checked and L3 was asked about pages
 the index did not know.
 
-    handle, hit = await loads.load(token_ids, device_pages, ...)   # the scheduler's load
+    handle, hit = await loads.load(keys, device_pages, ...)   # the prompt's page keys
     gained = await loads.prefetch(token_ids)                        # L3 -> L2 only
 
 A load looks the prompt up; when L3 holds part of the hit, a background fetch (owned by the
@@ -36,7 +36,7 @@ from typing import Any
 from hicache.cache.l3_io import L3Io
 from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner
-from hicache.index import Hit, PrefetchPolicy, PrefixIndex
+from hicache.index import Hit, PageKey, PrefetchPolicy, PrefixIndex
 from hicache.memory import HostTier
 from hicache.scheduler import GroupPages, OpHandle, Scheduler
 from hicache.storage import GuardedStore
@@ -71,26 +71,28 @@ class Loads:
 
     async def load(
         self,
-        token_ids: Sequence[int],
+        keys: Mapping[str, Sequence[PageKey]],
         device_pages: Mapping[str, Sequence[int]],
         *,
         on_layer: LayerListener | None,
         skip_pages: int,
         fence: Fence | None,
         attachment: int,
+        num_tokens: int,
     ) -> tuple[OpHandle | None, Hit]:
-        """`TieredCache.load` past its checks, its fence and the discovery."""
+        """`TieredCache.load` / `load_keys` past their checks, fence and discovery: the prompt
+        of `num_tokens` tokens given by every cached group's page keys."""
         size = self.index.page_size_tokens
-        hit = self.index.lookup(token_ids, skip_pages=skip_pages)
+        hit = self.index.lookup_keys(keys, skip_pages=skip_pages)
         failed: dict[str, tuple[int, ...]] = {}
         if hit.pages_total > hit.pages_l2 and self._l3() is not None:
-            await self._prefetch(token_ids, skip_pages, hit)
+            await self._prefetch(keys, skip_pages, hit, num_tokens)
             failed = {
                 group: lost
                 for group, rows in hit.needed.items()
                 if (lost := tuple(i for i, r in rows if r.l2_page is None))
             }
-        plan = self.planner.plan_load(token_ids, skip_pages)
+        plan = self.planner.plan_load(keys, skip_pages)
         hot = {g: rs for g, rs in plan.hot.items() if g not in self.io.replica_groups}
         if hot and self._l3() is not None:
             self.persist.offer(hot)  # selective write-through: hit often enough (rank 0's)
@@ -122,13 +124,16 @@ class Loads:
 
     async def prefetch(self, token_ids: Sequence[int]) -> int:
         """`TieredCache.prefetch` past its checks and the discovery."""
-        hit = self.index.lookup(token_ids)
+        keys = self.index.keys(token_ids)
+        hit = self.index.lookup_keys(keys)
         if hit.pages_total == hit.pages_l2 or self._l3() is None:
             return 0
-        gained = await self._spawn(lambda: self._fetch(token_ids, 0, hit), "prefetch")
+        gained = await self._spawn(lambda: self._fetch(keys, 0, hit), "prefetch")
         return int(gained or 0)
 
-    async def _prefetch(self, token_ids: Sequence[int], skip_pages: int, hit: Hit) -> None:
+    async def _prefetch(
+        self, keys: Mapping[str, Sequence[PageKey]], skip_pages: int, hit: Hit, tokens: int
+    ) -> None:
         """Bring the hit's L3-only pages into L2 within the prefetch policy's wait; the
         fetch goes on in the background past it (owned by the running cache), so the next
         request for the prefix finds it in L2."""
@@ -139,14 +144,12 @@ class Loads:
         )
         # the reads in flight go first (L3 serves them meanwhile), then this one
         queued = self.io.reading_bytes + l3_bytes
-        wait = self._prefetch_policy().wait_s(
-            len(token_ids), queued, self.io.read_rate.bytes_per_s()
-        )
-        task = self._spawn(lambda: self._fetch(token_ids, skip_pages, hit), "fetch")
+        wait = self._prefetch_policy().wait_s(tokens, queued, self.io.read_rate.bytes_per_s())
+        task = self._spawn(lambda: self._fetch(keys, skip_pages, hit), "fetch")
         if wait != 0.0:
             await asyncio.wait({task}, timeout=wait)
 
-    async def _fetch(self, token_ids: Sequence[int], skip_pages: int, hit: Hit) -> int:
+    async def _fetch(self, keys: Mapping[str, Sequence[PageKey]], skip_pages: int, hit: Hit) -> int:
         """The hit's L3-only pages into L2, in rounds. Where some page did not arrive —
         damaged or gone from L3, which the index learns from L3's answer — the hit it broke
         is looked up again: the longest prefix the tiers still serve, whose needs may
@@ -161,7 +164,7 @@ class Loads:
                 return gained
             if self._l3() is None:
                 return gained
-            shorter = self.index.lookup(token_ids, skip_pages=skip_pages)
+            shorter = self.index.lookup_keys(keys, skip_pages=skip_pages)
             if shorter.pages_total >= hit.pages_total or shorter.pages_total == shorter.pages_l2:
                 return gained
             hit = shorter

@@ -439,12 +439,13 @@ class Planner:
 
     # ---- load (L2 -> L1) --------------------------------------------------------------------
 
-    def plan_load(self, token_ids: Sequence[int], skip_pages: int) -> LoadPlan:
-        """The L2 hit now, its records pinned in the same step (no eviction can come between
-        the hit and the pins), and hits counted: only loads count, never lookups."""
-        hit = self.index.lookup(token_ids, touch=False, skip_pages=skip_pages)
+    def plan_load(self, prompt: Mapping[str, Sequence[PageKey]], skip_pages: int) -> LoadPlan:
+        """The L2 hit now of the prompt given by its page keys, its records pinned in the same
+        step (no eviction can come between the hit and the pins), and hits counted: only
+        loads count, never lookups."""
+        hit = self.index.lookup_keys(prompt, touch=False, skip_pages=skip_pages)
         pages, size = hit.pages_l2, hit.page_size_tokens
-        keys = self.index.keys(token_ids) if pages > skip_pages else {}
+        keys = prompt if pages > skip_pages else {}
         needed: dict[str, tuple[tuple[int, PageRecord], ...]] = {}
         for group, group_keys in keys.items():
             rows: list[tuple[int, PageRecord]] = []

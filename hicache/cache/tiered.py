@@ -423,12 +423,87 @@ class TieredCache:
         check_load_pages(self.index.rules, self._moved(device_pages), len(token_ids) // size)
         await self.discover(token_ids)
         return await self.loads.load(
-            token_ids,
+            self.index.keys(token_ids),
             device_pages,
             on_layer=on_layer,
             skip_pages=skip_pages,
             fence=fence,
             attachment=attachment,
+            num_tokens=len(token_ids),
+        )
+
+    # ---- by the engine's own keys: an engine that keys pages itself (SGLang's page hashes,
+    # namespaced) and has no tokens to send; the same ops, keyed as given
+
+    def store_keys(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        device_pages: Mapping[str, Sequence[int | None]],
+        *,
+        fence: Fence | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
+    ) -> Coroutine[Any, Any, StoreResult]:
+        """`store` of a prompt given by every cached group's keys of its full pages (one
+        per page, the same count in each) instead of its tokens; token groups' pages only
+        (state snapshots are filed by prefix length, which keys do not carry). The default
+        fence is taken when this is called, as `store`'s."""
+        if fence is None:
+            fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
+        return self._store_keys(keys, device_pages, fence, attachment)
+
+    async def _store_keys(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        device_pages: Mapping[str, Sequence[int | None]],
+        fence: Fence | None,
+        attachment: int,
+    ) -> StoreResult:
+        self._group()
+        self._resync_if_due()
+        size = self.index.page_size_tokens
+        full_pages = min((len(k) for k in keys.values()), default=0)
+        wanted = store_positions(self.index.rules, size, self._moved(device_pages), {}, full_pages)
+        return await self.stores.store(keys, wanted, fence, attachment)
+
+    def load_keys(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        device_pages: Mapping[str, Sequence[int]],
+        *,
+        on_layer: LayerListener | None = None,
+        skip_pages: int = 0,
+        fence: Fence | None = None,
+        attachment: int = DEFAULT_ATTACHMENT,
+    ) -> Coroutine[Any, Any, tuple[OpHandle | None, Hit]]:
+        """`load` of a prompt given by every cached group's page keys (see `store_keys`);
+        the default fence is taken when this is called, as `load`'s."""
+        if fence is None:
+            fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
+        return self._load_keys(keys, device_pages, on_layer, skip_pages, fence, attachment)
+
+    async def _load_keys(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        device_pages: Mapping[str, Sequence[int]],
+        on_layer: LayerListener | None,
+        skip_pages: int,
+        fence: Fence | None,
+        attachment: int,
+    ) -> tuple[OpHandle | None, Hit]:
+        self._group()
+        self._resync_if_due()
+        size = self.index.page_size_tokens
+        pages = min((len(k) for k in keys.values()), default=0)
+        check_load_pages(self.index.rules, self._moved(device_pages), pages)
+        await self.discover_keys(keys)
+        return await self.loads.load(
+            keys,
+            device_pages,
+            on_layer=on_layer,
+            skip_pages=skip_pages,
+            fence=fence,
+            attachment=attachment,
+            num_tokens=pages * size,
         )
 
     async def prefetch(self, token_ids: Sequence[int]) -> int:

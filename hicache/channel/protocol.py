@@ -237,6 +237,25 @@ class LoadRequest(PagesRequest):
     fence: Fence = None
 
 
+class KeyedStore(Msg):
+    """`store` of a prompt given by page keys the engine derived itself (an engine that keys
+    pages by its own hashes, as SGLang does, and sends no tokens), one key per full page in
+    every cached group (hello's `keys.roots` names them); token groups only."""
+
+    keys: Annotated[dict[Name, KeyBlob], Field(max_length=64)]
+    device_pages: Annotated[dict[Name, HeldPageIds], Field(max_length=64)]
+    fence: Fence = None
+
+
+class KeyedLoad(Msg):
+    """`load` of a prompt given by the engine's own page keys (see `KeyedStore`)."""
+
+    keys: Annotated[dict[Name, KeyBlob], Field(max_length=64)]
+    device_pages: Annotated[dict[Name, PageIds], Field(max_length=64)]
+    skip_pages: int = Field(default=0, ge=0, le=PAGE_ID_MAX)
+    fence: Fence = None
+
+
 class Release(Msg):
     load_id: int = Field(ge=0)
 
@@ -264,6 +283,8 @@ ARGS: dict[str, type[Msg]] = {
     "lookup_many": LookupMany,
     "store": StoreRequest,
     "load": LoadRequest,
+    "store_keys": KeyedStore,
+    "load_keys": KeyedLoad,
     "prefetch": Tokens,
     "release": Release,
     "stats": Empty,

@@ -120,7 +120,12 @@ def _parser() -> argparse.ArgumentParser:
     add_stats_parser(sub, DEFAULT_CONFIG)
 
     demo = sub.add_parser(
-        "demo", help="the main job: a sidecar and a synthetic engine replaying a chat trace"
+        "demo",
+        help="the main job: a sidecar and a synthetic engine replaying a chat trace",
+        description="A sidecar and a synthetic engine replaying a chat trace. Real engines "
+        "attach to `hicache serve` the same way: vLLM through its KV connector "
+        "(hicache.integrations.vllm) and SGLang through its HiCache storage backend "
+        "(hicache.integrations.sglang); see docs/engines.md.",
     )
     demo.add_argument("--config", type=Path, default=DEFAULT_CONFIG, help=_CONFIG_HELP)
     demo.add_argument("--model", type=Path, help="a config.json to use instead of the config's")

@@ -422,6 +422,16 @@ def page_lists(device_pages: Mapping[str, Sequence[int]]) -> dict[str, list[int]
     return {group: [int(x) for x in pages] for group, pages in device_pages.items()}
 
 
+def page_lists_held(
+    device_pages: Mapping[str, Sequence[int | None]],
+) -> dict[str, list[int | None]]:
+    """A store's pages on the wire: None where the engine no longer holds one."""
+    return {
+        group: [None if x is None else int(x) for x in pages]
+        for group, pages in device_pages.items()
+    }
+
+
 def load_args(
     tokens: Sequence[int],
     device_pages: Mapping[str, Sequence[int]],
@@ -452,10 +462,7 @@ def store_args(
     return {
         **extra,
         "tokens": list(tokens),
-        "device_pages": {
-            group: [None if x is None else int(x) for x in pages]
-            for group, pages in device_pages.items()
-        },
+        "device_pages": page_lists_held(device_pages),
         "snapshots": {
             group: [[int(n), int(slot)] for n, slot in sorted(given.items())]
             for group, given in (snapshots or {}).items()

@@ -51,6 +51,8 @@ from hicache.channel.shm import SharedPools
 from hicache.client.base import (
     ClientBase,
     load_args,
+    page_lists,
+    page_lists_held,
     parse_address,
     store_args,
     unreachable,
@@ -298,6 +300,31 @@ class Client(ClientBase):
             reply = self.call("load", load_args(tokens, device_pages, skip_pages, fence))
         finally:
             self._keep_fence(event)  # alive until answered: see _engine_fence
+        return self._handle(reply, self.release)
+
+    def store_keys(
+        self, keys: PromptKeys, device_pages: Mapping[str, Sequence[int | None]]
+    ) -> dict[str, Any]:
+        """`store` of a prompt given by page keys (`key_spec().of_ids(...)`: pages the engine
+        names itself) instead of tokens; token groups only, a device page per key."""
+        args = self._key_args(keys)
+        return self.call(
+            "store_keys", {"keys": args["keys"], "device_pages": page_lists_held(device_pages)}
+        )
+
+    def load_keys(
+        self, keys: PromptKeys, device_pages: Mapping[str, Sequence[int]], skip_pages: int = 0
+    ) -> LoadHandle | None:
+        """`load` of a prompt given by page keys (see `store_keys`)."""
+        args = self._key_args(keys)
+        reply = self.call(
+            "load_keys",
+            {
+                "keys": args["keys"],
+                "device_pages": page_lists(device_pages),
+                "skip_pages": skip_pages,
+            },
+        )
         return self._handle(reply, self.release)
 
     def prefetch(self, tokens: Sequence[int]) -> int:

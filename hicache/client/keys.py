@@ -5,7 +5,9 @@ algorithm and each cached group's keyer root. `KeySpec` rebuilds those keyers
 (`PageKeyer.from_root`), so `PromptKeys` holds exactly the keys the sidecar's index files the
 prompt's pages under — one blob of concatenated 16-byte keys per group, what `lookup_keys` and
 `lookup_many` send — and a lookup costs the sidecar no token list to decode, validate and hash.
-A growing prompt keys only its new pages (`extend`).
+A growing prompt keys only its new pages (`extend`). An engine that names pages itself (SGLang's
+page hashes) gets keys of those ids under the same roots (`of_ids`), for `store_keys` /
+`load_keys` / `lookup_keys`.
 
 Keys belong to one namespace (tenant, model, rank, salt): computed under another's roots they
 are never found, so a wrong seed misses, it never hits. The client rebuilds its `KeySpec` from
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.index import KEY_BYTES, PageKeyer
+from hicache.index.keys import keys_of_ids
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,3 +89,12 @@ class KeySpec:
             else:
                 blobs[group] = b"".join(keyer.keys_of_bytes(data))
         return PromptKeys(len(tokens), blobs, self)
+
+    def of_ids(self, ids: Sequence[bytes]) -> PromptKeys:
+        """Every cached group's keys of pages the engine names itself (`keys_of_ids`), one
+        per id, in order: a prompt of `len(ids)` full pages."""
+        blobs = {
+            group: b"".join(keys_of_ids(root, self.algorithm, ids))
+            for group, root in self.roots.items()
+        }
+        return PromptKeys(len(ids) * self.page_size_tokens, blobs, self)

@@ -132,6 +132,19 @@ class PageKeyer:
         return out
 
 
+ENGINE_ID_SALT = b"hicache-engine-page-id\0"
+
+
+def keys_of_ids(root: bytes, algorithm: str, ids: Sequence[bytes]) -> list[PageKey]:
+    """Keys of pages an engine names itself (`ids`: SGLang's page hashes, each naming its page
+    and the whole prefix before it): the namespace's `root` hashed with each id, unchained —
+    an id already says what came before. Distinct from any token key (another salt, another
+    length), and from another namespace's (another root)."""
+    hash_ = _hasher(algorithm)
+    prefix = root + ENGINE_ID_SALT
+    return [hash_(prefix + page_id) for page_id in ids]
+
+
 class PackedKeys(Sequence[PageKey]):
     """One group's page keys as a blob of concatenated `KEY_BYTES`-byte keys (the engine
     channel's form). `keys[i]` slices one key; `keys[a:b]` unpacks a run at C speed."""

@@ -1,5 +1,7 @@
 """`DataOps`: an engine session's data ops — `store` (its pages backed up into L2, L3 behind),
-`load` (a hit copied into its pools layer by layer, progress in its counter file), `prefetch`
+`load` (a hit copied into its pools layer by layer, progress in its counter file), both also
+by the engine's own page keys (`store_keys` / `load_keys`: an engine that has page hashes of
+its own and no tokens to send, as SGLang's storage backends do), `prefetch`
 (L3 -> L2 ahead of a load) and `release` (a load the engine is done with) — over the server's
 explicit state (`ServerState`).
 
@@ -13,19 +15,23 @@ the epoch), whose end settles every copy it started."""
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
+from hicache.cache import StoreResult
 from hicache.channel import protocol as p
 from hicache.channel.counters import LoadState
 from hicache.errors import HicacheError
-from hicache.scheduler import OpResult, OpState
+from hicache.index import Hit, PageKey
+from hicache.scheduler import OpHandle, OpResult, OpState
 from hicache.service.checkpoints import checkpoint
 from hicache.service.kv_events import storing_tokens
+from hicache.service.namespaces import Namespace
+from hicache.service.ops_lookup import packed_keys
 from hicache.service.sessions import LoadEntry, Session
 from hicache.service.state import ServerState
-from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure
+from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure, LayerListener
 
 _FINAL = {
     OpState.DONE: LoadState.DONE,
@@ -64,6 +70,23 @@ class DataOps:
                 attachment=session.id,
             )
         del fence  # an opened IPC event goes before the reply: the engine may then free its own
+        return self._stored(session, result)
+
+    async def store_keys(self, session: Session, args: p.KeyedStore) -> dict[str, Any]:
+        """`store` of a prompt given by the engine's own page keys (token groups only)."""
+        namespace = self.state.ready(session, "store_keys")
+        keys, _ = packed_keys(self.state, args.keys, None, "store_keys")
+        self._check_pages(session, "store_keys", args.device_pages, {})
+        self._check_counts("store_keys", keys, args.device_pages)
+        fence = engine_fence(namespace.cache.backend, args.fence, "store_keys")
+        await checkpoint("store.begin")
+        result = await namespace.cache.store_keys(
+            keys, args.device_pages, fence=fence, attachment=session.id
+        )
+        del fence
+        return self._stored(session, result)
+
+    def _stored(self, session: Session, result: StoreResult) -> dict[str, Any]:
         self.state.metrics.evictions.inc(result.pages_evicted)
         if result.bytes_backed_up:
             self.state.metrics.moved("backup", result.bytes_backed_up, result.backup_seconds)
@@ -78,12 +101,70 @@ class DataOps:
     async def load(self, session: Session, args: p.LoadRequest) -> dict[str, Any]:
         namespace = self.state.ready(session, "load")
         self._check_pages(session, "load", args.device_pages)
+
+        def start(fence: Fence, on_layer: LayerListener) -> Awaitable[tuple[OpHandle | None, Hit]]:
+            return namespace.cache.load(
+                args.tokens,
+                args.device_pages,
+                on_layer=on_layer,
+                skip_pages=args.skip_pages,
+                fence=fence,
+                attachment=session.id,
+            )
+
+        return await self._load(session, namespace, "load", args.fence, start)
+
+    async def load_keys(self, session: Session, args: p.KeyedLoad) -> dict[str, Any]:
+        """`load` of a prompt given by the engine's own page keys."""
+        namespace = self.state.ready(session, "load_keys")
+        keys, _ = packed_keys(self.state, args.keys, None, "load_keys")
+        self._check_pages(session, "load_keys", args.device_pages)
+        self._check_counts("load_keys", keys, args.device_pages)
+
+        def start(fence: Fence, on_layer: LayerListener) -> Awaitable[tuple[OpHandle | None, Hit]]:
+            return namespace.cache.load_keys(
+                keys,
+                args.device_pages,
+                on_layer=on_layer,
+                skip_pages=args.skip_pages,
+                fence=fence,
+                attachment=session.id,
+            )
+
+        return await self._load(session, namespace, "load_keys", args.fence, start)
+
+    def _check_counts(
+        self,
+        op: str,
+        keys: Mapping[str, Sequence[PageKey]],
+        device_pages: Mapping[str, Sequence[int | None]],
+    ) -> None:
+        """A keyed op's token groups name a device page per key (state groups: one slot)."""
+        for group, pages in device_pages.items():
+            if not self.state.layer_map.group(group).kind.is_token_cache:
+                continue
+            wanted = len(keys[group]) if group in keys else len(pages)
+            if len(pages) != wanted:
+                raise p.RequestError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"{op}.device_pages.{group}: {len(pages)} pages for {wanted} keys; give "
+                    "one device page per page key",
+                )
+
+    async def _load(
+        self,
+        session: Session,
+        namespace: Namespace,
+        op: str,
+        fence_handle: bytes | None,
+        start: Callable[[Fence, LayerListener], Awaitable[tuple[OpHandle | None, Hit]]],
+    ) -> dict[str, Any]:
         counters = session.counters
         assert counters is not None
         if not session.free_slots:
             raise p.RequestError(
                 p.ErrorCode.BUSY,
-                f"load: all {counters.slots} load slots hold unreleased loads; release "
+                f"{op}: all {counters.slots} load slots hold unreleased loads; release "
                 "finished loads (LoadHandle.done() does) or raise service.load_slots",
             )
         slot = session.free_slots.pop()
@@ -100,16 +181,9 @@ class DataOps:
             row[1] = upto
 
         try:
-            fence = engine_fence(namespace.cache.backend, args.fence, "load")
+            fence = engine_fence(namespace.cache.backend, fence_handle, op)
             await checkpoint("load.begin")
-            handle, hit = await namespace.cache.load(
-                args.tokens,
-                args.device_pages,
-                on_layer=on_layer,
-                skip_pages=args.skip_pages,
-                fence=fence,
-                attachment=session.id,
-            )
+            handle, hit = await start(fence, on_layer)
             del fence  # held by the walk's op until it ends (the scheduler drops it then)
         except BaseException:
             row[2] = LoadState.FREE

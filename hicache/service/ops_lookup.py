@@ -14,7 +14,7 @@ the token lookup's, discovery included."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 
 from hicache.cache import TieredCache
@@ -97,58 +97,7 @@ class LookupOps:
         ]
 
     def _packed_keys(self, args: p.KeyLookup, where: str) -> tuple[dict[str, PackedKeys], int]:
-        """A key lookup's blobs, checked: every cached group, whole keys, the same count in
-        each, at most MAX_TOKENS tokens' worth; and the prompt's length they imply."""
-        page = self.state.plan.page_size_tokens
-        groups = self.state.key_groups
-        missing = sorted(set(groups) - set(args.keys))
-        unknown = sorted(set(args.keys) - set(groups))
-        if missing or unknown:
-            what = "; ".join(
-                part
-                for part in (
-                    f"groups {missing} missing" if missing else "",
-                    f"groups {unknown} are not cached here" if unknown else "",
-                )
-                if part
-            )
-            raise p.RequestError(
-                p.ErrorCode.BAD_REQUEST,
-                f"{where}.keys: {what}; give the keys of exactly {list(groups)} "
-                "(hello's keys.roots names them)",
-            )
-        counts = {}
-        for group, blob in args.keys.items():
-            count, rest = divmod(len(blob), KEY_BYTES)
-            if rest:
-                raise p.RequestError(
-                    p.ErrorCode.BAD_REQUEST,
-                    f"{where}.keys.{group}: the engine sent {len(blob)} bytes, not a whole number "
-                    f"of {KEY_BYTES}-byte page keys; send the group's keys concatenated",
-                )
-            if count * page > p.MAX_TOKENS:
-                raise p.RequestError(
-                    p.ErrorCode.BAD_REQUEST,
-                    f"{where}.keys.{group}: the engine sent {count} keys, {count * page} tokens "
-                    f"at {page} tokens per page; a lookup covers at most {p.MAX_TOKENS} tokens "
-                    f"({p.MAX_TOKENS // page} keys)",
-                )
-            counts[group] = count
-        pages = min(counts.values(), default=0)
-        if any(count != pages for count in counts.values()):
-            raise p.RequestError(
-                p.ErrorCode.BAD_REQUEST,
-                f"{where}.keys: the engine sent {counts} keys per group; a prompt has one key "
-                "per full page in every group",
-            )
-        asked = pages * page if args.num_tokens is None else args.num_tokens
-        if asked // page != pages:
-            raise p.RequestError(
-                p.ErrorCode.BAD_REQUEST,
-                f"{where}.num_tokens: {asked} tokens are {asked // page} full pages of {page} "
-                f"tokens; the engine sent {pages} keys per group",
-            )
-        return {group: PackedKeys(blob) for group, blob in args.keys.items()}, asked
+        return packed_keys(self.state, args.keys, args.num_tokens, where)
 
     def _no_hit(self) -> Hit:
         return Hit(self.state.plan.page_size_tokens, 0, 0, {}, {})
@@ -160,6 +109,64 @@ class LookupOps:
             "tokens_l2": hit.tokens_l2,
             "tokens_total": hit.tokens_total,
         }
+
+
+def packed_keys(
+    state: ServerState, blobs: Mapping[str, bytes], num_tokens: int | None, where: str
+) -> tuple[dict[str, PackedKeys], int]:
+    """A prompt's key blobs, checked: every cached group, whole keys, the same count in each,
+    at most MAX_TOKENS tokens' worth; and the prompt's length they imply (`num_tokens`, when
+    given, must agree). `where`: the op and field, for the error."""
+    page = state.plan.page_size_tokens
+    groups = state.key_groups
+    missing = sorted(set(groups) - set(blobs))
+    unknown = sorted(set(blobs) - set(groups))
+    if missing or unknown:
+        what = "; ".join(
+            part
+            for part in (
+                f"groups {missing} missing" if missing else "",
+                f"groups {unknown} are not cached here" if unknown else "",
+            )
+            if part
+        )
+        raise p.RequestError(
+            p.ErrorCode.BAD_REQUEST,
+            f"{where}.keys: {what}; give the keys of exactly {list(groups)} "
+            "(hello's keys.roots names them)",
+        )
+    counts = {}
+    for group, blob in blobs.items():
+        count, rest = divmod(len(blob), KEY_BYTES)
+        if rest:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{where}.keys.{group}: the engine sent {len(blob)} bytes, not a whole number "
+                f"of {KEY_BYTES}-byte page keys; send the group's keys concatenated",
+            )
+        if count * page > p.MAX_TOKENS:
+            raise p.RequestError(
+                p.ErrorCode.BAD_REQUEST,
+                f"{where}.keys.{group}: the engine sent {count} keys, {count * page} tokens "
+                f"at {page} tokens per page; a lookup covers at most {p.MAX_TOKENS} tokens "
+                f"({p.MAX_TOKENS // page} keys)",
+            )
+        counts[group] = count
+    pages = min(counts.values(), default=0)
+    if any(count != pages for count in counts.values()):
+        raise p.RequestError(
+            p.ErrorCode.BAD_REQUEST,
+            f"{where}.keys: the engine sent {counts} keys per group; a prompt has one key "
+            "per full page in every group",
+        )
+    asked = pages * page if num_tokens is None else num_tokens
+    if asked // page != pages:
+        raise p.RequestError(
+            p.ErrorCode.BAD_REQUEST,
+            f"{where}.num_tokens: {asked} tokens are {asked // page} full pages of {page} "
+            f"tokens; the engine sent {pages} keys per group",
+        )
+    return {group: PackedKeys(blob) for group, blob in blobs.items()}, asked
 
 
 def _first(replies: list[Result]) -> Result:

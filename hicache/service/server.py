@@ -118,6 +118,8 @@ class EngineServer:
             "lookup_many": lookups.lookup_many,
             "store": awaited(data.store),
             "load": awaited(data.load),
+            "store_keys": awaited(data.store_keys),
+            "load_keys": awaited(data.load_keys),
             "prefetch": awaited(data.prefetch),
             "release": data.release,
             "stats": hello.stats,

@@ -1,0 +1,170 @@
+"""SGLang's HiCache host KV pool as the pool the sidecar copies into, page for page.
+
+SGLang's `MHATokenToKVPoolHost` keeps K and V of every layer for `size` token slots in one
+buffer, `kv_buffer[2, ...]` (K half, then V half), in one of four layouts. A host page p
+(slots p*P .. p*P+P-1) of layer l holds P x heads x head_dim elements per tensor — exactly one
+row of hicache's page geometry for a full-attention group (`row_bytes`: P*H*D*itemsize) — at:
+
+    layer_first        [2, L, size, H, D]       K row at  l*size*H*D*isz + p*R   (stride R)
+    page_first_direct  [2, pages, L, P, H, D]   K row at  (p*L + l)*R            (stride L*R)
+    page_first         [2, size, L, H, D]       the page's L*R bytes at p*L*R, token-major
+    page_head          [2, pages, H, P, L, D]   the page's L*R bytes at p*L*R, head-major
+
+(R = P*H*D*itemsize; V at the same offsets in the second half.) layer_first and
+page_first_direct hold the same bytes in each row, so engines of either layout share pages;
+page_first and page_head are registered as L rows of R bytes cut from the page's K (V) region:
+byte-exact for engines of the same layout, other bytes for another, so each of those layouts
+gets a tenant of its own (`tenant_of`) and never shares with the rest.
+
+`host_pool_manifest` describes the buffer, shared in place (`core.shared_memory`), as a
+`SharedPools` with per-layer offsets and page strides (`hicache.channel.shm`): the sidecar maps
+SGLang's host pages as its device pages, and page p for the sidecar is SGLang's host page p.
+Not mapped (refused with the reason): MLA host pools, and a model whose hicache layout has more
+than one cached group (sliding-window or state groups travel in SGLang's v2 side pools).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from hicache.channel.shm import SharedPools
+from hicache.errors import HicacheError
+from hicache.integrations.core.shared_memory import SharedRegion
+from hicache.memory import GroupGeometry
+
+ROW_LAYOUTS = ("layer_first", "page_first_direct")  # each page's per-layer rows are hicache's
+CUT_LAYOUTS = ("page_first", "page_head")  # each page's K (V) region cut into L rows
+TENANT = "sglang"
+
+
+class HostPoolError(HicacheError):
+    """SGLang's host pool does not fit the sidecar's layout (the message names each mismatch)."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostKv:
+    """What SGLang's KV host pool says about itself."""
+
+    layout: str
+    layers: int
+    page_size: int
+    size: int  # token slots
+    heads: int
+    head_dim: int
+    dtype: str  # torch's name without the prefix, e.g. "bfloat16"
+    itemsize: int
+
+    @property
+    def pages(self) -> int:
+        return self.size // self.page_size
+
+    @property
+    def row_bytes(self) -> int:
+        return self.page_size * self.heads * self.head_dim * self.itemsize
+
+    @classmethod
+    def of(cls, host_pool: Any) -> HostKv:
+        kind = type(host_pool).__name__
+        if kind != "MHATokenToKVPoolHost":
+            raise HostPoolError(
+                f"SGLang's host KV pool is a {kind}; hicache maps MHATokenToKVPoolHost (MHA/GQA "
+                "models) only (MLA host pools are not mapped yet)"
+            )
+        layout = str(host_pool.layout)
+        if layout not in ROW_LAYOUTS + CUT_LAYOUTS:
+            raise HostPoolError(
+                f"--hicache-mem-layout {layout}: hicache maps "
+                + ", ".join(ROW_LAYOUTS + CUT_LAYOUTS)
+            )
+        dtype = host_pool.dtype
+        return cls(
+            layout=layout,
+            layers=int(host_pool.layer_num),
+            page_size=int(host_pool.page_size),
+            size=int(host_pool.size),
+            heads=int(host_pool.head_num),
+            head_dim=int(host_pool.head_dim),
+            dtype=str(dtype).removeprefix("torch."),
+            itemsize=int(dtype.itemsize),
+        )
+
+
+def tenant_of(layout: str) -> str:
+    """The tenant SGLang's pages go under: one per byte layout of a page (see the module doc)."""
+    return TENANT if layout in ROW_LAYOUTS else f"{TENANT}-{layout.replace('_', '-')}"
+
+
+def kv_group(host: HostKv, geometries: Mapping[str, GroupGeometry], page_size_tokens: int) -> str:
+    """The one hicache group SGLang's KV host pool maps to; every mismatch named."""
+    if len(geometries) != 1:
+        raise HostPoolError(
+            f"the sidecar's layout caches groups {sorted(geometries)}; SGLang's KV host pool "
+            "maps to a layout of one full-attention group (hybrid side pools are not mapped yet)"
+        )
+    [(name, geometry)] = geometries.items()
+    wrong = []
+    if page_size_tokens != host.page_size:
+        wrong.append(f"page size: SGLang {host.page_size}, sidecar {page_size_tokens}")
+    if geometry.num_layers != host.layers:
+        wrong.append(f"layers: SGLang {host.layers}, sidecar {geometry.num_layers}")
+    names = [tensor for tensor, _ in geometry.tensors]
+    if names != ["k", "v"]:
+        wrong.append(f"tensors: SGLang K and V, sidecar {names}")
+    else:
+        for tensor in names:
+            if geometry.row_bytes(tensor) != host.row_bytes:
+                wrong.append(
+                    f"{tensor} page row: SGLang {host.row_bytes} bytes ({host.page_size} x "
+                    f"{host.heads} heads x {host.head_dim} x {host.dtype}), sidecar "
+                    f"{geometry.row_bytes(tensor)}"
+                )
+    if wrong:
+        raise HostPoolError(
+            f"SGLang's host pool does not match the sidecar's group {name!r}: " + "; ".join(wrong)
+        )
+    return name
+
+
+def host_pool_manifest(
+    region: SharedRegion,
+    kv_buffer: Any,
+    host: HostKv,
+    group: str,
+    geometry: GroupGeometry,
+) -> SharedPools:
+    """SGLang's host KV buffer (shared in place as `region`) as a `SharedPools` of the group's
+    page rows; it holds a dup of the region's descriptor (the client closes it with itself)."""
+    base = kv_buffer.data_ptr() - region.base
+    row = host.row_bytes
+    half = host.layers * host.size * host.heads * host.head_dim * host.itemsize
+    offsets, strides = [], []
+    for layer in range(host.layers):
+        if host.layout == "layer_first":
+            k, stride = base + layer * (half // host.layers), row
+        else:  # one page's L rows (or its L*R region) after another
+            k, stride = base + layer * row, host.layers * row
+        offsets.append([k, k + half])
+        strides.append([stride, stride])
+    return SharedPools(
+        os.dup(region.fd),
+        region.nbytes,
+        {group: geometry},
+        {group: host.pages},
+        {group: offsets},
+        region.buffer(),
+        {group: strides},
+    )
+
+
+def host_pages(host_indices: Any, page_size: int, count: int) -> list[int] | None:
+    """The host pages of `count` pages given as token slots (SGLang's `host_indices`, page i
+    from slot i*page_size); None when they are not whole pages of `count`."""
+    if int(host_indices.numel()) != count * page_size:
+        return None
+    firsts: Sequence[int] = host_indices[::page_size].tolist()
+    if any(slot % page_size for slot in firsts):
+        return None
+    return [slot // page_size for slot in firsts]

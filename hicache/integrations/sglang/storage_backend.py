@@ -1,0 +1,352 @@
+"""`HicacheStorage`: hicache as SGLang's HiCache storage backend (L3), shared by every SGLang
+engine on the host through one `hicache serve`.
+
+    --enable-hierarchical-cache --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "hicache",
+        "module_path": "hicache.integrations.sglang", "class_name": "HicacheStorage",
+        "interface_v1": 1, "config": "deploy.yaml"}'
+
+Data plane. SGLang's host KV pool is shared with the sidecar in place (`core.shared_memory`:
+the pages under it get a sealed memfd; any `allocator`, "shm" included, since SGLang's own
+memfd is not sealed and the sidecar maps only sealed ones) and registered as this engine's
+pool: a host page of SGLang is a device page of the sidecar (`host_pools`). `batch_set_v1`
+has the sidecar copy the pages from SGLang's host pool into its L2 (L3 behind it),
+`batch_get_v1` copies them back: one memcpy per page each way, no bytes on the socket.
+
+Keys. SGLang's page hashes name a page and its whole prefix but no model, rank, dtype or
+layout. They go to the sidecar as ids under the session's namespace (`KeySpec.of_ids`: the
+namespace's root — model, dtype, geometry, page size, TP rank and size, tenant — hashed with
+the id): engines of one model, rank and page byte layout (`host_pools.tenant_of`) share pages,
+nothing else does. TP ranks each hold their own heads (SGLang's MHA pools are per rank), so
+each rank attaches as its own rank; DP replicas share. PP, attention CP and DCP > 1 are
+refused (hicache's layouts are not split that way).
+
+Contract with SGLang's controller (three threads call at once: prefetch, prefetch IO, backup):
+every data-path method returns per-key booleans (or a leading count), True only for a leading
+run the sidecar vouches for (`batch_exists` never over-reports: it is the sidecar's L2 + L3
+hit of those keys), never raises (`core.sidecar_link`), and is bounded by `timeout_s` per
+request and `load_timeout_s` per load. A set is idempotent (pages the sidecar holds count as
+stored) and atomic per page (the sidecar indexes a page only once its copy landed). Sidecar
+down: no hits, no stores, SGLang recomputes; it is tried again every `retry_after_s`.
+
+Lifecycle (SGLang's scheduler process):
+    created (settings checked; a bad one fails SGLang's start, naming the key)
+    -> register_mem_pool_host (host pool shared in place and checked against the sidecar's
+       layout; a mismatch leaves the backend unattached, logged: every call then answers
+       "absent") -> register_mem_host_pool_v2 (side pools noted: not mapped)
+    -> on_host_pools_registered (first attach: hello + pools registered; a sidecar that is
+       down is attached later, on the first call after `retry_after_s`)
+    -> serving (the data path) -> close() (runtime detach, or shutdown: the session ends, the
+       sidecar drops its mapping; nothing of the host pool is kept)
+`clear()` leaves the shared cache alone: it is every engine's (clear it through the sidecar).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorage,
+    HiCacheStorageConfig,
+    HiCacheStorageExtraInfo,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from hicache.client import Client, PromptKeys, connect_deployment
+from hicache.errors import ConfigError, HicacheError
+from hicache.integrations.core.shared_memory import SharedRegion, share_in_place
+from hicache.integrations.core.sidecar_link import SidecarLink
+from hicache.integrations.sglang.host_pools import (
+    HostKv,
+    host_pages,
+    host_pool_manifest,
+    kv_group,
+    tenant_of,
+)
+from hicache.integrations.sglang.settings import BackendSettings
+from hicache.integrations.sglang.stats import BackendStats
+from hicache.memory import CacheDtypes, GroupGeometry, group_geometries
+
+log = logging.getLogger("hicache.sglang")
+
+
+def check_ranks(config: HiCacheStorageConfig) -> None:
+    """Parallelism hicache's namespaces follow: tensor parallel (and DP replicas) only."""
+    split = {
+        "pp_size": config.pp_size,
+        "attn_cp_size": config.attn_cp_size,
+        "dcp_size": getattr(config, "dcp_size", 1),
+    }
+    wrong = {k: v for k, v in split.items() if v != 1}
+    if wrong:
+        raise ConfigError(
+            f"SGLang runs with {wrong}; hicache's storage backend serves tensor parallelism "
+            "only (pipeline, attention context and decode context parallel sizes must be 1)"
+        )
+    if config.is_mla_model:
+        raise ConfigError(
+            "SGLang's model is MLA (KV replicated across TP ranks): hicache's storage backend "
+            "maps MHA/GQA host pools only so far"
+        )
+
+
+def page_ids(keys: Sequence[str]) -> list[bytes]:
+    """SGLang's page keys as the ids the sidecar keys under this engine's namespace."""
+    return [key.encode() for key in keys]
+
+
+class _Attached:
+    """What one attach holds: the shared host pool and the group it maps to."""
+
+    def __init__(self, region: SharedRegion, host: HostKv, group: str, manifest: Any):
+        self.region = region
+        self.host = host
+        self.group = group
+        self.manifest = manifest
+
+
+class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
+    """hicache's `dynamic` HiCache storage backend for SGLang (see the module doc)."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None):
+        self.settings = BackendSettings.parse(dict(storage_config.extra_config or {}))
+        check_ranks(storage_config)
+        self.tp_rank = int(storage_config.tp_rank)
+        self.tp_size = int(storage_config.tp_size)
+        self.stats = BackendStats()
+        self.attached: _Attached | None = None
+        self.refused: str | None = None  # why SGLang's pools could not be mapped
+        self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang: not mapped
+        self._lock = threading.Lock()
+        self.link = SidecarLink(
+            self._connect,
+            self._register,
+            retry_after_s=self.settings.retry_after_s,
+            name=f"sglang rank {self.tp_rank}",
+            log=log,
+        )
+
+    # ---- attach ---------------------------------------------------------------------------
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        with self._lock:
+            try:
+                host = HostKv.of(mem_pool_host)
+                loaded = self.settings.loaded
+                geometries = self._geometries()
+                group = kv_group(host, geometries, loaded.deployment.model.page_size_tokens)
+                region = share_in_place(mem_pool_host.kv_buffer, "SGLang's host KV pool")
+            except HicacheError as exc:
+                self.refused = str(exc)
+                log.error("hicache: SGLang's host pool is not attached: %s", exc)
+                return
+            self.attached = _Attached(region, host, group, mem_pool_host.kv_buffer)
+            self.refused = None
+
+    def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
+        super().register_mem_host_pool_v2(host_pool, host_pool_name)
+        name = str(getattr(host_pool_name, "value", host_pool_name))
+        if name != "kv":
+            self.side_pools[name] = type(host_pool).__name__
+            log.warning(
+                "hicache: SGLang's %s side pool (%s) is not mapped: requests that need it "
+                "recompute",
+                name,
+                type(host_pool).__name__,
+            )
+
+    def on_host_pools_registered(self) -> None:
+        if self.attached is not None:
+            self.link.client()  # attach now; a sidecar that is down is tried again later
+
+    def _geometries(self) -> dict[str, GroupGeometry]:
+        """The sidecar's page geometries, derived as the client derives them."""
+        model = self.settings.loaded.deployment.model
+        dtypes = CacheDtypes.from_names(model.dtype, model.state_dtype, model.ssm_state_dtype)
+        layer_map = self.settings.loaded.layer_map()
+        return group_geometries(layer_map.groups, dtypes, model.page_size_tokens)
+
+    def _connect(self) -> Client:
+        attached = self.attached
+        assert attached is not None
+        tenant = self.settings.tenant or tenant_of(attached.host.layout)
+        extra: dict[str, Any] = {"token": self.settings.token} if self.settings.token else {}
+        return connect_deployment(
+            self.settings.loaded,
+            tp_rank=self.tp_rank,
+            tenant=tenant,
+            engine=f"sglang tp{self.tp_rank}/{self.tp_size}",
+            timeout_s=self.settings.timeout_s,
+            **extra,
+        )
+
+    def _register(self, client: Client) -> None:
+        attached = self.attached
+        assert attached is not None
+        geometry = client.geometries[attached.group]
+        client.register_pools(
+            host_pool_manifest(
+                attached.region, attached.manifest, attached.host, attached.group, geometry
+            )
+        )
+
+    # ---- the data path (SGLang's three controller threads) --------------------------------
+
+    def _keys(self, client: Client, keys: Sequence[str]) -> PromptKeys:
+        return client.key_spec().of_ids(page_ids(keys))
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        if self.attached is None or not keys:
+            return 0
+        size = self.attached.host.page_size
+
+        def ask(client: Client) -> int:
+            return client.lookup_keys(self._keys(client, keys)).tokens_total // size
+
+        return int(self.link.use("batch_exists", ask, 0))
+
+    def batch_get_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        attached = self.attached
+        pages = (
+            None
+            if attached is None
+            else host_pages(host_indices, attached.host.page_size, len(keys))
+        )
+        if attached is None or pages is None or not keys:
+            return [False] * len(keys)
+        started = time.perf_counter()
+
+        def load(client: Client) -> int:
+            handle = client.load_keys(self._keys(client, keys), {attached.group: pages})
+            if handle is None:
+                return 0
+            state = handle.done(timeout_s=self.settings.load_timeout_s)
+            return handle.tokens // attached.host.page_size if state == "done" else 0
+
+        loaded = int(self.link.use("batch_get_v1", load, 0))
+        self.stats.moved("prefetch", loaded, loaded * 2 * self._page_bytes(), started)
+        return [i < loaded for i in range(len(keys))]
+
+    def batch_set_v1(
+        self,
+        keys: list[str],
+        host_indices: Any,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> list[bool]:
+        attached = self.attached
+        pages = (
+            None
+            if attached is None
+            else host_pages(host_indices, attached.host.page_size, len(keys))
+        )
+        if attached is None or pages is None or not keys:
+            return [False] * len(keys)
+        started = time.perf_counter()
+
+        def store(client: Client) -> int:
+            reply = client.store_keys(self._keys(client, keys), {attached.group: pages})
+            cut = reply.get("truncated_to_tokens")
+            return len(keys) if cut is None else int(cut) // attached.host.page_size
+
+        stored = int(self.link.use("batch_set_v1", store, 0))
+        self.stats.moved("backup", stored, stored * 2 * self._page_bytes(), started)
+        return [i < stored for i in range(len(keys))]
+
+    def _page_bytes(self) -> int:
+        attached = self.attached
+        return 0 if attached is None else attached.host.row_bytes * attached.host.layers
+
+    # ---- v2: side pools (Mamba, SWA, DSA indexer) are not mapped: no hit where one is asked
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        side = [t for t in pool_transfers or [] if str(getattr(t.name, "value", t.name)) != "kv"]
+        if side:  # a prefix is restorable only with every pool: none here
+            return PoolTransferResult(0, {str(t.name): 0 for t in side}, [])
+        return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2("batch_get_v1", transfers, extra_info)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2("batch_set_v1", transfers, extra_info)
+
+    def _v2(
+        self, v1: str, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None
+    ) -> dict[str, list[bool]]:
+        out = {}
+        for t in transfers:
+            name = str(getattr(t.name, "value", t.name))
+            keys = list(t.keys or [])
+            if name == "kv" and t.host_indices is not None:
+                out[name] = getattr(self, v1)(keys, t.host_indices, extra_info)
+            else:
+                out[name] = [False] * len(keys)
+        return out
+
+    # ---- the legacy interface: never called with interface_v1 (settings require it) ------
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        raise NotImplementedError("hicache's storage backend serves interface_v1 only")
+
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
+    ) -> Any:
+        raise NotImplementedError("hicache's storage backend serves interface_v1 only")
+
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None
+    ) -> bool:
+        raise NotImplementedError("hicache's storage backend serves interface_v1 only")
+
+    def batch_set(
+        self,
+        keys: list[str],
+        values: Any = None,
+        target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
+        raise NotImplementedError("hicache's storage backend serves interface_v1 only")
+
+    # ---- admin ----------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        log.info(
+            "hicache: clear() leaves the shared cache alone (every engine's); clear it through "
+            "the sidecar"
+        )
+
+    def get_stats(self) -> Any:
+        return self.stats.drain()
+
+    def close(self) -> None:
+        """Detach: the session ends (the sidecar drops its mapping of the host pool)."""
+        self.link.close()
+        with self._lock:
+            attached, self.attached = self.attached, None
+        if attached is not None:
+            attached.region.close()

@@ -1,0 +1,6 @@
+"""torchvision.transforms.v2 stand-in."""
+
+from torchvision.transforms import InterpolationMode, missing
+
+__all__ = ["InterpolationMode"]
+__getattr__ = missing("torchvision.transforms.v2")
