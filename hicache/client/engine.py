@@ -278,8 +278,9 @@ class Client(ClientBase):
         event, handle = fence if fence is not None else self._engine_fence(stream, "store")
         try:
             return self.call("store", store_args(tokens, device_pages, snapshots, handle))
-        finally:
-            self._keep_fence(event)  # alive until answered: see _engine_fence
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
 
     def load(
         self,
@@ -296,9 +297,10 @@ class Client(ClientBase):
         event, fence = self._engine_fence(stream, "load")  # this thread, before the request
         try:
             reply = self.call("load", load_args(tokens, device_pages, skip_pages, fence))
-        finally:
-            self._keep_fence(event)  # alive until answered: see _engine_fence
-        return self._handle(reply, self.release)
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
+        return self._handle(reply, self.release, event)  # alive until the load ended
 
     def prefetch(self, tokens: Sequence[int]) -> int:
         return int(self.call("prefetch", {"tokens": list(tokens)})["pages_fetched"])
