@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import os
 import threading
 import weakref
 from collections.abc import Sequence
@@ -250,6 +251,60 @@ async def test_a_default_fence_is_taken_on_the_callers_thread_not_the_loops(op: 
         cache.embedded.close()
 
 
+@pytest.mark.asyncio
+@pytest.mark.parametrize("op", ["backup", "load", "load_step"])
+async def test_the_schedulers_default_fence_is_taken_on_the_callers_thread(op: str) -> None:
+    """Finding 10's rule at the scheduler's own entry points: `Scheduler.backup`, `.load`
+    and `.load_step` called on an engine thread and handed to the loop
+    (`run_coroutine_threadsafe`) fence that thread's stream — taken when called, not when
+    the coroutine first runs on the loop's thread."""
+    backend = Recording()
+    cache = build(backend)
+    try:
+        async with cache.running():
+            tokens = list(range(16))
+            await cache.store(tokens, **store_kwargs(cache, tokens), fence=NO_FENCE)
+            plan = cache.planner.plan_load(tokens, 0)
+            scheduler = cache.embedded.scheduler
+            pages = {}
+            for group, rows in plan.hit.needed.items():
+                token = cache.index.rules[group].kind.is_token_cache
+                pages[group] = GroupPages(
+                    tuple(range(4, 4 + len(rows))) if token else (4,),
+                    ()
+                    if op == "backup"
+                    else tuple(r.l2_page for _, r in rows if r.l2_page is not None),
+                    num_tokens=plan.hit.pages_l2 * PAGE if token else None,
+                    first_page=rows[0][0] if token else 0,
+                )
+            loop = asyncio.get_running_loop()
+            backend.made.clear()
+
+            def engine() -> Any:
+                call: Any = (
+                    scheduler.backup(pages)
+                    if op == "backup"
+                    else scheduler.load(pages)
+                    if op == "load"
+                    else scheduler.load_step([pages])
+                )
+                return asyncio.run_coroutine_threadsafe(call, loop)
+
+            done: list[Any] = []
+            worker = threading.Thread(target=lambda: done.append(engine()), name="engine-thread")
+            worker.start()
+            await asyncio.to_thread(worker.join)
+            result = await asyncio.wrap_future(done[0])
+            for handle in result if op == "load_step" else [result]:
+                assert (await handle.done()).ok
+            cache.planner.release_load(plan)
+        assert [m.thread for m in backend.made] == ["engine-thread"]
+        walked = backend.after if op == "backup" else backend.load_after
+        assert walked[-1] is backend.made[0]
+    finally:
+        cache.embedded.close()
+
+
 def test_a_merged_walk_joins_distinct_fences_once_each() -> None:
     backend = CpuCopyBackend()
     try:
@@ -324,7 +379,6 @@ async def test_every_stores_event_lives_until_its_request_is_answered(
     """More stores in flight than the client keeps events for afterwards (asyncio.gather on
     one AsyncClient): each event must still be alive when its request goes out and until
     its reply (an imported event whose exporter destroyed it is undefined)."""
-    import collections
     import weakref
 
     import hicache.client.aio as aio
@@ -345,7 +399,9 @@ async def test_every_stores_event_lives_until_its_request_is_answered(
     monkeypatch.setattr(aio, "store_args", lambda t, d, s, fence: {"fence": fence})
     client = aio.AsyncClient.__new__(aio.AsyncClient)
     client.cuda_device = "cuda:0"  # type: ignore[assignment]
-    client._fences = collections.deque(maxlen=8)
+    client._unanswered_fences = []
+    client._fences_lock = threading.Lock()
+    client.epoch = None
     lock = asyncio.Lock()
     alive: list[bool] = []
 
@@ -361,7 +417,87 @@ async def test_every_stores_event_lives_until_its_request_is_answered(
     await asyncio.gather(*(client.store([1], {"g": [0]}) for _ in range(20)))
     assert len(alive) == 60
     assert all(alive)
-    assert len(client._fences) == 8  # and the last few are kept past their replies
+    gc.collect()  # answered: the sidecar holds nothing of them, so nothing keeps them here
+    assert [handle for handle, ref in refs.items() if ref() is not None] == []
+    assert client._unanswered_fences == []
+
+
+def test_a_fence_event_lives_while_the_sidecar_may_still_wait_on_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine's event of a store with no reply lives until its session is confirmed
+    over, and a load's until the load ended, however many fenced requests go meanwhile
+    (the client kept a ring of its last 8: a ninth fenced request destroyed the event the
+    sidecar could still wait on, undefined in CUDA); an answered store's or an error
+    reply's event goes at once."""
+    import hicache.client.engine as engine
+    import hicache.transfer.cuda_ipc as cuda_ipc
+    from hicache.channel.counters import CounterFile, LoadState
+    from hicache.client.base import _process_start
+    from hicache.client.handle import Epoch, NoReplyError
+
+    class Event:
+        pass
+
+    refs: list[weakref.ref[Event]] = []
+
+    def export_fence(device: object, stream: object = None) -> tuple[Event, bytes]:
+        event = Event()
+        refs.append(weakref.ref(event))
+        return event, len(refs).to_bytes(2, "little") * 32
+
+    monkeypatch.setattr(cuda_ipc, "export_fence", export_fence)
+    client = engine.Client.__new__(engine.Client)
+    client.cuda_device = "cuda:0"
+    client._unanswered_fences = []
+    client._fences_lock = threading.Lock()
+    client.sidecar_process = (os.getpid(), _process_start(os.getpid()))  # alive throughout
+    client.session = {"session": 1}
+    client.epoch = Epoch(client.sidecar_process, 1)
+    client.layer_map = LayerMap(load_layout(shared_model("gpt_oss_20b.json")))
+    client.counters = CounterFile.create(2)
+    client.generation, client.stalls = 1, []
+    replies: list[Any] = []
+
+    def call(op: str, args: dict[str, Any]) -> dict[str, Any]:
+        reply = replies.pop(0)
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+    client.call = call  # type: ignore[method-assign]
+
+    def alive() -> list[bool]:
+        gc.collect()
+        return [ref() is not None for ref in refs]
+
+    replies.append(NoReplyError("store", client.now(), 1.0))
+    with pytest.raises(NoReplyError):
+        client.store([1], {"g": [0]})  # may still run in session 1
+    replies.append(ClientError("busy", "store: refused"))
+    with pytest.raises(ClientError):
+        client.store([1], {"g": [0]})  # answered: nothing of it runs
+    load = {"load_id": 7, "slot": 0, "tokens": 4, "failed": {}, "session": 1}
+    replies.append(load)
+    handle = client.load([1, 2, 3, 4], {"g": [0]})
+    assert handle is not None
+    replies.extend({} for _ in range(20))
+    for _ in range(20):  # more fenced requests than the old ring held, each answered
+        client.store([1], {"g": [0]})
+    assert alive() == [True, False, True] + [False] * 20
+    client.counters.start(0, 7, 1)
+    client.counters.end(0, LoadState.DONE, "")
+    released: list[int] = []
+    handle._release = released.append
+    assert handle.done() == "done"
+    assert released == [7]
+    assert alive()[:3] == [True, False, False]  # the load ended: its event may go
+    client.epoch = Epoch(client.sidecar_process, 2)  # registered again: session 1 ended
+    replies.append({})
+    client.store([1], {"g": [0]})
+    assert alive() == [False] * 24
+    assert client._unanswered_fences == []
+    client.counters.close()
 
 
 def test_the_cpu_backends_host_memory_is_unpinned_and_exact() -> None:

@@ -189,8 +189,9 @@ class AsyncClient(ClientBase):
         event, fence = self._engine_fence(stream, "store")  # this thread, before the request
         try:
             return await self.call("store", store_args(tokens, device_pages, snapshots, fence))
-        finally:
-            self._keep_fence(event)  # alive until answered: see _engine_fence
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
 
     async def load(
         self,
@@ -203,14 +204,15 @@ class AsyncClient(ClientBase):
         event, fence = self._engine_fence(stream, "load")  # this thread, before the request
         try:
             reply = await self.call("load", load_args(tokens, device_pages, skip_pages, fence))
-        finally:
-            self._keep_fence(event)  # alive until answered: see _engine_fence
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
         loop = asyncio.get_running_loop()
 
         def release(load_id: int) -> None:  # LoadHandle.done() runs off-loop or on it
             asyncio.run_coroutine_threadsafe(self.release(load_id), loop)
 
-        return self._handle(reply, release)
+        return self._handle(reply, release, event)  # alive until the load ended
 
     async def prefetch(self, tokens: Sequence[int]) -> int:
         return int((await self.call("prefetch", {"tokens": list(tokens)}))["pages_fetched"])

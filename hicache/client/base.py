@@ -5,11 +5,11 @@ reply gives (`page_keys`; `keys.py`) for `lookup_keys` / `lookup_many`."""
 
 from __future__ import annotations
 
-import collections
 import itertools
 import os
 import socket
 import struct
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,7 @@ from hicache.client.handle import (
     Epoch,
     LoadHandle,
     Lookup,
+    NoReplyError,
     SidecarUnreachableError,
 )
 from hicache.client.keys import KeySpec, PromptKeys
@@ -187,10 +188,11 @@ class ClientBase:
         self.sidecar_process: tuple[int, int | None] | None = None  # the socket's peer
         self.stalls: list[float] = []
         self.loads_starved = 0  # since the last heartbeat: `starved()`
-        # CUDA pools: their device, and the last stores' fence events, kept alive past their
-        # replies (an imported IPC event must never outlive the engine's original)
+        # CUDA pools: their device, and the fence events of requests that got no reply, each
+        # kept until the sidecar confirmed its session over (`_keep_fence`)
         self.cuda_device: Any = None
-        self._fences: collections.deque[Any] = collections.deque(maxlen=8)
+        self._unanswered_fences: list[tuple[Epoch, Any]] = []
+        self._fences_lock = threading.Lock()
         self._key_spec: KeySpec | None = None
         self._key_session: dict[str, Any] | None = None
 
@@ -350,10 +352,16 @@ class ClientBase:
         `stream` (default: this thread's current stream on the pools' device) and its IPC
         handle, so the sidecar's copies run after the work queued there so far (a store's
         kernels that wrote the pages; for a load, whatever still uses or zeroes the pages
-        it fills); (None, None) with shared-memory pools (the engine works on the CPU). The
-        caller holds the event until its request is answered, then hands it to
-        `_keep_fence`: an imported event used after its exporter destroyed it is undefined,
-        so no event may die while its request is in flight (however many run at once)."""
+        it fills); (None, None) with shared-memory pools (the engine works on the CPU).
+
+        The event's lifecycle (an imported IPC event used, or destroyed, after its exporter
+        destroyed it is undefined in CUDA, so the engine's must outlive every use there):
+        recorded -> request sent -> answered: a store's event may go with its reply (the
+        sidecar settled the store and dropped its opened copy before answering), a load's
+        stays with its `LoadHandle` until the load ended (`done()` / `finished()`), and one
+        answered with an error may go; or no reply (`NoReplyError`, the connection broke):
+        the sidecar may still wait on it in that session, so it is kept (`_keep_fence`)
+        until `confirmed(epoch)` — however many later requests went meanwhile."""
         if self.cuda_device is None:
             if stream is not None:
                 raise ClientError(
@@ -364,6 +372,7 @@ class ClientBase:
             return None, None
         from hicache.transfer.cuda_ipc import export_fence  # CUDA only when used
 
+        self._keep_fence(None, None)  # forget the unanswered ones confirmed over by now
         event, handle = export_fence(self.cuda_device, stream)
         return event, handle
 
@@ -374,11 +383,22 @@ class ClientBase:
         goes out."""
         return self._engine_fence(stream, op)
 
-    def _keep_fence(self, event: Any) -> None:
-        """After a store's reply (or its failure): the last few events stay alive a while
-        longer, for a sidecar that may still hold one whose request timed out here."""
-        if event is not None:
-            self._fences.append(event)
+    def _keep_fence(self, event: Any, failure: BaseException | None) -> None:
+        """A fenced request failed with `failure`: an error reply (`ClientError`) lets its
+        event go; anything else may have left the request running in the sidecar, in the
+        session `NoReplyError.epoch` names (else the latest hello's, at least the one it was
+        sent in), so the event is kept until `confirmed` says that session ended. Every
+        call forgets the kept events whose sessions are confirmed over by now."""
+        with self._fences_lock:
+            self._unanswered_fences = [
+                (epoch, kept)
+                for epoch, kept in self._unanswered_fences
+                if not self.confirmed(epoch)
+            ]
+            if event is None or failure is None or isinstance(failure, ClientError):
+                return
+            epoch = failure.epoch if isinstance(failure, NoReplyError) else self.now()
+            self._unanswered_fences.append((epoch, event))
 
     def _take_stalls(self) -> list[float]:
         stalls, self.stalls = self.stalls[:4096], self.stalls[4096:]
@@ -403,11 +423,13 @@ class ClientBase:
         page allocated and mapped now unless `prefault` is False (`SharedPools.create`)."""
         return SharedPools.create(self.geometries, num_pages, prefault=prefault)
 
-    def _handle(self, reply: dict[str, Any], release: Any) -> LoadHandle | None:
+    def _handle(self, reply: dict[str, Any], release: Any, fence: Any = None) -> LoadHandle | None:
+        """The load's handle (None: nothing hit), holding the load's fence event until the
+        load ended (`_engine_fence`)."""
         if reply["load_id"] is None:
             return None
         assert self.counters is not None
-        return LoadHandle(
+        handle = LoadHandle(
             release,
             self.layer_map,
             self.counters,
@@ -415,7 +437,11 @@ class ClientBase:
             lambda: self.generation,
             reply,
             self.stalls,
-        ).settled_by(Epoch(self.sidecar_process, int(reply.get("session", self.now().session))))
+        )
+        handle.fence_event = fence
+        return handle.settled_by(
+            Epoch(self.sidecar_process, int(reply.get("session", self.now().session)))
+        )
 
 
 def page_lists(device_pages: Mapping[str, Sequence[int]]) -> dict[str, list[int]]:

@@ -280,8 +280,9 @@ class Client(ClientBase):
         event, handle = fence if fence is not None else self._engine_fence(stream, "store")
         try:
             return self.call("store", store_args(tokens, device_pages, snapshots, handle))
-        finally:
-            self._keep_fence(event)  # alive until answered: see _engine_fence
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
 
     def load(
         self,
@@ -298,9 +299,10 @@ class Client(ClientBase):
         event, fence = self._engine_fence(stream, "load")  # this thread, before the request
         try:
             reply = self.call("load", load_args(tokens, device_pages, skip_pages, fence))
-        finally:
-            self._keep_fence(event)  # alive until answered: see _engine_fence
-        return self._handle(reply, self.release)
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
+        return self._handle(reply, self.release, event)  # alive until the load ended
 
     def store_keys(
         self, keys: PromptKeys, device_pages: Mapping[str, Sequence[int | None]]

@@ -1,6 +1,6 @@
 """What the engine client hands back: `Lookup`, `LoadHandle` (`wait_layer` reads the load's
-counter in shared memory; `done()` / `finished()` wait for its end and free its slot), and the
-client's errors.
+counter in shared memory; `done()` / `finished()` wait for its end and free its slot, and let
+go of its CUDA fence event), and the client's errors.
 
 A load whose walk stopped at layer k (a copy failed, or the load was cancelled: the sidecar
 writes the stop into the row at once, shm.py) makes `wait_layer(i)` raise `LayerLoadError`
@@ -115,6 +115,9 @@ class LoadHandle:
         self._stalls = stalls
         self._final: str | None = None
         self._stopped: LayerFailure | None = None  # read from the row when the load ended
+        # CUDA pools: the engine's fence event of this load, alive until the load ended (the
+        # sidecar's copies wait on its imported copy; client/base.py `_engine_fence`)
+        self.fence_event: Any = None
         # ns from a layer landing (sidecar's clock) to this engine seeing it, for the layers
         # it had to wait for; CLOCK_MONOTONIC is one clock for every process of the machine
         self.signal_ns: list[int] = []
@@ -203,6 +206,7 @@ class LoadHandle:
             return None
         self._final = state
         self._stopped = self._counters.failure(self.slot)  # still this load's row
+        self.fence_event = None  # the load ended: nothing of it can wait on the fence now
         self._release(self.load_id)
         return state
 

@@ -90,6 +90,9 @@ class WorkerCounters:
     staging_reclaimed: int = 0  # of those, freed once the sidecar confirmed their epoch over
     pages_stored: int = 0
     stores_unconfirmed: int = 0  # no reply, and the session did not end in time
+    # registrations the sidecar refused `busy`: this process's earlier session still holds
+    # the memory (service/claims.py); retried every retry_after_s
+    registrations_busy: int = 0
     loads_unconfirmed: int = 0  # did not end in time, and had not ended before the next step
     # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
     # into vLLM's blocks (0 when direct), the forward blocked in wait_layer, stores from start

@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from hicache.channel import protocol as p
 from hicache.client import Client, ClientError
 from hicache.errors import HicacheError
 from hicache.integrations.vllm_binding import LayerBinding
@@ -83,7 +84,8 @@ class WorkerSide:
         self._client: Client | None = None
         self._pools: dict[str, DevicePool] = {}
         self._next_try = 0.0
-        self._down = False
+        self._down = False  # since the last failed try: unreachable, or refused `busy`
+        self._busy = False
         self.counters = WorkerCounters(data_plane="direct" if self.direct else "staging")
         self.stores = Stores(
             layer_map,
@@ -136,15 +138,26 @@ class WorkerSide:
             if client is not None:  # hello went through: end that session, drop the file
                 with contextlib.suppress(Exception):
                     client.close()
-            if isinstance(exc, ClientError) and exc.code == "refused":  # not an outage: say so
+            busy = isinstance(exc, ClientError) and exc.code == p.ErrorCode.BUSY
+            if isinstance(exc, ClientError) and exc.code == p.ErrorCode.REFUSED:  # not an outage
                 log.error("hicache sidecar refused this engine, serving without it: %s", exc)
-            elif not self._down:  # once per outage, not once per retry
+            elif busy:  # the claim rule: an earlier session of this process holds the memory
+                self.counters.registrations_busy += 1
+                if not self._busy:  # once per run of refusals, not once per retry
+                    self.counters.error(
+                        "hicache sidecar refused to register this engine's memory yet (an "
+                        "earlier session of this process still holds it; not an outage), "
+                        f"serving without it and retrying every {self.retry_after_s:g} s: {exc}"
+                    )
+            elif not self._down or self._busy:  # once per outage, not once per retry
                 self.counters.error(f"hicache sidecar not reachable, serving without it: {exc}")
-            self._down = True
+            self._down, self._busy = True, busy
             return None
         if self._down:
-            log.info("hicache sidecar reachable again")
-        self._down = False
+            log.info(
+                "hicache sidecar %s", "registered this engine" if self._busy else "reachable again"
+            )
+        self._down = self._busy = False
         self._client = client
         if self._register is None:
             self._pools = pools.device_pools()

@@ -43,7 +43,8 @@ import asyncio
 import contextlib
 import functools
 import itertools
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Coroutine, Mapping, Sequence
+from typing import Any
 
 from hicache.errors import HicacheError
 from hicache.memory import DevicePool, HostTier
@@ -156,7 +157,7 @@ class Scheduler:
 
     # ---- submission -----------------------------------------------------------------------
 
-    async def load(
+    def load(
         self,
         groups: Mapping[str, GroupPages],
         *,
@@ -164,17 +165,23 @@ class Scheduler:
         on_layer: LayerListener | None = None,
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
-    ) -> OpHandle:
-        handles = await self.load_step(
-            [groups],
-            deadline_s=deadline_s,
-            on_layer=on_layer,
-            fence=fence,
-            attachment=attachment,
+    ) -> Coroutine[Any, Any, OpHandle]:
+        """One load: `load_step` of one request (its fence, too, taken when this is called)."""
+        return self._first(
+            self.load_step(
+                [groups],
+                deadline_s=deadline_s,
+                on_layer=on_layer,
+                fence=fence,
+                attachment=attachment,
+            )
         )
-        return handles[0]
 
-    async def load_step(
+    @staticmethod
+    async def _first(handles: Coroutine[Any, Any, list[OpHandle]]) -> OpHandle:
+        return (await handles)[0]
+
+    def load_step(
         self,
         requests: Sequence[Mapping[str, GroupPages]],
         *,
@@ -182,7 +189,7 @@ class Scheduler:
         on_layer: LayerListener | None = None,
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
-    ) -> list[OpHandle]:
+    ) -> Coroutine[Any, Any, list[OpHandle]]:
         """Loads of one engine step, merged into one walk. Returns once the walk is submitted
         (or the ops ended unsubmitted), so `wait_layer` never waits on unsubmitted work.
         `on_layer(upto, None)` hears, from the backend's thread, each stage-local layer count
@@ -195,10 +202,23 @@ class Scheduler:
         Ordering (CUDA): the copies run after `fence`, the point in the engine's work after
         which the device pages are the load's to write (its kernels that still read them from
         an earlier use, vLLM's zeroing of newly allocated blocks); without one, after the work
-        queued so far on the calling thread's current stream (`producer_fence`). A sidecar
-        passes the engine's IPC event, or `NO_FENCE`. A merged walk waits for every op's."""
+        queued so far on the calling thread's current stream (`producer_fence`), taken when
+        this is called — a plain method returning the coroutine, so an engine thread that
+        hands it to the loop (`run_coroutine_threadsafe`) fences its own stream, not the
+        loop thread's. A sidecar passes the engine's IPC event, or `NO_FENCE`. A merged walk
+        waits for every op's."""
         if fence is None:
             fence = self.backend.producer_fence()  # now, on the caller's thread
+        return self._load_step(requests, deadline_s, on_layer, fence, attachment)
+
+    async def _load_step(
+        self,
+        requests: Sequence[Mapping[str, GroupPages]],
+        deadline_s: float | None,
+        on_layer: LayerListener | None,
+        fence: Fence | None,
+        attachment: int,
+    ) -> list[OpHandle]:
         ops = self._admit_all(OpKind.LOAD, requests, deadline_s, attachment)
         for op in ops:
             op.fence = fence
@@ -215,25 +235,35 @@ class Scheduler:
             raise
         return [OpHandle(self, op) for op in ops]
 
-    async def backup(
+    def backup(
         self,
         groups: Mapping[str, GroupPages],
         *,
         deadline_s: float | None = None,
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
-    ) -> OpHandle:
+    ) -> Coroutine[Any, Any, OpHandle]:
         """Copy device pages to host pages — the ones the caller reserved in `host_pages`, or
         newly allocated ones — ordered after the producer's work: after `fence` (made with
         `backend.producer_fence(stream)` on the thread, and after the kernels, that wrote the
         KV; `NO_FENCE` when the producer synchronised; an imported IPC event for another
         process), or, without one, after the work queued so far on the calling thread's
-        current stream — right only when that is where the pages were written. The result's
+        current stream when this is called (as `load_step`'s, not when the coroutine first
+        runs) — right only when that is where the pages were written. The result's
         outcomes name the host pages (owned by the caller once DONE). A caller cancelled
         while this waits for queue space cancels the op: its pages are freed. The device
         pages are `attachment`'s pools'."""
         if fence is None:
             fence = self.backend.producer_fence()  # now, on the caller's thread
+        return self._backup(groups, deadline_s, fence, attachment)
+
+    async def _backup(
+        self,
+        groups: Mapping[str, GroupPages],
+        deadline_s: float | None,
+        fence: Fence | None,
+        attachment: int,
+    ) -> OpHandle:
         ops = self._admit_all(OpKind.BACKUP, [groups], deadline_s, attachment)
         ops[0].fence = fence
         try:

@@ -40,6 +40,8 @@ from hicache.service.sessions import MemoryId, Session
 # A session whose connection is gone ends as soon as its ops settle: milliseconds when none
 # is slow. A registration waits that long for it, not longer: an engine's call has its own
 # timeout, and a BUSY reply that says why beats a reply that comes too late to be read.
+# A constant on purpose, not a config key: it trades a held reply against a retry, never
+# safety, and its bound is the engine's timeout, which the sidecar does not know (design.md).
 ENDING_WAIT_S = 2.0
 
 

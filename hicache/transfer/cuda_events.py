@@ -5,10 +5,11 @@ rules below are unit-tested on the CPU with stand-ins that record what they were
 A fence's lifecycle: made (`producer_fence` in-process, or opened from the engine's IPC
 handle: `imported`) -> held by its op -> waited on the walk's stream at submission
 (`wait_fence`: `cudaStreamWaitEvent`, no host sync, the dependency captured at that call)
--> released. A load's imported events are released right after that wait: the engine keeps
-only its last few events, and CUDA leaves any operation on an imported event undefined
-once its exporter destroyed it, destruction included. A store's stay with its op: its walks
-(one per round) each wait on them, and the engine keeps a store's event until the reply.
+-> released. A load's imported events are released right after that wait, before the load's
+reply (the engine keeps its event until the load ended anyway): CUDA leaves any operation on
+an imported event undefined once its exporter destroyed it, destruction included. A store's
+stay with its op: its walks (one per round) each wait on them, and the engine keeps a
+store's event until the reply.
 
 A walk's signals: one blocking-sync event per landed layer (`layer_event`: the completion
 thread's `synchronize()` sleeps in the driver instead of spinning a core); a consumer's

@@ -33,8 +33,10 @@ Stores are ordered by a fence the engine sends (`export_fence`): an interprocess
 recorded on the engine's stream after the kernels that wrote the pages, whose IPC handle goes
 in the store request; the sidecar opens it (`CudaCopyBackend.import_fence`) and its backup
 stream waits on it, so nothing is read before the engine's writes land, and the engine never
-synchronises. The engine keeps the event alive until the store's reply (the client keeps the
-last few), since operations on an imported event whose exporter destroyed it are undefined.
+synchronises. The engine keeps the event alive while the sidecar may still use it (a store's
+until its reply, a load's until the load ended, one with no reply until its session was
+confirmed over: client/base.py `_engine_fence`), since operations on an imported event whose
+exporter destroyed it are undefined.
 
 Per-layer completion crosses the process boundary through the same shared-memory counter as
 on CPU: the sidecar's completion thread waits each layer's event and bumps the counter, and the
@@ -202,7 +204,8 @@ def export_fence(
 ) -> tuple[torch.cuda.Event, bytes]:
     """On the engine's thread, after it enqueued the writes: an interprocess event recorded
     on `stream` (default: this thread's current stream on `device`) and its IPC handle, for a
-    store request's `fence`. Keep the event alive until the store's reply."""
+    store's or load's `fence`. Keep the event alive while the sidecar may still use it
+    (`ClientBase._engine_fence` says how long)."""
     target = torch.cuda.current_stream(device) if stream is None else stream
     event = torch.cuda.Event(interprocess=True)  # type: ignore[no-untyped-call]
     event.record(target)

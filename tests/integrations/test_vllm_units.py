@@ -354,6 +354,57 @@ def _worker(
     return worker, client
 
 
+def test_a_busy_registration_is_counted_and_said_as_a_refusal_not_an_outage() -> None:
+    """The sidecar refuses `busy` a registration of memory an unended session of this
+    process still holds (service/claims.py): the worker says so once, naming that session,
+    counts every refusal, serves without the sidecar and retries as for an outage."""
+    layer_map, geometries = _llama()
+    caches = _vllm_caches(layer_map, 8)
+    bound = bind_layers(layer_map, geometries, caches, _index(caches), dict.fromkeys(caches, 0), {})
+    client = _FakeClient(geometries)
+    outcomes: list[Exception | None] = [
+        ClientError(
+            "busy",
+            "register_cuda_pools: this memory is still registered by session 3 (engine "
+            "'vllm', pid 42), which has 1 request(s) in flight and 0 load(s) running",
+        ),
+        ClientError("busy", "register_cuda_pools: this memory is still registered by session 3"),
+        ConnectionRefusedError("connection refused"),
+        None,
+    ]
+
+    def register(c: object) -> None:
+        outcome = outcomes.pop(0)
+        if outcome is not None:
+            raise outcome
+
+    worker = WorkerSide(
+        layer_map,
+        bound,
+        lambda: client,  # type: ignore[arg-type,return-value]
+        {"full": 4},
+        page_size_tokens=16,
+        retry_after_s=1.5,
+        state_load_block=state_load_block,
+        state_store_block=state_store_block,
+        register=register,
+    )
+    got = []
+    for _ in range(4):
+        worker._next_try = 0.0  # the next try is due (the test does not wait retry_after_s)
+        got.append(worker.client())
+    assert got == [None, None, None, client]
+    assert worker.counters.registrations_busy == 2
+    refusal, outage = worker.counters.errors
+    assert refusal.startswith(
+        "hicache sidecar refused to register this engine's memory yet (an earlier session of "
+        "this process still holds it; not an outage), serving without it and retrying every "
+        "1.5 s: busy: register_cuda_pools: this memory is still registered by session 3 "
+    )
+    assert "not reachable" not in refusal
+    assert outage == "hicache sidecar not reachable, serving without it: connection refused"
+
+
 def test_direct_loads_and_stores_name_vllms_blocks_and_copy_nothing() -> None:
     worker, client = _worker(staging_pages=4, direct=True)
     worker.start_loads([LoadJob("a", tuple(range(48)), 1, ((5, 6, 7, 0),))])
