@@ -6,7 +6,7 @@ A session's ops read and write the memory its registration named until `EngineSe
 has settled every one of them (server.py). So memory an unended session still holds is never
 handed to another session, this engine's own process included: a worker that timed out on a
 store reconnects and registers the same memory again, and takes that registration's success
-as the sidecar's word that the old session's copies are over (`integrations/vllm_stores.py`).
+as the sidecar's word that the old session's copies are over (`integrations/vllm/stores.py`).
 
 Lifecycle of one session's claim (`Session.memory`, `Session.ended`):
 

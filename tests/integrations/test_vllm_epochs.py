@@ -30,11 +30,11 @@ from hicache.client import Client, NoReplyError, connect
 from hicache.client.handle import Epoch
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
-from hicache.integrations.vllm_binding import LayerBinding, bind_layers
-from hicache.integrations.vllm_plan import LoadJob, StoreJob
-from hicache.integrations.vllm_shared_kv import SharedKv, blocks_pools, share_in_place
-from hicache.integrations.vllm_staging import Staging
-from hicache.integrations.vllm_worker import WorkerSide
+from hicache.integrations.vllm.binding import LayerBinding, bind_layers
+from hicache.integrations.vllm.plan import LoadJob, StoreJob
+from hicache.integrations.vllm.shared_kv import SharedKv, blocks_pools, share_in_place
+from hicache.integrations.vllm.staging import Staging
+from hicache.integrations.vllm.worker import WorkerSide
 from hicache.memory import CacheDtypes, DevicePool, GroupGeometry
 from hicache.model import LayerMap
 from tests.integrations.test_vllm_shared_kv import _heap_free_bytes

@@ -1,4 +1,4 @@
-"""vLLM's KV memory shared in place (`vllm_shared_kv.py`), without vLLM: an allocation made
+"""vLLM's KV memory shared in place (`vllm/shared_kv.py`), without vLLM: an allocation made
 as vLLM makes it (one `torch.zeros`, per-layer `[blocks, heads, block, 2 * head]` views) gets
 memfd backing under the same addresses, its bytes kept; the sidecar's side maps it from the
 manifest as page rows at the block stride, and what either side writes the other reads, in
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from hicache.channel.shm import map_pools
-from hicache.integrations.vllm_binding import bind_layers
-from hicache.integrations.vllm_shared_kv import (
+from hicache.integrations.vllm.binding import bind_layers
+from hicache.integrations.vllm.shared_kv import (
     SharedKvError,
     blocks_pools,
     share_in_place,

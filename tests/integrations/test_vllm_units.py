@@ -17,12 +17,12 @@ from hicache.client import ClientError, NoReplyError, connect
 from hicache.client.handle import Epoch
 from hicache.client.process import SidecarProcess
 from hicache.errors import ConfigError, PoolShapeError
-from hicache.integrations.vllm_binding import StateSpec, bind_layers
-from hicache.integrations.vllm_layout import state_load_block, state_store_block
-from hicache.integrations.vllm_plan import LoadJob, Scheduled, StepBook, StoreJob
-from hicache.integrations.vllm_settings import ConnectorSettings
-from hicache.integrations.vllm_staging import Staging
-from hicache.integrations.vllm_worker import WorkerSide
+from hicache.integrations.vllm.binding import StateSpec, bind_layers
+from hicache.integrations.vllm.layout import state_load_block, state_store_block
+from hicache.integrations.vllm.plan import LoadJob, Scheduled, StepBook, StoreJob
+from hicache.integrations.vllm.settings import ConnectorSettings
+from hicache.integrations.vllm.staging import Staging
+from hicache.integrations.vllm.worker import WorkerSide
 from hicache.memory import CacheDtypes, GroupGeometry
 from hicache.model import LayerMap, load_layout
 from tests.conftest import shared_model

@@ -138,7 +138,7 @@ def run(plan: dict[str, Any], llm: Any) -> dict[str, Any]:
 def _pause_in_loads(announce: Path) -> None:
     """From now on, the first layer-wise wait of a load announces itself and never returns:
     the engine is provably in the middle of a load when the test kills it."""
-    from hicache.integrations.vllm_loads import Loads
+    from hicache.integrations.vllm.loads import Loads
 
     def wait_layer(self: Loads, layer_id: int) -> None:
         if self._pending:

@@ -38,7 +38,7 @@ def _preload() -> None:
     import vllm.config  # noqa: F401
     from vllm import LLM, SamplingParams  # noqa: F401
 
-    import hicache.integrations.vllm  # noqa: F401
+    import hicache.integrations.vllm.connector  # noqa: F401
 
 
 def _child(request: dict[str, object], fds: list[int], close: list[socket.socket]) -> None:

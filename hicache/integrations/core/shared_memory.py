@@ -12,7 +12,7 @@ Only memory that is safe to replace is taken: the storage must start on a page a
 of it (rounded up to whole pages) must lie in read-write mappings that are anonymous, the
 `/dev/zero` of a shared anonymous mmap, or a memfd — never a file, never hugetlb (its pages
 cannot be replaced by 4 KiB ones). Anything else raises `SharedMemoryError` naming the mapping.
-The vLLM connector's `vllm_shared_kv.share_in_place` does the same for glibc heap chunks; it
+The vLLM connector's `vllm.shared_kv.share_in_place` does the same for glibc heap chunks; it
 should move here when the connectors are merged into `integrations/vllm/`.
 
 Lifecycle: share_in_place (once per buffer; again on an already shared one is fine: its

@@ -1,8 +1,8 @@
 """The worker half of the vLLM connector, without vLLM: its sidecar client, and each step's
-loads (`vllm_loads.py`) and stores (`vllm_stores.py`) between vLLM's blocks and the sidecar.
+loads (`vllm/loads.py`) and stores (`vllm/stores.py`) between vLLM's blocks and the sidecar.
 
 Direct (the default where it can be: CPU with vLLM's KV memory shared in place, or CUDA by
-IPC handle; `vllm_shared_kv.py`): vLLM's blocks are the pool the sidecar maps, page ids are
+IPC handle; `vllm/shared_kv.py`): vLLM's blocks are the pool the sidecar maps, page ids are
 vLLM's block ids, and the sidecar's copies (L2 -> blocks for a load, blocks -> L2 for a store)
 are the only ones, made in its own process. Staging (the fallback: another allocator, or a
 hicache group whose layers span several vLLM KV-cache groups, each with its own block ids):
@@ -42,11 +42,11 @@ from typing import Any
 from hicache.channel import protocol as p
 from hicache.client import Client, ClientError
 from hicache.errors import HicacheError
-from hicache.integrations.vllm_binding import LayerBinding
-from hicache.integrations.vllm_loads import Loads
-from hicache.integrations.vllm_plan import LoadJob, StoreJob
-from hicache.integrations.vllm_staging import Staging, WorkerCounters
-from hicache.integrations.vllm_stores import Stores
+from hicache.integrations.vllm.binding import LayerBinding
+from hicache.integrations.vllm.loads import Loads
+from hicache.integrations.vllm.plan import LoadJob, StoreJob
+from hicache.integrations.vllm.staging import Staging, WorkerCounters
+from hicache.integrations.vllm.stores import Stores
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 
@@ -182,7 +182,7 @@ class WorkerSide:
             self._client.close()
             self._client = None
 
-    # ---- loads (`vllm_loads.py`) -------------------------------------------------------------
+    # ---- loads (`vllm/loads.py`) -------------------------------------------------------------
 
     def start_loads(self, jobs: Sequence[LoadJob], *, whole: bool = False) -> None:
         """Synchronous loads of this step (vLLM waits for them inside the forward)."""

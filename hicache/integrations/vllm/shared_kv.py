@@ -43,7 +43,7 @@ from hicache.channel.prefault import populate
 from hicache.channel.shm import SharedPools, sealed_memfd
 from hicache.client import Client
 from hicache.errors import HicacheError
-from hicache.integrations.vllm_binding import LayerBinding
+from hicache.integrations.vllm.binding import LayerBinding
 from hicache.memory import DevicePool, GroupGeometry
 from hicache.model import LayerMap
 

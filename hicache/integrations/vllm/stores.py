@@ -1,6 +1,6 @@
 """The vLLM worker's stores: which of vLLM's blocks a `StoreJob` backs up, and how they go.
 
-Direct (vLLM's blocks are the pool the sidecar maps, `vllm_shared_kv.py`): a store names
+Direct (vLLM's blocks are the pool the sidecar maps, `vllm/shared_kv.py`): a store names
 vLLM's block ids and the sidecar copies them into L2 itself. The request is sent from a
 thread of ours, which only waits on the socket, so vLLM's `wait_for_save` returns at once.
 vLLM may hand a block to another request, or zero it, only in a later step; `drain()`, run
@@ -35,9 +35,9 @@ from typing import Any
 from hicache.client import Client, NoReplyError, SidecarUnreachableError
 from hicache.client.handle import Epoch
 from hicache.errors import HicacheError
-from hicache.integrations.vllm_binding import LayerBinding
-from hicache.integrations.vllm_plan import NULL_BLOCK, StoreJob
-from hicache.integrations.vllm_staging import Staging, WorkerCounters
+from hicache.integrations.vllm.binding import LayerBinding
+from hicache.integrations.vllm.plan import NULL_BLOCK, StoreJob
+from hicache.integrations.vllm.staging import Staging, WorkerCounters
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 

@@ -10,9 +10,9 @@ vLLM makes one connector per process and role. The scheduler role (EngineCore) a
 `hicache serve` how much of each new prompt it holds, through a lookup-only session — by page
 keys it computes once per request with the sidecar's keyers and extends as the request grows
 (`lookup_keys`; a sidecar without them is asked by tokens) — and plans each step's loads and
-stores (`vllm_plan.py`); the worker role (Worker) binds vLLM's KV tensors
-(`vllm_binding.py`) and registers vLLM's own blocks with the sidecar, which copies between L2
-and them (`vllm_shared_kv.py`; a staging pool where it cannot, `vllm_worker.py`). The two
+stores (`vllm/plan.py`); the worker role (Worker) binds vLLM's KV tensors
+(`vllm/binding.py`) and registers vLLM's own blocks with the sidecar, which copies between L2
+and them (`vllm/shared_kv.py`; a staging pool where it cannot, `vllm/worker.py`). The two
 halves share nothing but vLLM's per-step metadata, so they work the same in vLLM's
 multi-process mode and with VLLM_ENABLE_V1_MULTIPROCESSING=0.
 
@@ -58,19 +58,19 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from hicache.client import Client
 from hicache.errors import ConfigError
-from hicache.integrations.vllm_binding import StateSpec, bind_layers
-from hicache.integrations.vllm_layout import (
+from hicache.integrations.vllm.binding import StateSpec, bind_layers
+from hicache.integrations.vllm.layout import (
     default_tenant,
     layer_map_of,
     state_load_block,
     state_store_block,
     token_block_size,
 )
-from hicache.integrations.vllm_lookups import Lookups
-from hicache.integrations.vllm_plan import Scheduled, StepBook, StepMeta
-from hicache.integrations.vllm_settings import ConnectorSettings
-from hicache.integrations.vllm_shared_kv import SharedKv, data_plane
-from hicache.integrations.vllm_worker import WorkerSide
+from hicache.integrations.vllm.lookups import Lookups
+from hicache.integrations.vllm.plan import Scheduled, StepBook, StepMeta
+from hicache.integrations.vllm.settings import ConnectorSettings
+from hicache.integrations.vllm.shared_kv import SharedKv, data_plane
+from hicache.integrations.vllm.worker import WorkerSide
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
 

@@ -1,7 +1,7 @@
 """The vLLM worker's loads: each step's `LoadJob`s into vLLM's blocks, and what vLLM is told
 of those that failed.
 
-Direct (vLLM's blocks are the pool the sidecar maps, `vllm_shared_kv.py`): a load names
+Direct (vLLM's blocks are the pool the sidecar maps, `vllm/shared_kv.py`): a load names
 vLLM's block ids and the sidecar's copies are the only ones; on CUDA they wait for vLLM's
 stream (its zeroing of the blocks it allocated this step) through the load's fence. Staging
 (the fallback): the sidecar fills staging pages, and each layer is copied into vLLM's blocks
@@ -44,10 +44,10 @@ from typing import Any
 
 from hicache.client import Client, LoadHandle
 from hicache.errors import HicacheError
-from hicache.integrations.vllm_binding import LayerBinding
-from hicache.integrations.vllm_plan import NULL_BLOCK, LoadJob
-from hicache.integrations.vllm_staging import Staging, WorkerCounters
-from hicache.integrations.vllm_stores import Stores, epoch_of, unanswered
+from hicache.integrations.vllm.binding import LayerBinding
+from hicache.integrations.vllm.plan import NULL_BLOCK, LoadJob
+from hicache.integrations.vllm.staging import Staging, WorkerCounters
+from hicache.integrations.vllm.stores import Stores, epoch_of, unanswered
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hicache.errors import ConfigError
-from hicache.integrations.vllm_plan import NULL_BLOCK
+from hicache.integrations.vllm.plan import NULL_BLOCK
 from hicache.model import LayerMap, layout_from_hf_config, load_layout, shard_layout
 
 if TYPE_CHECKING:
