@@ -187,3 +187,20 @@ def test_malformed_keyed_requests_are_refused_naming_the_value(
         )
     finally:
         a.close()
+
+
+def test_a_stream_on_keyed_ops_needs_cuda_pools(sidecar: tuple[SidecarProcess, Path]) -> None:
+    """`store_keys` / `load_keys` order CUDA work as `store` / `load` do (a fence from
+    `stream`); with shared-memory pools a stream is refused by op name, nothing sent."""
+    client = engine(sidecar)
+    try:
+        group = next(iter(client.geometries))
+        keys = client.key_spec().of_ids(ids(1, b"/stream"))
+        for op in ("store_keys", "load_keys"):
+            with pytest.raises(
+                ClientError, match=rf"^bad_request: {op}: a stream orders CUDA work; this client"
+            ):
+                getattr(client, op)(keys, {group: [0]}, stream=object())
+        assert client.lookup_keys(keys).tokens_total == 0  # the refused store sent nothing
+    finally:
+        client.close()
