@@ -305,29 +305,54 @@ class Client(ClientBase):
         return self._handle(reply, self.release, event)  # alive until the load ended
 
     def store_keys(
-        self, keys: PromptKeys, device_pages: Mapping[str, Sequence[int | None]]
+        self,
+        keys: PromptKeys,
+        device_pages: Mapping[str, Sequence[int | None]],
+        *,
+        stream: Any = None,
     ) -> dict[str, Any]:
         """`store` of a prompt given by page keys (`key_spec().of_ids(...)`: pages the engine
-        names itself) instead of tokens; token groups only, a device page per key."""
+        names itself) instead of tokens; token groups only, a device page per key. CUDA
+        pools: ordered after `stream`'s work as `store` is (a fence sent with the request)."""
         args = self._key_args(keys)
-        return self.call(
-            "store_keys", {"keys": args["keys"], "device_pages": page_lists_held(device_pages)}
-        )
+        event, handle = self._engine_fence(stream, "store_keys")  # this thread, first
+        extra: dict[str, Any] = {} if handle is None else {"fence": handle}
+        try:
+            return self.call(
+                "store_keys",
+                {**extra, "keys": args["keys"], "device_pages": page_lists_held(device_pages)},
+            )
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
 
     def load_keys(
-        self, keys: PromptKeys, device_pages: Mapping[str, Sequence[int]], skip_pages: int = 0
+        self,
+        keys: PromptKeys,
+        device_pages: Mapping[str, Sequence[int]],
+        skip_pages: int = 0,
+        *,
+        stream: Any = None,
     ) -> LoadHandle | None:
-        """`load` of a prompt given by page keys (see `store_keys`)."""
+        """`load` of a prompt given by page keys (see `store_keys`); CUDA pools: the copies
+        run after `stream`'s work, as `load`'s do."""
         args = self._key_args(keys)
-        reply = self.call(
-            "load_keys",
-            {
-                "keys": args["keys"],
-                "device_pages": page_lists(device_pages),
-                "skip_pages": skip_pages,
-            },
-        )
-        return self._handle(reply, self.release)
+        event, handle = self._engine_fence(stream, "load_keys")  # this thread, first
+        extra: dict[str, Any] = {} if handle is None else {"fence": handle}
+        try:
+            reply = self.call(
+                "load_keys",
+                {
+                    **extra,
+                    "keys": args["keys"],
+                    "device_pages": page_lists(device_pages),
+                    "skip_pages": skip_pages,
+                },
+            )
+        except BaseException as exc:
+            self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
+            raise
+        return self._handle(reply, self.release, event)  # alive until the load ended
 
     def prefetch(self, tokens: Sequence[int]) -> int:
         return int(self.call("prefetch", {"tokens": list(tokens)})["pages_fetched"])

@@ -1,7 +1,8 @@
 """Stores and loads by the engine's own page keys (`store_keys` / `load_keys`: an engine that
 names pages itself, as SGLang's page hashes do, and sends no tokens) against a real
 `hicache serve`: the bytes one engine stored by ids come back exact into another engine's
-pool; a prefix of the ids hits as far as it was stored; ids under another tenant never hit;
+pool; a prefix of the ids hits as far as it was stored, a run of them starting mid-prompt hits
+the same pages; ids under another tenant never hit;
 a repeated store is idempotent; malformed requests are refused naming the field, the value
 and what is allowed, and the session carries on."""
 
@@ -96,6 +97,45 @@ def test_bytes_stored_by_ids_load_exactly_into_another_engine(
         b.close()
 
 
+def test_a_run_starting_mid_prompt_hits_and_a_missing_page_ends_the_hit(
+    sidecar: tuple[SidecarProcess, Path],
+) -> None:
+    """SGLang names a call's pages from wherever its device cache or tree node starts: the
+    tail of a stored prompt is the same pages' keys (ids are unchained), so it hits and loads
+    those bytes; an id never stored in the middle ends the hit there."""
+    a, b = engine(sidecar), engine(sidecar)
+    try:
+        assert a.pools is not None
+        assert b.pools is not None
+        a.pools.buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(2))
+        group = next(iter(a.geometries))
+        stored = ids(5, b"/tail")
+        assert (
+            a.store_keys(a.key_spec().of_ids(stored), {group: [5, 6, 7, 8, 9]})["pages_stored"] == 5
+        )
+        tail = b.key_spec().of_ids(stored[2:])
+        assert b.lookup_keys(tail).tokens_total == 3 * PAGE
+        handle = b.load_keys(tail, {group: [0, 1, 2]})
+        assert handle is not None
+        assert handle.tokens == 3 * PAGE
+        assert handle.done() == "done"
+        for a_layer, b_layer in zip(
+            a.pools.device_pools()[group].tensors,
+            b.pools.device_pools()[group].tensors,
+            strict=True,
+        ):
+            for tensor in ("k", "v"):
+                rows_a = a_layer[tensor].reshape(16, -1).view(torch.uint8)
+                rows_b = b_layer[tensor].reshape(16, -1).view(torch.uint8)
+                for src, dst in zip([7, 8, 9], [0, 1, 2], strict=True):
+                    assert torch.equal(rows_a[src], rows_b[dst])
+        holed = stored[:2] + ids(1, b"/hole") + stored[3:]
+        assert b.lookup_keys(b.key_spec().of_ids(holed)).tokens_total == 2 * PAGE
+    finally:
+        a.close()
+        b.close()
+
+
 def test_ids_are_keys_of_their_namespace_only(sidecar: tuple[SidecarProcess, Path]) -> None:
     a, other = engine(sidecar), engine(sidecar, tenant="another")
     try:
@@ -147,3 +187,20 @@ def test_malformed_keyed_requests_are_refused_naming_the_value(
         )
     finally:
         a.close()
+
+
+def test_a_stream_on_keyed_ops_needs_cuda_pools(sidecar: tuple[SidecarProcess, Path]) -> None:
+    """`store_keys` / `load_keys` order CUDA work as `store` / `load` do (a fence from
+    `stream`); with shared-memory pools a stream is refused by op name, nothing sent."""
+    client = engine(sidecar)
+    try:
+        group = next(iter(client.geometries))
+        keys = client.key_spec().of_ids(ids(1, b"/stream"))
+        for op in ("store_keys", "load_keys"):
+            with pytest.raises(
+                ClientError, match=rf"^bad_request: {op}: a stream orders CUDA work; this client"
+            ):
+                getattr(client, op)(keys, {group: [0]}, stream=object())
+        assert client.lookup_keys(keys).tokens_total == 0  # the refused store sent nothing
+    finally:
+        client.close()

@@ -1,31 +1,46 @@
-"""An engine's own host memory shared with the sidecar in place: no staging, one copy per page.
+"""An engine's own CPU memory shared with the sidecar in place: no staging, one copy per page.
 
 The sidecar maps only sealed memfds (a truncated shared file would SIGBUS it). An engine's
-buffer — SGLang's HiCache host pool, an mmap of anonymous memory, `/dev/zero` or an unsealed
-memfd of its own — is none of those. `share_in_place(tensor)` gives the pages under the
-tensor's storage a sealed memfd without moving them: the memfd is sized, sealed, filled with
-the current bytes, then mapped over the same addresses (`MAP_FIXED`), chunk by chunk. Every
-tensor the engine holds keeps its address and now reads and writes the memfd; when the engine
-frees the buffer, its munmap takes the shared pages with it.
+buffers — SGLang's HiCache host pool (an mmap), SGLang's per-layer KV tensors (`torch.zeros`,
+glibc's mmapped chunks), `/dev/zero` or an unsealed memfd of its own — are none of those.
+`share_in_place(storages, what)` backs the pages under one or several allocations with one
+sealed memfd without moving them: each allocation's pages get their place in the memfd, their
+current bytes are copied in, and the memfd is mapped over the same addresses (`MAP_FIXED`),
+chunk by chunk. Every tensor the engine holds keeps its address and now reads and writes the
+memfd; when the engine frees the buffer, its munmap takes the shared pages with it.
+`SharedRegions.offset_of(ptr)` is where an address of the shared memory lies in the memfd:
+what a pool manifest's offsets are.
 
-Only memory that is safe to replace is taken: the storage must start on a page and every page
-of it (rounded up to whole pages) must lie in read-write mappings that are anonymous, the
-`/dev/zero` of a shared anonymous mmap, or a memfd — never a file, never hugetlb (its pages
-cannot be replaced by 4 KiB ones). Anything else raises `SharedMemoryError` naming the mapping.
-The vLLM connector's `vllm.shared_kv.share_in_place` does the same for glibc heap chunks; it
-should move here when the connectors are merged into `integrations/vllm/`.
+Only pages an allocation owns alone are remapped: a page-aligned allocation's own pages
+(rounded up to whole pages), or glibc's mmapped chunk around an unaligned one (its header says
+where it starts and ends; `malloc` must be glibc's). Every page must lie in read-write mappings
+that are anonymous, the `/dev/zero` of a shared anonymous mmap, or a memfd — never a file,
+never hugetlb (its pages cannot be replaced by 4 KiB ones). Anything else (a heap allocation
+sharing its edge pages, another allocator preloaded, a file mapping, GPU memory) raises
+`SharedMemoryError` naming the buffer (`what`) and the reason, and nothing is remapped.
+The vLLM connector's `vllm.shared_kv.share_in_place` does the same for one glibc heap chunk;
+it should move here when the connectors are merged into `integrations/vllm/`.
 
-Lifecycle: share_in_place (once per buffer; again on an already shared one is fine: its
-memfd is replaced) -> SharedRegion.fd registered with the sidecar (a dup per registration)
--> close() (the descriptor only: the mapping stays the engine's memory).
+Users: the SGLang storage backend (its host pool, one allocation) and the SGLang linker (one
+allocation per layer and K/V; it rebacks the tensors instead when this refuses).
+
+Lifecycle (once per buffer, before the engine computes; again on an already shared one is
+fine: its memfd is replaced):
+    shared = share_in_place([t.untyped_storage() for t in buffers], what)   # or refused
+    offset = shared.offset_of(tensor.data_ptr())   # -> SharedPools offsets over shared.fd
+    ... the engine runs; the sidecar maps a dup of shared.fd ...
+    shared.close()                                  # the descriptor; the mapping stays
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 import mmap
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -36,7 +51,10 @@ from hicache.errors import HicacheError
 
 PAGE_BYTES = mmap.PAGESIZE
 CHUNK_BYTES = 64 << 20  # remapped at a time: the copy's extra memory at most this
+_IS_MMAPPED = 0x2  # glibc's chunk flag
 _MAP_FIXED = 0x10  # Linux (Python's mmap module does not name it)
+_MAX_SLACK_BYTES = 4 << 20  # glibc's alignment slop around an mmapped chunk, generously
+
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [
@@ -52,26 +70,99 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 class SharedMemoryError(HicacheError):
-    """The engine's buffer cannot be shared in place (the message says which mapping, why)."""
+    """The engine's memory cannot be shared in place (the message says which buffer, why)."""
+
+
+class Storage(Protocol):
+    """What `share_in_place` needs of an allocation (a torch `UntypedStorage` has it)."""
+
+    def data_ptr(self) -> int: ...
+
+    def nbytes(self) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """Bytes [base, base + nbytes) of the engine's memory, at `offset` in the memfd."""
+
+    base: int
+    offset: int
+    nbytes: int
 
 
 @dataclass
-class SharedRegion:
-    """The bytes [base, base + nbytes) now backed by the sealed memfd `fd` (byte 0 at base)."""
+class SharedRegions:
+    """The engine's memory now backed by the memfd `fd` (`nbytes` long), region by region."""
 
     fd: int
-    base: int
     nbytes: int
+    regions: tuple[Region, ...]
+
+    def offset_of(self, address: int) -> int:
+        """The memfd offset of an address inside one of the regions."""
+        for region in self.regions:
+            if region.base <= address < region.base + region.nbytes:
+                return region.offset + address - region.base
+        raise SharedMemoryError(
+            f"address {address:#x} is in none of the {len(self.regions)} shared regions"
+        )
 
     def buffer(self) -> torch.Tensor:
-        """The region as a uint8 tensor (a view of the engine's memory; never owns it)."""
-        array = (ctypes.c_uint8 * self.nbytes).from_address(self.base)
+        """The memfd's bytes as a uint8 tensor over the engine's own memory (a view; never
+        owns it): one region only, the memfd then being contiguous there."""
+        if len(self.regions) != 1:
+            raise SharedMemoryError(
+                f"the memfd backs {len(self.regions)} separate regions; only one region's "
+                "memory is one buffer"
+            )
+        array = (ctypes.c_uint8 * self.nbytes).from_address(self.regions[0].base)
         return torch.frombuffer(array, dtype=torch.uint8)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _mapping_path(address: int) -> str:
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[5].strip() if len(fields) > 5 else ""
+    return ""
+
+
+def owned_region(ptr: int, nbytes: int, what: str) -> tuple[int, int]:
+    """Whole pages [start, end) that belong to the allocation [ptr, ptr + nbytes) alone: a
+    page-aligned one's pages (the last rounded up: the mapping check says whose it is), or
+    glibc's mmapped chunk around an unaligned one."""
+    if ptr % PAGE_BYTES == 0:
+        return ptr, -(-(ptr + nbytes) // PAGE_BYTES) * PAGE_BYTES
+    malloc_in = _mapping_path(ctypes.cast(_libc.malloc, ctypes.c_void_p).value or 0)
+    if "libc.so" not in malloc_in:
+        raise SharedMemoryError(
+            f"{what} at {ptr:#x} ({nbytes} bytes) is not page-aligned and malloc is not "
+            f"glibc's (it lives in {malloc_in or 'an unknown mapping'}): which pages it owns "
+            "alone is unknown"
+        )
+    prev_size, size = (ctypes.c_size_t * 2).from_address(ptr - 16)
+    chunk = ptr - 16
+    start, end = chunk - prev_size, chunk + (size & ~0x7)
+    if (
+        not size & _IS_MMAPPED
+        or start % PAGE_BYTES
+        or end % PAGE_BYTES
+        or not start <= ptr < ptr + nbytes <= end
+        or ptr - start > _MAX_SLACK_BYTES
+        or end - ptr - nbytes > _MAX_SLACK_BYTES
+    ):
+        raise SharedMemoryError(
+            f"{what} at {ptr:#x} ({nbytes} bytes) is not page-aligned nor one glibc mmapped "
+            "chunk of its own; its edge pages may hold other allocations"
+        )
+    return start, end
 
 
 def _replaceable(path: str) -> bool:
@@ -101,21 +192,47 @@ def check_replaceable(start: int, end: int, what: str) -> None:
     raise SharedMemoryError(f"{what} at {start:#x}..{end:#x} is not mapped whole")
 
 
-def share_in_place(tensor: torch.Tensor, what: str) -> SharedRegion:
-    """Back every page under `tensor`'s storage with a sealed memfd, in place; `what` names
-    the buffer in errors."""
-    if tensor.device.type != "cpu":
-        raise SharedMemoryError(f"{what} is on {tensor.device}; in-place sharing is for CPU memory")
-    storage = tensor.untyped_storage()
-    start, size = storage.data_ptr(), storage.nbytes()
-    if start % PAGE_BYTES or size == 0:
-        raise SharedMemoryError(
-            f"{what} starts at {start:#x} ({size} bytes), not on a {PAGE_BYTES}-byte page: it "
-            "is not a buffer of its own (SGLang's host pools are mmaps)"
-        )
-    nbytes = -(-size // PAGE_BYTES) * PAGE_BYTES
-    check_replaceable(start, start + nbytes, what)
-    fd = sealed_memfd("hicache-engine-host", nbytes)
+def plan_regions(storages: Sequence[Storage], what: str = "the KV memory") -> tuple[Region, ...]:
+    """Each distinct allocation's pages and their place in one memfd; every check made before
+    anything is remapped. Refused (SharedMemoryError) when none is given, or one is empty, not
+    CPU memory, or cannot be shared alone."""
+    if not storages:
+        raise SharedMemoryError(f"no allocation of {what} to share")
+    spans: dict[int, tuple[int, int]] = {}
+    for storage in storages:
+        device = getattr(storage, "device", None)
+        if device is not None and torch.device(device).type != "cpu":
+            raise SharedMemoryError(f"{what} is on {device}; in-place sharing is for CPU memory")
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes <= 0:
+            raise SharedMemoryError(f"{what}: the allocation at {ptr:#x} is empty ({nbytes} bytes)")
+        if ptr in spans:
+            continue
+        start, end = owned_region(ptr, nbytes, what)
+        check_replaceable(start, end, what)
+        spans[ptr] = (start, end)
+    ordered = sorted(set(spans.values()))
+    for (_, end), (start, _) in itertools.pairwise(ordered):
+        if start < end:
+            raise SharedMemoryError(
+                f"{what}: two allocations share pages around {start:#x}; each must own its pages"
+            )
+    regions, offset = [], 0
+    for start, end in ordered:
+        regions.append(Region(start, offset, end - start))
+        offset += end - start
+    return tuple(regions)
+
+
+def share_in_place(
+    storages: Sequence[Storage], what: str, name: str = "hicache-engine-kv"
+) -> SharedRegions:
+    """Back the pages under every allocation with one sealed memfd (`name`), in place; `what`
+    names the memory in errors. Nothing else may write it meanwhile (the engine calls this
+    before it computes, or while it registers the buffer)."""
+    regions = plan_regions(storages, what)
+    nbytes = sum(r.nbytes for r in regions)
+    fd = sealed_memfd(name, nbytes)
     rw, shared = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
     staging = _libc.mmap(None, nbytes, rw, shared, fd, 0)
     if staging in (None, _MAP_FAILED):
@@ -124,25 +241,30 @@ def share_in_place(tensor: torch.Tensor, what: str) -> SharedRegion:
             f"mapping a {nbytes}-byte memfd for {what} failed: {os.strerror(ctypes.get_errno())}"
         )
     try:
-        for offset in range(0, nbytes, CHUNK_BYTES):
-            chunk = min(CHUNK_BYTES, nbytes - offset)
-            words = np.ctypeslib.as_array(
-                (ctypes.c_uint64 * (chunk // 8)).from_address(start + offset)
-            )
-            if words.any():  # zero chunks need no copy: the memfd's pages start zeroed
-                ctypes.memmove(staging + offset, start + offset, chunk)
-            # nothing writes the buffer while the engine registers it: the copy and the
-            # remap of a chunk see the same bytes
-            got = _libc.mmap(start + offset, chunk, rw, shared | _MAP_FIXED, fd, offset)
-            if got != start + offset:
-                raise SharedMemoryError(  # pragma: no cover - the kernel refused a fixed map
-                    f"remapping {chunk} bytes of {what} at {start + offset:#x} failed: "
-                    f"{os.strerror(ctypes.get_errno())}; the buffer is now partly shared"
-                )
-            populate(start + offset, chunk, write=True)
+        for region in regions:
+            _remap(region, fd, staging, what)
     except BaseException:
         os.close(fd)
         raise
     finally:
         _libc.munmap(staging, nbytes)
-    return SharedRegion(fd, start, nbytes)
+    return SharedRegions(fd, nbytes, regions)
+
+
+def _remap(region: Region, fd: int, staging: int, what: str) -> None:
+    rw, shared = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
+    for done in range(0, region.nbytes, CHUNK_BYTES):
+        size = min(CHUNK_BYTES, region.nbytes - done)
+        address, offset = region.base + done, region.offset + done
+        words = np.ctypeslib.as_array((ctypes.c_uint64 * (size // 8)).from_address(address))
+        if words.any():  # a zero chunk needs no copy: the memfd's pages start zeroed
+            ctypes.memmove(staging + offset, address, size)
+        got = _libc.mmap(address, size, rw, shared | _MAP_FIXED, fd, offset)
+        if got != address:  # pragma: no cover - the kernel refused a fixed mapping
+            raise SharedMemoryError(
+                f"remapping {size} bytes of {what} at {address:#x} failed: "
+                f"{os.strerror(ctypes.get_errno())}; the memory is now partly shared"
+            )
+        # the engine's memory was resident: so is its memfd now, and the sidecar prefaults
+        # the same pages when it maps them
+        populate(address, size, write=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 from hicache.channel.shm import SharedPools
 from hicache.errors import HicacheError
-from hicache.integrations.core.shared_memory import SharedRegion
+from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.memory import GroupGeometry
 
 ROW_LAYOUTS = ("layer_first", "page_first_direct")  # each page's per-layer rows are hicache's
@@ -129,7 +129,7 @@ def kv_group(host: HostKv, geometries: Mapping[str, GroupGeometry], page_size_to
 
 
 def host_pool_manifest(
-    region: SharedRegion,
+    region: SharedRegions,
     kv_buffer: Any,
     host: HostKv,
     group: str,
@@ -137,7 +137,7 @@ def host_pool_manifest(
 ) -> SharedPools:
     """SGLang's host KV buffer (shared in place as `region`) as a `SharedPools` of the group's
     page rows; it holds a dup of the region's descriptor (the client closes it with itself)."""
-    base = kv_buffer.data_ptr() - region.base
+    base = region.offset_of(kv_buffer.data_ptr())
     row = host.row_bytes
     half = host.layers * host.size * host.heads * host.head_dim * host.itemsize
     offsets, strides = [], []

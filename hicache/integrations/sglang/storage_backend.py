@@ -59,7 +59,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.client import Client, PromptKeys, connect_deployment
 from hicache.errors import ConfigError, HicacheError
-from hicache.integrations.core.shared_memory import SharedRegion, share_in_place
+from hicache.integrations.core.shared_memory import SharedRegions, share_in_place
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.host_pools import (
     HostKv,
@@ -103,7 +103,7 @@ def page_ids(keys: Sequence[str]) -> list[bytes]:
 class _Attached:
     """What one attach holds: the shared host pool and the group it maps to."""
 
-    def __init__(self, region: SharedRegion, host: HostKv, group: str, manifest: Any):
+    def __init__(self, region: SharedRegions, host: HostKv, group: str, manifest: Any):
         self.region = region
         self.host = host
         self.group = group
@@ -141,7 +141,11 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
                 loaded = self.settings.loaded
                 geometries = self._geometries()
                 group = kv_group(host, geometries, loaded.deployment.model.page_size_tokens)
-                region = share_in_place(mem_pool_host.kv_buffer, "SGLang's host KV pool")
+                region = share_in_place(
+                    [mem_pool_host.kv_buffer.untyped_storage()],
+                    "SGLang's host KV pool",
+                    "hicache-engine-host",
+                )
             except HicacheError as exc:
                 self.refused = str(exc)
                 log.error("hicache: SGLang's host pool is not attached: %s", exc)

@@ -104,7 +104,7 @@ def test_the_sidecar_sees_sglang_host_pages_as_its_page_rows(deploy: Path, layou
     host = HostKv.of(MHATokenToKVPoolHost(layout, buffer))
     geoms = geometries(deploy)
     group = kv_group(host, geoms, P)
-    region = share_in_place(buffer, "the test's host pool")
+    region = share_in_place([buffer.untyped_storage()], "the test's host pool")
     try:
         assert bytes(buffer.view(torch.uint8).view(-1).tolist()) == before  # kept in place
         pools = host_pool_manifest(region, buffer, host, group, geoms[group])
@@ -192,7 +192,7 @@ def test_sharing_in_place_refuses_a_file_mapping(tmp_path: Path) -> None:
             SharedMemoryError,
             match=r"the file's pool at .* lies in the mapping '.*/f'; only read-write anonymous, /dev/zero or memfd memory is shared in place",
         ):
-            share_in_place(tensor, "the file's pool")
+            share_in_place([tensor.untyped_storage()], "the file's pool")
         del tensor
         memory.close()
 

@@ -1,0 +1,78 @@
+"""`HicacheLinker` driven directly on SGLang's real `MHATokenToKVPool` (CPU) against a real
+`hicache serve` (`linker_probe.py`, in the SGLang environment): a tail starting mid-prompt
+hits and loads byte-exact layer by layer; a hit shorter than asked is refused once
+what did hit has landed (SGLang then recomputes); a queued load cancels; with the sidecar
+stopped every call answers "no hit / not stored" and none raises."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from hicache.client.process import SidecarProcess
+from tests.integrations.sglang.engine_harness import require_sglang, tiny_model
+from tests.integrations.sglang.sglang_env import ROOT, sglang_environ
+
+
+def test_the_linker_on_sglangs_pool_against_a_real_sidecar(tmp_path: Path) -> None:
+    python = require_sglang()
+    model = tiny_model(python, tmp_path / "qwen2")
+    data = {
+        "model": {
+            "config_path": str(model / "config.json"),
+            "dtype": "bfloat16",
+            "page_size_tokens": 16,
+        },
+        "device": {"kind": "cpu"},
+        "host": {"capacity_bytes": "16MiB"},
+        "storage": {"kind": "none"},
+        "service": {"socket_path": str(tmp_path / "engine.sock"), "http_port": None},
+    }
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text(yaml.safe_dump(data))
+    sidecar = SidecarProcess(deploy).start()
+    probe = subprocess.Popen(
+        [str(python), "-m", "tests.integrations.sglang.linker_probe", str(deploy), str(model)],
+        cwd=ROOT,
+        env=sglang_environ(cpu_shims=False),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=(tmp_path / "probe.log").open("w"),
+        text=True,
+    )
+    try:
+        assert probe.stdout is not None
+        assert probe.stdin is not None
+        line = probe.stdout.readline()
+        assert line.strip() == "stop-sidecar", (tmp_path / "probe.log").read_text()[-3000:]
+        sidecar.stop()
+        probe.stdin.write("stopped\n")
+        probe.stdin.flush()
+        result = yaml.safe_load(probe.stdout.readline())
+        assert probe.wait(timeout=120) == 0
+    finally:
+        if probe.poll() is None:
+            probe.kill()
+        sidecar.stop()
+    assert result == {
+        "rebacked_or_shared": "Tensor",
+        "offload_queued": True,
+        "offloads_completed": [True],
+        "lookup_whole": [1, 2, 3, 4],
+        "lookup_tail": [1, 2, 3],
+        "lookup_cold": [],
+        "load_queued": True,
+        "load_landed": True,
+        "bytes_equal": True,
+        "partial_load_queued": False,
+        "no_batch_after_refusal": -1,
+        "cancel_queued": True,
+        "cancelled": True,
+        "no_batch_after_cancel": -1,
+        "down_lookup": [],
+        "down_load": False,
+        "down_offload": True,
+        "down_offload_completed": [False],
+    }, (tmp_path / "probe.log").read_text()[-3000:]

@@ -1,0 +1,251 @@
+"""The SGLang linker's pure parts, without SGLang (main venv): page hashes as keys, slots as
+page ids, SGLang's pool tensors checked against the sidecar's geometry and shared (in place or
+rebacked) with every byte kept and every offset where the sidecar will look, the settings
+and the session's states (down -> up -> down, one warning per outage, no raise)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import mmap
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hicache.client.keys import KeySpec
+from hicache.errors import ConfigError, PoolShapeError
+from hicache.index.keys import keys_of_ids
+from hicache.integrations.core.shared_memory import SharedMemoryError, plan_regions
+from hicache.integrations.sglang.linker_keys import (
+    digest_of,
+    keys_of_hashes,
+    restorable_lengths,
+)
+from hicache.integrations.sglang.linker_pool import (
+    KvTensors,
+    geometry_of,
+    page_ids,
+    reback,
+    share_kv,
+)
+from hicache.integrations.sglang.linker_session import LinkerSession, LinkerSettings
+from hicache.memory import CacheDtypes, group_geometries
+from hicache.model import LayerMap, layout_from_hf_config
+
+ROOT = bytes(range(16))
+
+
+def hashes(n: int, seed: bytes = b"s") -> list[str]:
+    out, previous = [], seed
+    for i in range(n):
+        previous = hashlib.sha256(previous + bytes([i])).digest()
+        out.append(previous.hex())
+    return out
+
+
+@pytest.mark.parametrize("page", [1, 3, 8, 16])
+def test_each_page_key_stands_alone_and_is_the_storage_backends_key(page: int) -> None:
+    spec = KeySpec(page, "xxh3_128", {"full": ROOT})
+    pages = hashes(5)
+    whole = keys_of_hashes(spec, pages)
+    assert whole.num_tokens == 5 * page
+    assert whole.pages == 5
+    tail = keys_of_hashes(spec, pages[2:])
+    assert whole.blobs["full"][2 * 16 :] == tail.blobs["full"]  # position-independent
+    # one mechanism: the storage backend's ids (the hash's text) under the same namespace
+    assert whole.blobs["full"] == b"".join(
+        keys_of_ids(ROOT, "xxh3_128", [h.encode() for h in pages])
+    )
+    # a digest differing in its last bit only is another key
+    last = bytearray(bytes.fromhex(pages[0]))
+    last[-1] ^= 1
+    assert keys_of_hashes(spec, [last.hex()]).blobs["full"] != whole.blobs["full"][:16]
+    # another namespace's root keys the same page differently
+    other = KeySpec(page, "xxh3_128", {"full": bytes(16)})
+    assert keys_of_hashes(other, pages[:1]).blobs["full"] != whole.blobs["full"][:16]
+
+
+def test_bad_page_hashes_are_refused_by_value() -> None:
+    with pytest.raises(ConfigError, match=r"SGLang page hash 'abc' is not 64 hex digits"):
+        digest_of("abc")
+    with pytest.raises(ConfigError, match=r"is not hexadecimal"):
+        digest_of("z" * 64)
+    spec = KeySpec(4, "xxh3_128", {"full": ROOT})
+    with pytest.raises(ConfigError, match=r"SGLang page hash 'short' is not 64 hex digits"):
+        keys_of_hashes(spec, [*hashes(2), "short"])
+
+
+def test_restorable_lengths_are_every_prefix_up_to_the_hit() -> None:
+    assert restorable_lengths(48, 16, 5) == [1, 2, 3]
+    assert restorable_lengths(47, 16, 5) == [1, 2]
+    assert restorable_lengths(160, 16, 4) == [1, 2, 3, 4]
+    assert restorable_lengths(0, 16, 4) == []
+
+
+def test_slots_become_page_ids_only_for_whole_ordered_pages() -> None:
+    assert page_ids(torch.arange(32, 64), 16) == [2, 3]
+    assert page_ids(torch.cat([torch.arange(64, 80), torch.arange(16, 32)]), 16) == [4, 1]
+    assert page_ids(torch.arange(33, 49), 16) is None  # not page-aligned
+    assert page_ids(torch.arange(32, 40), 16) is None  # part of a page
+    assert page_ids(torch.tensor([32, 34, *list(range(34, 48))]), 16) is None  # a hole
+
+
+def tiny_geometry(page: int = 16, heads: int = 2, dim: int = 32) -> Any:
+    layout = layout_from_hf_config(
+        {
+            "model_type": "qwen2",
+            "num_hidden_layers": 2,
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": heads,
+            "head_dim": dim,
+        },
+        "tiny",
+    )
+    geometries = group_geometries(LayerMap(layout).groups, CacheDtypes.from_names("bfloat16"), page)
+    return geometry_of(geometries)
+
+
+def sglang_pool(page: int = 16, slots: int = 4096, heads: int = 2, dim: int = 32) -> Any:
+    """What MHATokenToKVPool keeps: per layer one allocation, K and V its halves."""
+    fused = [torch.zeros((2, slots + page, heads, dim), dtype=torch.bfloat16) for _ in range(2)]
+    return types.SimpleNamespace(
+        k_buffer=[b[0] for b in fused], v_buffer=[b[1] for b in fused], page_size=page
+    )
+
+
+def test_pool_tensors_are_checked_against_the_geometry() -> None:
+    tensors = KvTensors.of(sglang_pool())
+    assert tensors.num_pages == 257
+    assert tensors.num_layers == 2
+    tensors.check(tiny_geometry())
+    with pytest.raises(
+        PoolShapeError, match=r"page size: SGLang 16 tokens, the sidecar's deployment 32"
+    ):
+        tensors.check(tiny_geometry(page=32))
+    with pytest.raises(PoolShapeError, match=r"tensor 'k': SGLang keeps 16 slots of \(2, 32\)"):
+        tensors.check(tiny_geometry(heads=4))
+    hnd = sglang_pool()
+    hnd.use_hnd = True
+    with pytest.raises(PoolShapeError, match=r"token-slot rows \('nhd'\) only"):
+        KvTensors.of(hnd)
+    mla = types.SimpleNamespace(kv_buffer=[torch.zeros(4, 1, 8)], page_size=16)
+    with pytest.raises(PoolShapeError, match=r"no per-layer k_buffer / v_buffer"):
+        KvTensors.of(mla)
+
+
+def written(pool: Any) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for t in pool.k_buffer + pool.v_buffer:
+        t.copy_(torch.randn(t.shape, generator=gen).to(t.dtype))
+        out.append(t.clone())
+    return out
+
+
+@pytest.mark.parametrize("how", ["in place", "rebacked"])
+def test_shared_pool_keeps_every_byte_where_the_sidecar_looks(how: str) -> None:
+    pool = sglang_pool()
+    before = written(pool)
+    tensors = KvTensors.of(pool)
+    memory = reback(tensors, pool) if how == "rebacked" else share_kv(tensors, pool)[0]
+    tensors = KvTensors.of(pool)
+    assert [
+        torch.equal(a, b) for a, b in zip(before, pool.k_buffer + pool.v_buffer, strict=False)
+    ] == [True] * 4
+    shared = tensors.shared_pools(memory, tiny_geometry())
+    view = torch.frombuffer(mmap.mmap(memory.fd, memory.nbytes), dtype=torch.uint8)
+    row = 16 * 2 * 32 * 2
+    for layer in range(2):
+        for index, tensor in enumerate((pool.k_buffer[layer], pool.v_buffer[layer])):
+            offset = shared.offsets["full"][layer][index]
+            stride = shared.page_strides["full"][layer][index]  # type: ignore[index]
+            for page in (0, 1, 256):
+                seen = view[offset + page * stride : offset + page * stride + row]
+                want = (
+                    tensor[page * 16 : (page + 1) * 16].contiguous().view(torch.uint8).reshape(-1)
+                )
+                assert torch.equal(seen, want), (how, layer, index, page)
+            tensor[5].fill_(3.0)  # the engine's writes reach the memfd, and back
+            start = offset + 5 * 2 * 32 * 2
+            assert torch.equal(
+                view[start : start + 128], tensor[5].contiguous().view(torch.uint8).reshape(-1)
+            )
+    shared.close()
+    memory.close()
+
+
+def test_overlapping_or_missing_allocations_are_refused() -> None:
+    with pytest.raises(SharedMemoryError, match=r"no allocation of the KV memory to share"):
+        plan_regions([])
+    empty = types.SimpleNamespace(data_ptr=lambda: 4096, nbytes=lambda: 0)
+    with pytest.raises(
+        SharedMemoryError, match=r"the KV memory: the allocation at 0x1000 is empty \(0 bytes\)"
+    ):
+        plan_regions([empty])
+
+
+def test_settings_are_checked_key_by_key(tmp_path: Path) -> None:
+    settings = LinkerSettings.parse({"address": "/run/h.sock", "load_timeout_s": 3})
+    assert (settings.address, settings.tenant, settings.load_timeout_s) == (
+        "/run/h.sock",
+        "sglang-nhd",
+        3.0,
+    )
+    with pytest.raises(ConfigError, match=r"linker_extra_config: unknown keys \['sockett'\]"):
+        LinkerSettings.parse({"sockett": "x"})
+    with pytest.raises(
+        ConfigError, match=r"give 'config' \(the sidecar's deploy.yaml\) or 'address'"
+    ):
+        LinkerSettings.parse({})
+    with pytest.raises(
+        ConfigError, match=r"linker_extra_config.retry_after_s: 0 is not a positive"
+    ):
+        LinkerSettings.parse({"address": "a.sock", "retry_after_s": 0})
+
+
+class FakeClient:
+    closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_session_states(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    up = [False]
+    made: list[FakeClient] = []
+
+    def connect() -> Any:
+        if not up[0]:
+            raise ConnectionRefusedError("nothing listens")
+        made.append(FakeClient())
+        return made[-1]
+
+    settings = LinkerSettings.parse({"address": "x.sock", "retry_after_s": 2})
+    session = LinkerSession(settings, connect, lambda c: None, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, "hicache.sglang"):
+        assert session.client() is None  # down: warned once
+        up[0] = True
+        assert session.client() is None  # not yet due
+        now[0] = 2.0
+        client = session.client()
+        assert client is made[0]
+        session.failed("load", RuntimeError("reset"), client)
+        assert made[0].closed
+        assert session.client() is None
+        session.failed("store", RuntimeError("again"), None)  # still down: no second warning
+        now[0] = 5.0
+        assert session.client() is made[1]
+        session.failed("load", RuntimeError("stale"), made[0])  # an old client: ignored
+        assert session.client() is made[1]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 2, warnings
+    assert "cannot attach to the sidecar at x.sock: nothing listens" in warnings[0]
+    assert "load failed (RuntimeError: reset); no hits until it is back" in warnings[1]
+    session.close()
+    assert made[1].closed
+    assert session.client() is None
