@@ -80,6 +80,8 @@ def test_compose_references_existing_files_and_a_valid_config(
         pass
 
     def override(loader: yaml.SafeLoader, node: yaml.Node) -> object:
+        if isinstance(node, yaml.SequenceNode):  # the short form: `depends_on: !override [a]`
+            return {str(name): {} for name in loader.construct_sequence(node, deep=True)}
         assert isinstance(node, yaml.MappingNode)
         return loader.construct_mapping(node, deep=True)
 

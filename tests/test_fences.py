@@ -264,7 +264,7 @@ async def test_the_schedulers_default_fence_is_taken_on_the_callers_thread(op: s
         async with cache.running():
             tokens = list(range(16))
             await cache.store(tokens, **store_kwargs(cache, tokens), fence=NO_FENCE)
-            plan = cache.planner.plan_load(tokens, 0)
+            plan = cache.planner.plan_load(cache.index.keys(tokens), 0)
             scheduler = cache.embedded.scheduler
             pages = {}
             for group, rows in plan.hit.needed.items():

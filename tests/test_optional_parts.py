@@ -7,8 +7,10 @@ the Mooncake wheel, transformers or the redis client. Servers and privileges (re
 mooncake_master, podman, root, network namespaces) are looked for by fixtures at run time,
 which skip saying what is missing (`tests/storage/servers.py`), never at import.
 
-`_HICACHE_REQUIRE_VLLM` (set by `dev.py test` where it installed vLLM: "installed => must
-run") is dropped in the child: without vLLM the vLLM tests skip.
+What turns a skip into a failure where the part must be there is dropped in the child, as on a
+user's machine: `_HICACHE_REQUIRE_VLLM` / `_HICACHE_REQUIRE_SGLANG` (set by `dev.py test` where
+it installed vLLM or SGLang: "installed => must run") and `CI` (on CI's machine the Mooncake
+wheel must be installed, so its modules raise rather than skip there).
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ print(json.dumps(out))
 
 
 def test_every_test_module_loads_without_the_optional_parts() -> None:
-    env = {k: v for k, v in os.environ.items() if k != "_HICACHE_REQUIRE_VLLM"}
+    required = {"_HICACHE_REQUIRE_VLLM", "_HICACHE_REQUIRE_SGLANG", "CI"}
+    env = {k: v for k, v in os.environ.items() if k not in required}
     env["PYTHONPATH"] = str(REPO)
     child = subprocess.run(
         [sys.executable, "-c", CHILD, ",".join(OPTIONAL)],

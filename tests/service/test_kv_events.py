@@ -350,7 +350,13 @@ def test_a_stalled_subscriber_slows_neither_the_sidecar_nor_another_subscriber(
             got.append(int.from_bytes(sub.recv_multipart()[1], "big"))
         assert got == sorted(set(got))
         assert set(got) <= set(range(live[-1] + 1))
+        # the publisher counts a batch once its send returned, which may be after the live
+        # router received it: wait (bounded) for the count to reach what the router saw
+        deadline = time.monotonic() + 60
         stats = sidecar.get_json("/v1/stats")["kv_events"]
+        while stats["batches_sent"] < live[-1] + 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            stats = sidecar.get_json("/v1/stats")["kv_events"]
         # the sidecar queued nothing it could not hand on; what the stalled peer missed its
         # socket dropped (ZMQ's high-water mark), visible to it as gaps in seq
         assert stats["batches_dropped"] == 0

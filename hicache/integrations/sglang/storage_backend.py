@@ -57,6 +57,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
+from hicache.assembly import geometries as deployment_geometries
 from hicache.client import Client, PromptKeys, connect_deployment
 from hicache.errors import ConfigError, HicacheError
 from hicache.integrations.core.shared_memory import SharedRegions, share_in_place
@@ -70,7 +71,7 @@ from hicache.integrations.sglang.host_pools import (
 )
 from hicache.integrations.sglang.settings import BackendSettings
 from hicache.integrations.sglang.stats import BackendStats
-from hicache.memory import CacheDtypes, GroupGeometry, group_geometries
+from hicache.memory import GroupGeometry
 
 log = logging.getLogger("hicache.sglang")
 
@@ -138,9 +139,9 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             try:
                 host = HostKv.of(mem_pool_host)
-                loaded = self.settings.loaded
                 geometries = self._geometries()
-                group = kv_group(host, geometries, loaded.deployment.model.page_size_tokens)
+                page_size_tokens = next(iter(geometries.values())).page_size_tokens
+                group = kv_group(host, geometries, page_size_tokens)
                 region = share_in_place(
                     [mem_pool_host.kv_buffer.untyped_storage()],
                     "SGLang's host KV pool",
@@ -170,11 +171,10 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
             self.link.client()  # attach now; a sidecar that is down is tried again later
 
     def _geometries(self) -> dict[str, GroupGeometry]:
-        """The sidecar's page geometries, derived as the client derives them."""
-        model = self.settings.loaded.deployment.model
-        dtypes = CacheDtypes.from_names(model.dtype, model.state_dtype, model.ssm_state_dtype)
-        layer_map = self.settings.loaded.layer_map()
-        return group_geometries(layer_map.groups, dtypes, model.page_size_tokens)
+        """The sidecar's page geometries, derived as the client derives them (the
+        deployment's dtypes and page size, read by `hicache.assembly`)."""
+        loaded = self.settings.loaded
+        return deployment_geometries(loaded.deployment, loaded.layer_map())
 
     def _connect(self) -> Client:
         attached = self.attached
