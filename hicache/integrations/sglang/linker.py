@@ -46,8 +46,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 # sglang is not installed where CI runs mypy (the main venv): its names are Any there
 from sglang.srt.mem_cache.hicache_storage import (  # type: ignore[import-not-found,unused-ignore]
     PoolName,
@@ -296,7 +294,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         if client is None:
             return False
         for event in events:  # CUDA: the copies wait for the forward that wrote the pages
-            torch.cuda.current_stream().wait_event(event)
+            self._stream().wait_event(event)
         try:
             keys = keys_of_hashes(client.key_spec(), hashes)
             client.store_keys(keys, {self.group: pages}, stream=self._stream())
@@ -314,7 +312,13 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
     # ---- lifecycle --------------------------------------------------------------------------
 
     def _stream(self) -> Any:
-        return torch.cuda.current_stream() if self.cuda else None
+        """CUDA: this thread's current stream on the pool's device (`hicache.transfer`, the
+        one package that touches `torch.cuda`); CPU: None."""
+        if not self.cuda:
+            return None
+        from hicache.transfer.cuda_ipc import current_stream  # CUDA only when used
+
+        return current_stream(self.tensors.k[0].device)
 
     def _quiesce(self) -> None:
         for load in list(self._queued.values()):
