@@ -406,30 +406,9 @@ class TieredCache:
         stream, when None (as a store's)."""
         if fence is None:
             fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
-        return self._load(token_ids, device_pages, on_layer, skip_pages, fence, attachment)
-
-    async def _load(
-        self,
-        token_ids: Sequence[int],
-        device_pages: Mapping[str, Sequence[int]],
-        on_layer: LayerListener | None,
-        skip_pages: int,
-        fence: Fence | None,
-        attachment: int,
-    ) -> tuple[OpHandle | None, Hit]:
-        self._group()
-        self._resync_if_due()
-        size = self.index.page_size_tokens
-        check_load_pages(self.index.rules, self._moved(device_pages), len(token_ids) // size)
-        await self.discover(token_ids)
-        return await self.loads.load(
-            self.index.keys(token_ids),
-            device_pages,
-            on_layer=on_layer,
-            skip_pages=skip_pages,
-            fence=fence,
-            attachment=attachment,
-            num_tokens=len(token_ids),
+        keys = self.index.keys(token_ids)  # hashed once: discovery and the load share them
+        return self._load_keys(
+            keys, device_pages, on_layer, skip_pages, fence, attachment, len(token_ids)
         )
 
     # ---- by the engine's own keys: an engine that keys pages itself (SGLang's page hashes,
@@ -479,7 +458,16 @@ class TieredCache:
         the default fence is taken when this is called, as `load`'s."""
         if fence is None:
             fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
-        return self._load_keys(keys, device_pages, on_layer, skip_pages, fence, attachment)
+        pages = min((len(k) for k in keys.values()), default=0)
+        return self._load_keys(
+            keys,
+            device_pages,
+            on_layer,
+            skip_pages,
+            fence,
+            attachment,
+            pages * self.index.page_size_tokens,
+        )
 
     async def _load_keys(
         self,
@@ -489,10 +477,12 @@ class TieredCache:
         skip_pages: int,
         fence: Fence | None,
         attachment: int,
+        num_tokens: int,
     ) -> tuple[OpHandle | None, Hit]:
+        """`load` and `load_keys` past their fence: a prompt of `num_tokens` tokens given by
+        every cached group's page keys."""
         self._group()
         self._resync_if_due()
-        size = self.index.page_size_tokens
         pages = min((len(k) for k in keys.values()), default=0)
         check_load_pages(self.index.rules, self._moved(device_pages), pages)
         await self.discover_keys(keys)
@@ -503,7 +493,7 @@ class TieredCache:
             skip_pages=skip_pages,
             fence=fence,
             attachment=attachment,
-            num_tokens=pages * size,
+            num_tokens=num_tokens,
         )
 
     async def prefetch(self, token_ids: Sequence[int]) -> int:
