@@ -44,9 +44,10 @@ from pathlib import Path
 
 import pytest
 
-from hicache.client import Client, ClientError, connect
+from hicache.client import Client, ClientError, connect, connect_deployment
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
+from hicache.index import KEY_BYTES
 from tests.integrations.vllm_harness import (
     SSM_DTYPE,
     EngineProcess,
@@ -342,6 +343,58 @@ def test_a_failed_load_never_stores_what_was_computed_over_it(
     stored, expected = _objects(tmp_path / "sidecar" / "l3"), _objects(tmp_path / "clean" / "l3")
     assert len(expected) == len(longer) // p.page  # every whole page of `longer`
     assert stored == expected
+
+
+def test_a_load_served_short_keeps_its_leading_pages(
+    models: Path, tmp_path: Path, references: References
+) -> None:
+    """Issue #32: page k of an L3 prefix damaged after the lookup counted it. The sidecar
+    serves the k pages before it; vLLM is told only the blocks from k on, so it keeps those
+    k pages and recomputes the rest (it recomputed from block 0 when the whole load was
+    failed). Compared like with like: the outputs equal an engine's that was served exactly
+    those k pages by a sidecar holding nothing more (the same split into hit and tail)."""
+    kind, k = "llama", 2
+    model = _model(models, kind)
+    p = Prompts.of(kind)
+    rng = random.Random(5)
+    prompt = p.a + [rng.randrange(3, 500) for _ in range(2 * p.page + 20)]
+    pages = len(prompt) // p.page
+    deploy = write_deployment(tmp_path / "sidecar", model, kind)
+    with SidecarProcess(deploy) as sidecar:
+        run_engine(tmp_path, model, [[prompt]], connector=_connector(deploy), name="store")
+        [namespace] = sidecar.get_json("/v1/stats")["namespaces"]
+    tenant = namespace["namespace"].split("tenant=")[1].strip("'")  # vLLM's: its keys' root
+    connector = {**_connector(deploy), "stats_path": str(tmp_path / "short.json")}
+    with SidecarProcess(deploy) as sidecar:  # L2 empty: the prompt's pages are in L3 only
+        client = connect_deployment(load_deployment(deploy), tenant=tenant, heartbeat=False)
+        try:
+            blob = client.page_keys(prompt).blobs["full"]
+        finally:
+            client.close()
+        objects = [_l3_object(tmp_path / "sidecar" / "l3", blob, i) for i in range(pages)]
+        assert all(path.is_file() for path in objects), objects  # every page of the prompt
+        data = bytearray(objects[k].read_bytes())
+        data[-1] ^= 0xFF  # page k's payload fails its checksum when the load reads it
+        objects[k].write_bytes(bytes(data))
+        short = run_engine(tmp_path, model, [[prompt]], connector=connector, name="short")
+        assert sidecar.get_json("/v1/stats")["l3"]["corrupt_dropped"] == 1
+    worker = json.loads((tmp_path / "short.json").read_text())
+    assert (worker["loads"], worker["loads_partial"], worker["load_failures"]) == (1, 1, 0)
+    assert worker["pages_loaded"] == k, worker
+
+    clean = write_deployment(tmp_path / "clean", model, kind)
+    with SidecarProcess(clean):  # a sidecar holding the k leading pages and nothing more
+        run_engine(tmp_path, model, [[prompt[: k * p.page + 5]]], connector=_connector(clean))
+    with SidecarProcess(clean):
+        like = run_engine(tmp_path, model, [[prompt]], connector=_connector(clean), name="like")
+    assert cached(like) == [[k * p.page]]
+    assert outputs(short) == outputs(like)
+
+
+def _l3_object(l3: Path, blob: bytes, page: int) -> Path:
+    """The file of a file L3's object for the page key at `page` of a group's key blob."""
+    name = blob[page * KEY_BYTES : (page + 1) * KEY_BYTES].hex()
+    return l3 / name[:2] / f"{name}.kv"
 
 
 def _objects(l3: Path) -> dict[str, str]:

@@ -260,6 +260,7 @@ class _FakeClient:
         self.fences_recorded: list[tuple[object, int]] = []  # (stream, thread id)
         self.store_fences: list[tuple[Any, bytes | None] | None] = []
         self.load_error: Exception | None = None
+        self.load_serves: int | None = None  # tokens a load serves (None: all it is asked)
         self.session = 1  # the session said hello in now
         self.registered = 1  # the latest session the memory was registered in
 
@@ -310,7 +311,7 @@ class _FakeClient:
         self.load_streams.append(stream)
         if self.load_error is not None:
             raise self.load_error
-        return _Handle(len(tokens))
+        return _Handle(len(tokens) if self.load_serves is None else self.load_serves)
 
     def prefetch(self, tokens: Sequence[int]) -> int:
         return 0
@@ -417,6 +418,38 @@ def test_direct_loads_and_stores_name_vllms_blocks_and_copy_nothing() -> None:
     assert worker.counters.load_copy_s == 0
     assert worker.counters.data_plane == "direct"
     assert worker.counters.stores == 1
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "staging"])
+def test_a_load_served_short_keeps_the_leading_pages_and_recomputes_the_rest(
+    direct: bool,
+) -> None:
+    """Issue #32: a page evicted (or damaged in L3) since the lookup makes the sidecar serve a
+    leading part. vLLM is told only the blocks from there on (its scheduler cuts the request's
+    computed tokens at the first one), not the whole load, which made it recompute from
+    block 0; the request's pages this step are not stored (computed over stale blocks)."""
+    worker, client = _worker(staging_pages=8, direct=direct)
+    client.load_serves = 32  # 2 of the 4 pages asked for: page 2 went since the lookup
+    worker.start_loads([LoadJob("a", tuple(range(64)), 0, ((5, 6, 7, 3),))])
+    worker.wait_layer(max(worker.bindings))
+    worker.finish_loads()
+    assert worker.take_load_errors() == {7, 3}
+    counters = worker.counters
+    assert (counters.loads, counters.loads_partial, counters.pages_loaded) == (1, 1, 2)
+    assert counters.load_failures == 0
+    assert worker.counters.errors == [
+        "request a: hicache served 32 of the 64 tokens it promised (evicted or damaged since "
+        "the lookup); vLLM keeps those and recomputes from block 2"
+    ]
+    worker.store([StoreJob("a", tuple(range(64)), 0, ((5, 6, 7, 3),), 64)])
+    worker.before_forward()
+    assert client.stores == []  # computed over the stale blocks: not stored
+    client.load_serves = 16  # no more than the pages vLLM had already: nothing kept
+    worker.start_loads([LoadJob("b", tuple(range(48)), 1, ((1, 2, 4),))])
+    worker.wait_layer(max(worker.bindings))
+    worker.finish_loads()
+    assert worker.take_load_errors() == {2, 4}
+    assert worker.counters.load_failures == 1
 
 
 def test_a_direct_stores_fence_is_recorded_on_vllms_thread_at_the_hook() -> None:

@@ -49,7 +49,7 @@ from hicache.integrations.vllm.plan import NULL_BLOCK, LoadJob
 from hicache.integrations.vllm.staging import Staging, WorkerCounters
 from hicache.integrations.vllm.stores import Stores, epoch_of, unanswered
 from hicache.memory import DevicePool
-from hicache.model import LayerMap
+from hicache.model import CacheKind, LayerMap
 
 
 @dataclass
@@ -69,6 +69,7 @@ class _ActiveLoad:
     moves: dict[int, list[_Move]]  # layer id -> copies once it lands
     failed: bool = False
     reported: bool = False  # its blocks are in the step's load errors
+    layerwise: bool = False  # a step's synchronous load (vLLM can keep a leading part)
     deadline: float = 0.0  # an asynchronous load still running then is given up
 
 
@@ -106,6 +107,10 @@ class Loads:
         self._state_load_block = state_load_block
         self._stream = stream
         self._order = [i for i in layer_map.stage_layer_ids if i in self.bindings]
+        # every group keeps every page of a prefix: a shorter load is a usable leading part
+        self._prefix_kinds = all(
+            g.kind in (CacheKind.FULL, CacheKind.SPARSE) for g in layer_map.groups
+        )
         self._state_layers = [
             i
             for i in self._order
@@ -146,7 +151,7 @@ class Loads:
         if not jobs:
             return
         for job in jobs:
-            active = self._start_one(client, job)
+            active = self._start_one(client, job, layerwise=True)
             self._active.append(active)
             if active.failed:
                 self._fail(active)
@@ -305,13 +310,15 @@ class Loads:
             self._copy(active, layer_id)
         return self._end(active) and not active.failed
 
-    def _start_one(self, client: Client | None, job: LoadJob) -> _ActiveLoad:
+    def _start_one(
+        self, client: Client | None, job: LoadJob, *, layerwise: bool = False
+    ) -> _ActiveLoad:
         pages = len(job.tokens) // self.page
         wanted = {
             g.name: (pages - job.skip_pages) if g.kind.is_token_cache else 1
             for g in self.layer_map.groups
         }
-        active = _ActiveLoad(job, None, {}, {})
+        active = _ActiveLoad(job, None, {}, {}, layerwise=layerwise)
         active.deadline = time.monotonic() + self.load_timeout_s * max(1, len(self._order))
         if client is None:
             active.failed = True
@@ -422,17 +429,49 @@ class Loads:
         finally:
             self.counters.load_request_s += time.perf_counter() - started
         active.handle = handle
-        if handle is None or handle.tokens < len(job.tokens):
-            got = 0 if handle is None else handle.tokens
+        got = 0 if handle is None else handle.tokens
+        if got >= len(job.tokens):
+            self.counters.loads += 1
+            self.counters.pages_loaded += pages - job.skip_pages
+        elif active.layerwise and self._prefix_kinds and got // self.page > job.skip_pages:
+            self._keep_leading(active, got // self.page)
+        else:
             self.counters.error(
                 f"request {job.req_id}: hicache served {got} of the {len(job.tokens)} tokens "
                 "it promised (evicted or L3 unreachable since the lookup); recomputed"
             )
             active.failed = True
-        else:
-            self.counters.loads += 1
-            self.counters.pages_loaded += pages - job.skip_pages
         return active
+
+    def _keep_leading(self, active: _ActiveLoad, served_pages: int) -> None:
+        """The sidecar served a leading part of what the lookup promised (a page evicted, or
+        damaged in L3, since): vLLM keeps the blocks before `served_pages` and recomputes
+        from there (`take_errors` names the blocks from there on; vLLM's scheduler cuts the
+        request's computed tokens at its first failed block). Only for models whose every
+        group keeps every page of a prefix (full or sparse attention): a window's or a
+        state's pages for the shorter prefix are not the blocks vLLM allocated. The pages
+        this step computes over the stale blocks are not stored (`failed_requests`)."""
+        job = active.job
+        pages = len(job.tokens) // self.page
+        stale: set[int] = set()
+        for ids in job.block_ids:
+            stale.update(b for b in ids[served_pages:pages] if b != NULL_BLOCK)
+        self._errors.update(stale)
+        self.failed_requests.add(job.req_id)
+        for moves in active.moves.values():  # staging: copy only the pages that were served
+            for move in moves:
+                pairs = zip(move.pages, move.blocks, strict=True)
+                kept = [(p, b) for p, b in pairs if b not in stale]
+                move.pages = [p for p, _ in kept]
+                move.blocks = [b for _, b in kept]
+        self.counters.loads += 1
+        self.counters.loads_partial += 1
+        self.counters.pages_loaded += served_pages - job.skip_pages
+        self.counters.error(
+            f"request {job.req_id}: hicache served {served_pages * self.page} of the "
+            f"{len(job.tokens)} tokens it promised (evicted or damaged since the lookup); "
+            f"vLLM keeps those and recomputes from block {served_pages}"
+        )
 
     def await_unended(self) -> None:
         """Direct loads that had not ended when their step did, waited for before the next

@@ -80,6 +80,8 @@ class WorkerCounters:
     data_plane: str = ""
     loads: int = 0
     load_failures: int = 0
+    # of the loads, those served shorter than the lookup promised: vLLM kept the leading part
+    loads_partial: int = 0
     pages_loaded: int = 0
     stores: int = 0
     store_failures: int = 0
