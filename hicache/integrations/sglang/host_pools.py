@@ -19,8 +19,10 @@ gets a tenant of its own (`tenant_of`) and never shares with the rest.
 `host_pool_manifest` describes the buffer, shared in place (`core.shared_memory`), as a
 `SharedPools` with per-layer offsets and page strides (`hicache.channel.shm`): the sidecar maps
 SGLang's host pages as its device pages, and page p for the sidecar is SGLang's host page p.
-Not mapped (refused with the reason): MLA host pools, and a model whose hicache layout has more
-than one cached group (sliding-window or state groups travel in SGLang's v2 side pools).
+A hybrid model's state group (SGLang's Mamba side pool, `side_pools`) goes in the same manifest,
+over the same memfd. Not mapped (refused with the reason): MLA host pools, and a model whose
+hicache layout has more than one token group (sliding-window groups travel in SGLang's SWA side
+pool, not mapped yet).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from hicache.channel.shm import SharedPools
 from hicache.errors import HicacheError
@@ -98,13 +102,16 @@ def tenant_of(layout: str) -> str:
 
 
 def kv_group(host: HostKv, geometries: Mapping[str, GroupGeometry], page_size_tokens: int) -> str:
-    """The one hicache group SGLang's KV host pool maps to; every mismatch named."""
-    if len(geometries) != 1:
+    """The one hicache token group SGLang's KV host pool maps to (state groups are side
+    pools'); every mismatch named."""
+    tokens = {g: geo for g, geo in geometries.items() if geo.group.kind.is_token_cache}
+    if len(tokens) != 1:
         raise HostPoolError(
-            f"the sidecar's layout caches groups {sorted(geometries)}; SGLang's KV host pool "
-            "maps to a layout of one full-attention group (hybrid side pools are not mapped yet)"
+            f"the sidecar's layout caches token groups {sorted(tokens)}; SGLang's KV host pool "
+            "maps to a layout of one full-attention group beside its state groups (sliding-"
+            "window side pools are not mapped yet)"
         )
-    [(name, geometry)] = geometries.items()
+    [(name, geometry)] = tokens.items()
     wrong = []
     if page_size_tokens != host.page_size:
         wrong.append(f"page size: SGLang {host.page_size}, sidecar {page_size_tokens}")
@@ -134,9 +141,12 @@ def host_pool_manifest(
     host: HostKv,
     group: str,
     geometry: GroupGeometry,
+    side: Mapping[str, SideRows] | None = None,
 ) -> SharedPools:
     """SGLang's host KV buffer (shared in place as `region`) as a `SharedPools` of the group's
-    page rows; it holds a dup of the region's descriptor (the client closes it with itself)."""
+    page rows, and each side pool's group (`side`: its geometry, slots, per-layer offsets and
+    strides over the same region); it holds a dup of the region's descriptor (the client
+    closes it with itself)."""
     base = region.offset_of(kv_buffer.data_ptr())
     row = host.row_bytes
     half = host.layers * host.size * host.heads * host.head_dim * host.itemsize
@@ -148,15 +158,27 @@ def host_pool_manifest(
             k, stride = base + layer * row, host.layers * row
         offsets.append([k, k + half])
         strides.append([stride, stride])
+    geometries, pages = {group: geometry}, {group: host.pages}
+    all_offsets, all_strides = {group: offsets}, {group: strides}
+    for name, rows in (side or {}).items():
+        geometries[name], pages[name] = rows.geometry, rows.pages
+        all_offsets[name], all_strides[name] = rows.offsets, rows.strides
+    # one region's memory is one buffer; several regions' (side pools' buffers beside the KV
+    # buffer) are registered by offsets alone: the sidecar maps the memfd, not this view
+    buffer = region.buffer() if len(region.regions) == 1 else torch.empty(0, dtype=torch.uint8)
     return SharedPools(
-        os.dup(region.fd),
-        region.nbytes,
-        {group: geometry},
-        {group: host.pages},
-        {group: offsets},
-        region.buffer(),
-        {group: strides},
+        os.dup(region.fd), region.nbytes, geometries, pages, all_offsets, buffer, all_strides
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SideRows:
+    """A side pool's group in a manifest: its geometry, slots and rows (`side_pools`)."""
+
+    geometry: GroupGeometry
+    pages: int
+    offsets: list[list[int]]
+    strides: list[list[int]]
 
 
 def host_pages(host_indices: Any, page_size: int, count: int) -> list[int] | None:

@@ -33,12 +33,23 @@ Lifecycle (SGLang's scheduler process):
     created (settings checked; a bad one fails SGLang's start, naming the key)
     -> register_mem_pool_host (host pool shared in place and checked against the sidecar's
        layout; a mismatch leaves the backend unattached, logged: every call then answers
-       "absent") -> register_mem_host_pool_v2 (side pools noted: not mapped)
-    -> on_host_pools_registered (first attach: hello + pools registered; a sidecar that is
+       "absent") -> register_mem_host_pool_v2 ("kv": the same pool; "mamba": checked against
+       the layout's state group and shared in place with the KV pool, one memfd under both;
+       other side pools noted, not mapped)
+    -> on_host_pools_registered (a layout with a state group and no Mamba pool mapped stays
+       unattached, logged; else first attach: hello + pools registered; a sidecar that is
        down is attached later, on the first call after `retry_after_s`)
     -> serving (the data path) -> close() (runtime detach, or shutdown: the session ends, the
        sidecar drops its mapping; nothing of the host pool is kept)
 `clear()` leaves the shared cache alone: it is every engine's (clear it through the sidecar).
+
+v2 (hybrid models, `side_pools` and `hit_policies`): each pool moves on its own, as SGLang
+moves them — KV by `batch_*_v1` (the KV group alone: `groups`), the Mamba state by
+`batch_*_v2` with its one trailing key: stored under the state group's key of that page id
+(per TP rank, as every rank holds its own heads of the state), loaded alone into the slot
+SGLang gives. `batch_exists_v2` asks the sidecar which lengths each group serves and answers
+SGLang's hit policies and `restorable_prefix_pages` from them. A side pool that is not mapped
+(SWA, DSA indexer, ...) or a policy not served answers no hit: SGLang recomputes.
 """
 
 from __future__ import annotations
@@ -62,14 +73,23 @@ from hicache.client import Client, PromptKeys, connect_deployment
 from hicache.errors import ConfigError, HicacheError
 from hicache.integrations.core.shared_memory import SharedRegions, share_in_place
 from hicache.integrations.core.sidecar_link import SidecarLink
+from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
 from hicache.integrations.sglang.host_pools import (
     HostKv,
+    SideRows,
     host_pages,
     host_pool_manifest,
     kv_group,
     tenant_of,
 )
 from hicache.integrations.sglang.settings import BackendSettings
+from hicache.integrations.sglang.side_pools import (
+    HostState,
+    check_state,
+    host_slots,
+    state_group,
+    state_rows,
+)
 from hicache.integrations.sglang.stats import BackendStats
 from hicache.memory import GroupGeometry
 
@@ -96,19 +116,32 @@ def check_ranks(config: HiCacheStorageConfig) -> None:
         )
 
 
+def pool_name(name: Any) -> str:
+    """SGLang's pool name (a `PoolName` or its value) as its value: "kv", "mamba", ..."""
+    return str(getattr(name, "value", name))
+
+
+def policy_name(transfer: PoolTransfer) -> str:
+    policy = transfer.hit_policy
+    return str(getattr(policy, "value", policy))
+
+
 def page_ids(keys: Sequence[str]) -> list[bytes]:
     """SGLang's page keys as the ids the sidecar keys under this engine's namespace."""
     return [key.encode() for key in keys]
 
 
 class _Attached:
-    """What one attach holds: the shared host pool and the group it maps to."""
+    """What one attach holds: the shared host pool and the group it maps to; with a Mamba side
+    pool mapped, its state and the state group (one region under both)."""
 
     def __init__(self, region: SharedRegions, host: HostKv, group: str, manifest: Any):
         self.region = region
         self.host = host
         self.group = group
         self.manifest = manifest
+        self.state: HostState | None = None
+        self.state_group: str | None = None
 
 
 class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
@@ -122,7 +155,7 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.stats = BackendStats()
         self.attached: _Attached | None = None
         self.refused: str | None = None  # why SGLang's pools could not be mapped
-        self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang: not mapped
+        self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang, not mapped: why
         self._lock = threading.Lock()
         self.link = SidecarLink(
             self._connect,
@@ -156,19 +189,57 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = str(getattr(host_pool_name, "value", host_pool_name))
-        if name != "kv":
-            self.side_pools[name] = type(host_pool).__name__
-            log.warning(
-                "hicache: SGLang's %s side pool (%s) is not mapped: requests that need it "
-                "recompute",
-                name,
-                type(host_pool).__name__,
-            )
+        name = pool_name(host_pool_name)
+        if name == "kv":
+            return  # the anchor pool, registered by register_mem_pool_host
+        with self._lock:
+            attached = self.attached
+            why = "SGLang's KV host pool is not attached"
+            if name == "mamba" and attached is not None:
+                try:
+                    self._map_state(attached, host_pool)
+                    return
+                except HicacheError as exc:
+                    why = str(exc)
+            elif name != "mamba":
+                why = f"{type(host_pool).__name__} side pools are not mapped by hicache yet"
+            self.side_pools[name] = why
+        log.warning(
+            "hicache: SGLang's %s side pool is not mapped (%s): requests that need it recompute",
+            name,
+            why,
+        )
+
+    def _map_state(self, attached: _Attached, host_pool: Any) -> None:
+        """The Mamba host pool checked against the layout's state group, then shared in place
+        with the KV host pool: one memfd under both (the old one closed)."""
+        geometries = self._geometries()
+        group = state_group(geometries)
+        state = HostState.of(host_pool, geometries[group])
+        check_state(state, group, geometries[group])
+        storages = [attached.manifest.untyped_storage()]
+        storages += [b.buffer.untyped_storage() for b in state.buffers]
+        region = share_in_place(storages, "SGLang's host KV and Mamba pools", "hicache-engine-host")
+        old, attached.region = attached.region, region
+        old.close()
+        attached.state, attached.state_group = state, group
 
     def on_host_pools_registered(self) -> None:
-        if self.attached is not None:
-            self.link.client()  # attach now; a sidecar that is down is tried again later
+        attached = self.attached
+        if attached is None:
+            return
+        states = [g for g, geo in self._geometries().items() if not geo.group.kind.is_token_cache]
+        if states and attached.state is None:  # every group of the layout must be registered
+            self.refused = (
+                f"the sidecar's layout has state groups {states} and SGLang registered no "
+                f"Mamba host pool hicache maps ({self.side_pools or 'none registered'})"
+            )
+            log.error("hicache: SGLang's host pools are not attached: %s", self.refused)
+            with self._lock:
+                self.attached = None
+            attached.region.close()
+            return
+        self.link.client()  # attach now; a sidecar that is down is tried again later
 
     def _geometries(self) -> dict[str, GroupGeometry]:
         """The sidecar's page geometries, derived as the client derives them (the
@@ -194,9 +265,16 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         attached = self.attached
         assert attached is not None
         geometry = client.geometries[attached.group]
+        side = {}
+        if attached.state is not None and attached.state_group is not None:
+            state_geometry = client.geometries[attached.state_group]
+            offsets, strides = state_rows(attached.region, attached.state, state_geometry)
+            side[attached.state_group] = SideRows(
+                state_geometry, attached.state.slots, offsets, strides
+            )
         client.register_pools(
             host_pool_manifest(
-                attached.region, attached.manifest, attached.host, attached.group, geometry
+                attached.region, attached.manifest, attached.host, attached.group, geometry, side
             )
         )
 
@@ -212,8 +290,10 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         size = self.attached.host.page_size
 
+        group = self.attached.group
+
         def ask(client: Client) -> int:
-            return client.lookup_keys(self._keys(client, keys)).tokens_total // size
+            return client.lookup_keys(self._keys(client, keys), [group]).tokens_total // size
 
         return int(self.link.use("batch_exists", ask, 0))
 
@@ -234,7 +314,9 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         started = time.perf_counter()
 
         def load(client: Client) -> int:
-            handle = client.load_keys(self._keys(client, keys), {attached.group: pages})
+            handle = client.load_keys(
+                self._keys(client, keys), {attached.group: pages}, groups=[attached.group]
+            )
             if handle is None:
                 return 0
             state = handle.done(timeout_s=self.settings.load_timeout_s)
@@ -273,7 +355,7 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         attached = self.attached
         return 0 if attached is None else attached.host.row_bytes * attached.host.layers
 
-    # ---- v2: side pools (Mamba, SWA, DSA indexer) are not mapped: no hit where one is asked
+    # ---- v2: each pool on its own; the Mamba state by its trailing key (module doc) ------
 
     def batch_exists_v2(
         self,
@@ -281,33 +363,94 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         pool_transfers: list[PoolTransfer] | None = None,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> PoolTransferResult:
-        side = [t for t in pool_transfers or [] if str(getattr(t.name, "value", t.name)) != "kv"]
-        if side:  # a prefix is restorable only with every pool: none here
-            return PoolTransferResult(0, {str(t.name): 0 for t in side}, [])
-        return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+        side = [t for t in pool_transfers or [] if pool_name(t.name) != "kv"]
+        if not side:
+            return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+        attached = self.attached
+        if attached is None or attached.state_group is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        asks = [PoolAsk(pool_name(t.name), str(policy_name(t)), len(t.keys or ())) for t in side]
+        groups = {"kv": attached.group, "mamba": attached.state_group}
+        if any(ask.name not in groups for ask in asks):  # a pool not mapped: no prefix whole
+            return PoolTransferResult(0, {}, [])
+
+        def ask(client: Client) -> PoolTransferResult:
+            served = client.served_keys(self._keys(client, keys), list(groups.values()))
+            kv = served[attached.group]
+            kv_pages = next((i for i, h in enumerate(kv) if h != i + 1), len(kv))
+            held = {name: set(served[group]) for name, group in groups.items()}
+            got = restorable(kv_pages, asks, held)
+            return PoolTransferResult(got.kv_hit_pages, got.pool_hits, got.lengths)
+
+        return self.link.use("batch_exists_v2", ask, PoolTransferResult(0, {}, []))
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2("batch_get_v1", transfers, extra_info)
+        return self._v2("batch_get_v1", self._load_state, transfers, extra_info)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2("batch_set_v1", transfers, extra_info)
+        return self._v2("batch_set_v1", self._store_state, transfers, extra_info)
 
     def _v2(
-        self, v1: str, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None
+        self,
+        v1: str,
+        state_op: Any,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None,
     ) -> dict[str, list[bool]]:
         out = {}
         for t in transfers:
-            name = str(getattr(t.name, "value", t.name))
+            name = pool_name(t.name)
             keys = list(t.keys or [])
             if name == "kv" and t.host_indices is not None:
                 out[name] = getattr(self, v1)(keys, t.host_indices, extra_info)
+            elif name == "mamba" and len(keys) == 1:  # one state, at the span's trailing key
+                out[name] = [bool(state_op(keys[0], t.host_indices))]
             else:
                 out[name] = [False] * len(keys)
         return out
+
+    def _state_slot(self, host_indices: Any) -> tuple[_Attached, str, int] | None:
+        attached = self.attached
+        slots = host_slots(host_indices, 1)
+        if attached is None or attached.state_group is None or slots is None:
+            return None
+        return attached, attached.state_group, slots[0]
+
+    def _store_state(self, key: str, host_indices: Any) -> bool:
+        """The state in SGLang's host slot, stored under the state group's key of `key` (the
+        page it follows): a one-key prompt whose KV page is not named (None)."""
+        found = self._state_slot(host_indices)
+        if found is None:
+            return False
+        attached, group, slot = found
+        size = attached.host.page_size
+
+        def store(client: Client) -> bool:
+            reply = client.store_keys(
+                self._keys(client, [key]), {attached.group: [None]}, {group: {size: slot}}
+            )
+            return reply.get("truncated_to_tokens") is None
+
+        return bool(self.link.use("batch_set_v2", store, False))
+
+    def _load_state(self, key: str, host_indices: Any) -> bool:
+        """The state stored under `key` into SGLang's host slot, the state group alone."""
+        found = self._state_slot(host_indices)
+        if found is None:
+            return False
+        _, group, slot = found
+
+        def load(client: Client) -> bool:
+            handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
+            if handle is None:
+                return False
+            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+
+        return bool(self.link.use("batch_get_v2", load, False))
 
     # ---- the legacy interface: never called with interface_v1 (settings require it) ------
 
