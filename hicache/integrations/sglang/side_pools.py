@@ -124,7 +124,7 @@ def check_state(state: HostState, group: str, geometry: GroupGeometry) -> None:
         if want != buffer.row_bytes:
             wrong.append(
                 f"{buffer.tensor} state: SGLang {buffer.row_bytes} bytes per layer "
-                f"({tuple(buffer.buffer.shape[2:])} x {buffer.buffer.dtype}), sidecar {want}"
+                f"({tuple(buffer.buffer.shape[3:])} x {buffer.buffer.dtype}), sidecar {want}"
             )
     if wrong:
         raise SidePoolError(

@@ -43,13 +43,8 @@ Lifecycle (SGLang's scheduler process):
        sidecar drops its mapping; nothing of the host pool is kept)
 `clear()` leaves the shared cache alone: it is every engine's (clear it through the sidecar).
 
-v2 (hybrid models, `side_pools` and `hit_policies`): each pool moves on its own, as SGLang
-moves them — KV by `batch_*_v1` (the KV group alone: `groups`), the Mamba state by
-`batch_*_v2` with its one trailing key: stored under the state group's key of that page id
-(per TP rank, as every rank holds its own heads of the state), loaded alone into the slot
-SGLang gives. `batch_exists_v2` asks the sidecar which lengths each group serves and answers
-SGLang's hit policies and `restorable_prefix_pages` from them. A side pool that is not mapped
-(SWA, DSA indexer, ...) or a policy not served answers no hit: SGLang recomputes.
+v2 (hybrid models): SGLang's Mamba side pool is mapped as the layout's state group
+(`side_pools`) and moved by the v2 calls (`storage_v2`, hit policies in `hit_policies`).
 """
 
 from __future__ import annotations
@@ -64,16 +59,13 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolTransfer,
-    PoolTransferResult,
 )
 
 from hicache.assembly import geometries as deployment_geometries
 from hicache.client import Client, PromptKeys, connect_deployment
 from hicache.errors import ConfigError, HicacheError
-from hicache.integrations.core.shared_memory import SharedRegions, share_in_place
+from hicache.integrations.core.shared_memory import share_in_place
 from hicache.integrations.core.sidecar_link import SidecarLink
-from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
 from hicache.integrations.sglang.host_pools import (
     HostKv,
     SideRows,
@@ -86,11 +78,11 @@ from hicache.integrations.sglang.settings import BackendSettings
 from hicache.integrations.sglang.side_pools import (
     HostState,
     check_state,
-    host_slots,
     state_group,
     state_rows,
 )
 from hicache.integrations.sglang.stats import BackendStats
+from hicache.integrations.sglang.storage_v2 import Attached, SidePoolOps, pool_name
 from hicache.memory import GroupGeometry
 
 log = logging.getLogger("hicache.sglang")
@@ -116,35 +108,12 @@ def check_ranks(config: HiCacheStorageConfig) -> None:
         )
 
 
-def pool_name(name: Any) -> str:
-    """SGLang's pool name (a `PoolName` or its value) as its value: "kv", "mamba", ..."""
-    return str(getattr(name, "value", name))
-
-
-def policy_name(transfer: PoolTransfer) -> str:
-    policy = transfer.hit_policy
-    return str(getattr(policy, "value", policy))
-
-
 def page_ids(keys: Sequence[str]) -> list[bytes]:
     """SGLang's page keys as the ids the sidecar keys under this engine's namespace."""
     return [key.encode() for key in keys]
 
 
-class _Attached:
-    """What one attach holds: the shared host pool and the group it maps to; with a Mamba side
-    pool mapped, its state and the state group (one region under both)."""
-
-    def __init__(self, region: SharedRegions, host: HostKv, group: str, manifest: Any):
-        self.region = region
-        self.host = host
-        self.group = group
-        self.manifest = manifest
-        self.state: HostState | None = None
-        self.state_group: str | None = None
-
-
-class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
+class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
     """hicache's `dynamic` HiCache storage backend for SGLang (see the module doc)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None):
@@ -153,7 +122,7 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.tp_rank = int(storage_config.tp_rank)
         self.tp_size = int(storage_config.tp_size)
         self.stats = BackendStats()
-        self.attached: _Attached | None = None
+        self.attached: Attached | None = None
         self.refused: str | None = None  # why SGLang's pools could not be mapped
         self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang, not mapped: why
         self._lock = threading.Lock()
@@ -184,7 +153,7 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
                 self.refused = str(exc)
                 log.error("hicache: SGLang's host pool is not attached: %s", exc)
                 return
-            self.attached = _Attached(region, host, group, mem_pool_host.kv_buffer)
+            self.attached = Attached(region, host, group, mem_pool_host.kv_buffer)
             self.refused = None
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
@@ -210,7 +179,7 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
             why,
         )
 
-    def _map_state(self, attached: _Attached, host_pool: Any) -> None:
+    def _map_state(self, attached: Attached, host_pool: Any) -> None:
         """The Mamba host pool checked against the layout's state group, then shared in place
         with the KV host pool: one memfd under both (the old one closed)."""
         geometries = self._geometries()
@@ -354,103 +323,6 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _page_bytes(self) -> int:
         attached = self.attached
         return 0 if attached is None else attached.host.row_bytes * attached.host.layers
-
-    # ---- v2: each pool on its own; the Mamba state by its trailing key (module doc) ------
-
-    def batch_exists_v2(
-        self,
-        keys: list[str],
-        pool_transfers: list[PoolTransfer] | None = None,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> PoolTransferResult:
-        side = [t for t in pool_transfers or [] if pool_name(t.name) != "kv"]
-        if not side:
-            return PoolTransferResult(self.batch_exists(keys, extra_info), {})
-        attached = self.attached
-        if attached is None or attached.state_group is None or not keys:
-            return PoolTransferResult(0, {}, [])
-        asks = [PoolAsk(pool_name(t.name), str(policy_name(t)), len(t.keys or ())) for t in side]
-        groups = {"kv": attached.group, "mamba": attached.state_group}
-        if any(ask.name not in groups for ask in asks):  # a pool not mapped: no prefix whole
-            return PoolTransferResult(0, {}, [])
-
-        def ask(client: Client) -> PoolTransferResult:
-            served = client.served_keys(self._keys(client, keys), list(groups.values()))
-            kv = served[attached.group]
-            kv_pages = next((i for i, h in enumerate(kv) if h != i + 1), len(kv))
-            held = {name: set(served[group]) for name, group in groups.items()}
-            got = restorable(kv_pages, asks, held)
-            return PoolTransferResult(got.kv_hit_pages, got.pool_hits, got.lengths)
-
-        return self.link.use("batch_exists_v2", ask, PoolTransferResult(0, {}, []))
-
-    def batch_get_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[str, list[bool]]:
-        return self._v2("batch_get_v1", self._load_state, transfers, extra_info)
-
-    def batch_set_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[str, list[bool]]:
-        return self._v2("batch_set_v1", self._store_state, transfers, extra_info)
-
-    def _v2(
-        self,
-        v1: str,
-        state_op: Any,
-        transfers: list[PoolTransfer],
-        extra_info: HiCacheStorageExtraInfo | None,
-    ) -> dict[str, list[bool]]:
-        out = {}
-        for t in transfers:
-            name = pool_name(t.name)
-            keys = list(t.keys or [])
-            if name == "kv" and t.host_indices is not None:
-                out[name] = getattr(self, v1)(keys, t.host_indices, extra_info)
-            elif name == "mamba" and len(keys) == 1:  # one state, at the span's trailing key
-                out[name] = [bool(state_op(keys[0], t.host_indices))]
-            else:
-                out[name] = [False] * len(keys)
-        return out
-
-    def _state_slot(self, host_indices: Any) -> tuple[_Attached, str, int] | None:
-        attached = self.attached
-        slots = host_slots(host_indices, 1)
-        if attached is None or attached.state_group is None or slots is None:
-            return None
-        return attached, attached.state_group, slots[0]
-
-    def _store_state(self, key: str, host_indices: Any) -> bool:
-        """The state in SGLang's host slot, stored under the state group's key of `key` (the
-        page it follows): a one-key prompt whose KV page is not named (None)."""
-        found = self._state_slot(host_indices)
-        if found is None:
-            return False
-        attached, group, slot = found
-        size = attached.host.page_size
-
-        def store(client: Client) -> bool:
-            reply = client.store_keys(
-                self._keys(client, [key]), {attached.group: [None]}, {group: {size: slot}}
-            )
-            return reply.get("truncated_to_tokens") is None
-
-        return bool(self.link.use("batch_set_v2", store, False))
-
-    def _load_state(self, key: str, host_indices: Any) -> bool:
-        """The state stored under `key` into SGLang's host slot, the state group alone."""
-        found = self._state_slot(host_indices)
-        if found is None:
-            return False
-        _, group, slot = found
-
-        def load(client: Client) -> bool:
-            handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
-            if handle is None:
-                return False
-            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
-
-        return bool(self.link.use("batch_get_v2", load, False))
 
     # ---- the legacy interface: never called with interface_v1 (settings require it) ------
 

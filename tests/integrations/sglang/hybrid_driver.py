@@ -9,8 +9,10 @@ trailing key, the prefetch's placeholder transfer) is done here step by step.
 
 Lifecycle: starting (imports) -> ready (`{"ready": s}`) -> serving (one JSON command a line on
 stdin, one JSON reply a line on stdout) -> stopped (EOF). Commands:
-    {"op": "start", "name", "allocator", "extra"}  a controller -> {"attached", "refused",
-        "side_pools"}
+    {"op": "start", "name", "allocator", "extra", "variant"}  a controller -> {"attached",
+        "refused", "side_pools", "state_group"}; variant "mamba" (the model's pools), "kv_only"
+        (no Mamba side pool registered), "bf16_state" (its SSM state in bfloat16: not the
+        sidecar's float32)
     {"op": "fill", "name", "seed", "pages", "state"}  seeded KV pages (page i's bytes depend on
         the seed and i only: a longer prompt of a seed extends a shorter one) and, with
         `state`, the Mamba state after `pages` pages: device -> host (write, both pools) ->
@@ -74,7 +76,9 @@ class Harness:
         self.torch, self.dist = torch, dist
         self.controllers: dict[str, dict[str, Any]] = {}
 
-    def start(self, name: str, allocator: str, extra: dict[str, Any]) -> dict[str, Any]:
+    def start(
+        self, name: str, allocator: str, extra: dict[str, Any], variant: str = "mamba"
+    ) -> dict[str, Any]:
         torch = self.torch
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
         from sglang.srt.mem_cache.device_pool_info import MambaStateBufferInfo
@@ -118,7 +122,8 @@ class Harness:
             write_back_staging=dev.hicache_write_back_staging,
         )
         mamba = len(MAMBA_LAYERS)
-        temporal = torch.zeros((mamba, DEVICE_SLOTS, *TEMPORAL), dtype=torch.float32)
+        ssm_dtype = torch.bfloat16 if variant == "bf16_state" else torch.float32
+        temporal = torch.zeros((mamba, DEVICE_SLOTS, *TEMPORAL), dtype=ssm_dtype)
         conv = torch.zeros((mamba, DEVICE_SLOTS, *CONV), dtype=torch.bfloat16)
         mamba_dev = SimpleNamespace(temporal=temporal, conv=conv)
         mamba_host = MambaPoolHost(
@@ -142,15 +147,18 @@ class Harness:
                     transfer_layer_id_max=span,
                     is_anchor=True,
                 ),
+            ]
+        )
+        if variant != "kv_only":
+            group.add_entry(
                 build_pool_entry(
                     name=PoolName.MAMBA,
                     host_pool=mamba_host,
                     device_pool=mamba_dev,
                     layer_mapping={g: i for i, g in enumerate(MAMBA_LAYERS)},
                     transfer_layer_id_max=span,
-                ),
-            ]
-        )
+                )
+            )
         config = {
             "backend_name": "hicache",
             "module_path": "hicache.integrations.sglang",
@@ -259,17 +267,17 @@ class Harness:
         mdev.temporal[:, slot] = temporal
         mdev.conv[:, slot] = conv
         side = PoolTransfer(name=PoolName.MAMBA, device_indices=torch.tensor([slot]))
-        host_idx = ctl.write(device_indices=dev_idx, node_id=seed, extra_pools=[side])
+        has_state = PoolName.MAMBA in c["group"].entry_map  # not in variant "kv_only"
+        extra = [side] if has_state else None
+        host_idx = ctl.write(device_indices=dev_idx, node_id=seed, extra_pools=extra)
         ctl.start_writing()
         ack = ctl.ack_write_queue.pop(0)
         ack.finish_event.synchronize()
-        host_slot = int(side.host_indices[0])
-        got_t, got_c = self._host_state(c, host_slot)
-        l1_l2_ok = (
-            self._host_kv_ok(c, host_idx, ks, vs)
-            and torch.equal(got_t, temporal)
-            and torch.equal(got_c, conv)
-        )
+        l1_l2_ok = self._host_kv_ok(c, host_idx, ks, vs)
+        if has_state:
+            got_t, got_c = self._host_state(c, int(side.host_indices[0]))
+            l1_l2_ok = l1_l2_ok and torch.equal(got_t, temporal) and torch.equal(got_c, conv)
+        state = state and has_state
         tokens = tokens_of(seed, pages)
         hashes = get_storage_hash_str(tokens, None, page_size=P)
         backup = None

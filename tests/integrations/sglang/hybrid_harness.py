@@ -97,8 +97,18 @@ class HybridControllers(DriverProcess):
             env={"MASTER_PORT": str(free_port())},
         )
 
-    def start(self, name: str, allocator: str, extra: dict[str, Any]) -> dict[str, Any]:
-        return self.request({"op": "start", "name": name, "allocator": allocator, "extra": extra})
+    def start(
+        self, name: str, allocator: str, extra: dict[str, Any], variant: str = "mamba"
+    ) -> dict[str, Any]:
+        return self.request(
+            {
+                "op": "start",
+                "name": name,
+                "allocator": allocator,
+                "extra": extra,
+                "variant": variant,
+            }
+        )
 
     def fill(self, name: str, seed: int, pages: int, state: bool = True) -> dict[str, Any]:
         return self.request(

@@ -69,6 +69,29 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         s.sidecar.stop()
 
 
+def test_a_hybrid_model_without_its_mamba_pool_mapped_is_not_attached(setup: Setup) -> None:
+    """Every group of the layout must be registered: no Mamba pool, or one that does not fit
+    the state group, leaves the backend unattached (SGLang recomputes), saying why."""
+    extra = {"config": str(setup.deploy)}
+    kv_only = setup.a.start("kv-only", "default", extra, "kv_only")
+    assert kv_only["attached"] is False
+    assert kv_only["refused"] == (
+        "the sidecar's layout has state groups ['linear'] and SGLang registered no Mamba host "
+        "pool hicache maps (none registered)"
+    )
+    wrong = setup.a.start("bf16", "default", extra, "bf16_state")
+    assert wrong["attached"] is False
+    assert wrong["side_pools"] == {
+        "mamba": "SGLang's Mamba host pool does not match the sidecar's group 'linear': "
+        "recurrent state: SGLang 8192 bytes per layer ((4, 32, 32) x torch.bfloat16), sidecar "
+        "16384"
+    }
+    assert "registered no Mamba host pool hicache maps ({'mamba': " in wrong["refused"]
+    # an unattached backend answers "absent" / "not stored": nothing raises into SGLang
+    assert setup.a.fill("kv-only", 50, 2, state=False)["backed_up_tokens"] == 0
+    assert setup.a.fetch("bf16", 50, 2)["hit_pages"] == 0
+
+
 def whole(pages: int) -> dict[str, object]:
     """A fetch of `pages` pages, KV and the state after them, restored byte-exact."""
     return {

@@ -1,0 +1,166 @@
+"""SGLang's v2 side-pool calls of `HicacheStorage` (`storage_backend`), and what one attach
+holds: each pool moves on its own, as SGLang moves them. KV by `batch_*_v1` (the KV group
+alone), the Mamba state by `batch_*_v2` with its one trailing key: stored under the state
+group's key of that page id (per TP rank: every rank holds its own heads of the state, as
+SGLang keys Mamba per rank), loaded alone into the host slot SGLang gives. `batch_exists_v2`
+asks the sidecar which prefix lengths each group serves and answers SGLang's hit policies and
+`restorable_prefix_pages` from them (`hit_policies`). A side pool that is not mapped (SWA, DSA
+indexer, ...) or a transfer that is not one trailing state answers no hit / not stored: SGLang
+recomputes. Like the v1 calls, these never raise (`SidecarLink.use`), are bounded by the
+backend's timeouts, and a repeated set stores nothing new (the sidecar holds the state: True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorageExtraInfo,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from hicache.client import Client, PromptKeys
+from hicache.integrations.core.shared_memory import SharedRegions
+from hicache.integrations.core.sidecar_link import SidecarLink
+from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
+from hicache.integrations.sglang.host_pools import HostKv
+from hicache.integrations.sglang.settings import BackendSettings
+from hicache.integrations.sglang.side_pools import HostState, host_slots
+
+
+def pool_name(name: Any) -> str:
+    """SGLang's pool name (a `PoolName` or its value) as its value: "kv", "mamba", ..."""
+    return str(getattr(name, "value", name))
+
+
+def policy_name(transfer: PoolTransfer) -> str:
+    policy = transfer.hit_policy
+    return str(getattr(policy, "value", policy))
+
+
+class Attached:
+    """What one attach holds: the shared host pool and the group it maps to; with a Mamba side
+    pool mapped, its state and the state group (one region under both)."""
+
+    def __init__(self, region: SharedRegions, host: HostKv, group: str, manifest: Any):
+        self.region = region
+        self.host = host
+        self.group = group
+        self.manifest = manifest
+        self.state: HostState | None = None
+        self.state_group: str | None = None
+
+
+class SidePoolOps:
+    """`HicacheStorage`'s v2 calls (see the module doc); the backend gives what they use."""
+
+    attached: Attached | None
+    link: SidecarLink
+    settings: BackendSettings
+
+    def _keys(self, client: Client, keys: Sequence[str]) -> PromptKeys:
+        raise NotImplementedError
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        raise NotImplementedError
+
+    # ---- v2: each pool on its own; the Mamba state by its trailing key (module doc) ------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        side = [t for t in pool_transfers or [] if pool_name(t.name) != "kv"]
+        if not side:
+            return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+        attached = self.attached
+        if attached is None or attached.state_group is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        asks = [PoolAsk(pool_name(t.name), str(policy_name(t)), len(t.keys or ())) for t in side]
+        groups = {"kv": attached.group, "mamba": attached.state_group}
+        if any(ask.name not in groups for ask in asks):  # a pool not mapped: no prefix whole
+            return PoolTransferResult(0, {}, [])
+
+        def ask(client: Client) -> PoolTransferResult:
+            served = client.served_keys(self._keys(client, keys), list(groups.values()))
+            kv = served[attached.group]
+            kv_pages = next((i for i, h in enumerate(kv) if h != i + 1), len(kv))
+            held = {name: set(served[group]) for name, group in groups.items()}
+            got = restorable(kv_pages, asks, held)
+            return PoolTransferResult(got.kv_hit_pages, got.pool_hits, got.lengths)
+
+        return self.link.use("batch_exists_v2", ask, PoolTransferResult(0, {}, []))
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2("batch_get_v1", self._load_state, transfers, extra_info)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2("batch_set_v1", self._store_state, transfers, extra_info)
+
+    def _v2(
+        self,
+        v1: str,
+        state_op: Any,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None,
+    ) -> dict[str, list[bool]]:
+        out = {}
+        for t in transfers:
+            name = pool_name(t.name)
+            keys = list(t.keys or [])
+            if name == "kv" and t.host_indices is not None:
+                out[name] = getattr(self, v1)(keys, t.host_indices, extra_info)
+            elif name == "mamba" and len(keys) == 1:  # one state, at the span's trailing key
+                out[name] = [bool(state_op(keys[0], t.host_indices))]
+            else:
+                out[name] = [False] * len(keys)
+        return out
+
+    def _state_slot(self, host_indices: Any) -> tuple[Attached, str, int] | None:
+        attached = self.attached
+        slots = host_slots(host_indices, 1)
+        if attached is None or attached.state_group is None or slots is None:
+            return None
+        return attached, attached.state_group, slots[0]
+
+    def _store_state(self, key: str, host_indices: Any) -> bool:
+        """The state in SGLang's host slot, stored under the state group's key of `key` (the
+        page it follows): a one-key prompt whose KV page is not named (None)."""
+        found = self._state_slot(host_indices)
+        if found is None:
+            return False
+        attached, group, slot = found
+        size = attached.host.page_size
+
+        def store(client: Client) -> bool:
+            reply = client.store_keys(
+                self._keys(client, [key]), {attached.group: [None]}, {group: {size: slot}}
+            )
+            return reply.get("truncated_to_tokens") is None
+
+        return bool(self.link.use("batch_set_v2", store, False))
+
+    def _load_state(self, key: str, host_indices: Any) -> bool:
+        """The state stored under `key` into SGLang's host slot, the state group alone."""
+        found = self._state_slot(host_indices)
+        if found is None:
+            return False
+        _, group, slot = found
+
+        def load(client: Client) -> bool:
+            handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
+            if handle is None:
+                return False
+            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+
+        return bool(self.link.use("batch_get_v2", load, False))
