@@ -60,6 +60,7 @@ from hicache.client.base import (
 from hicache.client.handle import ClientError, LoadHandle, Lookup, NoReplyError
 from hicache.client.keys import PromptKeys
 from hicache.config import LoadedConfig
+from hicache.index import Served
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 
@@ -245,16 +246,17 @@ class Client(ClientBase):
 
     def served_keys(
         self, keys: PromptKeys, groups: Sequence[str] | None = None
-    ) -> dict[str, list[int]]:
-        """Per group (of `groups`; None: all), every prefix length in pages that it alone can
-        serve from the sidecar's L2 or L3, ascending: a whole-prefix group 1..its run, a
-        state group the lengths a snapshot is stored at."""
+    ) -> dict[str, Served]:
+        """Per group (of `groups`; None: all), the prefix lengths in pages it alone can serve
+        from the sidecar's L2 or L3: a whole-prefix group every length up to its `run`, a
+        state group those in `at` (where a snapshot is stored); `Served.lengths(n)` lists
+        them."""
         args = self._key_args(keys) | {"served": True}
         if groups is not None:
             args["groups"] = list(groups)
         reply = self.call("lookup_keys", args)
         return {
-            group: sorted({*range(1, int(got["run"]) + 1), *(int(h) for h in got["at"])})
+            group: Served(int(got["run"]), tuple(int(h) for h in got["at"]))
             for group, got in reply["served"].items()
         }
 

@@ -89,9 +89,8 @@ class SidePoolOps:
 
         def ask(client: Client) -> PoolTransferResult:
             served = client.served_keys(self._keys(client, keys), list(groups.values()))
-            kv = served[attached.group]
-            kv_pages = next((i for i, h in enumerate(kv) if h != i + 1), len(kv))
-            held = {name: set(served[group]) for name, group in groups.items()}
+            kv_pages = served[attached.group].run  # a whole-prefix group: its run
+            held = {name: set(served[group].lengths(kv_pages)) for name, group in groups.items()}
             got = restorable(kv_pages, asks, held)
             return PoolTransferResult(got.kv_hit_pages, got.pool_hits, got.lengths)
 
