@@ -57,11 +57,12 @@ def restorable(kv_pages: int, asks: Sequence[PoolAsk], held: Mapping[str, set[in
             end = next((p for p in range(1, kv_pages + 1) if p not in have), kv_pages + 1) - 1
             allowed = set(range(1, end + 1))
         elif ask.policy == TRAILING_PAGES:
-            window = max(1, ask.window)
+            window = max(1, ask.window)  # only lengths the pool holds can end a window
             allowed = {
                 p
-                for p in range(1, kv_pages + 1)
-                if all(q in have for q in range(max(1, p - window + 1), p + 1))
+                for p in have
+                if 1 <= p <= kv_pages
+                and all(q in have for q in range(max(1, p - window + 1), p))
             }
         else:
             allowed = set()

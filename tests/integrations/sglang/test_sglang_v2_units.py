@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import random
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,37 @@ def test_hit_policies_follow_sglang_s_rules(
     kv_pages: int, asks: list[PoolAsk], held: dict[str, set[int]], expected: Restorable
 ) -> None:
     assert restorable(kv_pages, asks, held) == expected
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_hit_policies_equal_their_definition_page_by_page(seed: int) -> None:
+    """Random KV runs, pools and holdings against the rules written per page: page i of a pool
+    is held when length i + 1 is; a trailing window W allows p when pages p-W .. p-1 are held,
+    ALL_PAGES when pages 0 .. p-1 are."""
+    rng = random.Random(seed)
+    kv_pages = rng.randint(0, 12)
+    asks = [
+        PoolAsk(f"pool{i}", rng.choice([ALL_PAGES, TRAILING_PAGES]), rng.randint(1, 4))
+        for i in range(rng.randint(1, 3))
+    ]
+    held = {a.name: {p for p in range(1, 14) if rng.random() < 0.6} for a in asks}
+    lengths, hits = set(range(1, kv_pages + 1)), {"kv": kv_pages} if kv_pages else {}
+    for a in asks:
+        pages = [i + 1 in held[a.name] for i in range(kv_pages)]
+        if a.policy == ALL_PAGES:
+            ok = {p for p in range(1, kv_pages + 1) if all(pages[:p])}
+        else:
+            ok = {p for p in range(1, kv_pages + 1) if all(pages[max(0, p - a.window) : p])}
+        if ok:
+            hits[a.name] = max(ok)
+        lengths &= ok
+    got = restorable(kv_pages, asks, held)
+    assert got.lengths == sorted(lengths)
+    assert got.kv_hit_pages == max(lengths, default=0)
+    # a pool's own longest length is reported while every pool before it left some length
+    for a in asks:
+        if a.name in got.pool_hits:
+            assert got.pool_hits[a.name] == hits[a.name]
 
 
 @pytest.fixture
