@@ -61,8 +61,7 @@ def restorable(kv_pages: int, asks: Sequence[PoolAsk], held: Mapping[str, set[in
             allowed = {
                 p
                 for p in have
-                if 1 <= p <= kv_pages
-                and all(q in have for q in range(max(1, p - window + 1), p))
+                if 1 <= p <= kv_pages and all(q in have for q in range(max(1, p - window + 1), p))
             }
         else:
             allowed = set()
