@@ -116,13 +116,13 @@ class Hit:
 
 @dataclass(frozen=True, slots=True)
 class Served:
-    """The prefix lengths (in pages) one group alone can serve: 1..`run`, and those in `at`."""
+    """The pages of a prompt one group holds, as prefix lengths: 1..`run`, and those in `at`."""
 
     run: int
     at: tuple[int, ...]
 
     def lengths(self, limit: int) -> list[int]:
-        """Every length up to `limit` served, ascending."""
+        """Every length up to `limit` held, ascending."""
         return sorted({*range(1, min(self.run, limit) + 1), *(h for h in self.at if h <= limit)})
 
 
@@ -235,21 +235,26 @@ class PrefixIndex:
     def served(
         self, keys: Mapping[str, Sequence[PageKey]], groups: Collection[str] | None = None
     ) -> dict[str, Served]:
-        """Per group (of `groups`, default all), the prefix lengths it alone can serve from
-        L2 or L3: a whole-prefix group every length up to its run (`run`), any other group
-        the lengths listed (`at`: a state group where a snapshot is stored, a window where
-        its pages are; not monotone). What SGLang's `batch_exists_v2` intersects."""
+        """Per group (of `groups`, default all), the pages of the prompt it holds in L2 or
+        L3, each as the prefix length ending with it: a whole-prefix group its leading run
+        (`run`: every length up to it is served), any other group every page held (`at`: a
+        state group's snapshots — the one after h pages is its page h-1 —, a sliding
+        group's pages, which a window of the engine's own size then needs; not monotone).
+        What SGLang's `batch_exists_v2` applies its hit policies to."""
         keys = self._of_groups(keys, groups)
         pages = min((len(k) for k in keys.values()), default=0)
         out = {}
         for group, group_keys in keys.items():
             if self.rules[group].needs_whole_prefix:
                 out[group] = Served(self._present_runs(group, group_keys, pages, 0)[1], ())
-            else:
-                at = tuple(
-                    h for h in range(1, pages + 1) if self._serves(group, group_keys, h, False)
-                )
-                out[group] = Served(0, at)
+                continue
+            records = self._records[group]
+            at = []
+            for i, key in enumerate(group_keys[:pages]):
+                record = records.get(key)
+                if record is not None and (record.l2_page is not None or record.in_l3):
+                    at.append(i + 1)
+            out[group] = Served(0, tuple(at))
         return out
 
     def _longest(

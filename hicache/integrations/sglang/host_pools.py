@@ -19,10 +19,11 @@ gets a tenant of its own (`tenant_of`) and never shares with the rest.
 `host_pool_manifest` describes the buffer, shared in place (`core.shared_memory`), as a
 `SharedPools` with per-layer offsets and page strides (`hicache.channel.shm`): the sidecar maps
 SGLang's host pages as its device pages, and page p for the sidecar is SGLang's host page p.
-A hybrid model's state group (SGLang's Mamba side pool, `side_pools`) goes in the same manifest,
-over the same memfd. Not mapped (refused with the reason): MLA host pools, and a model whose
-hicache layout has more than one token group (sliding-window groups travel in SGLang's SWA side
-pool, not mapped yet).
+A hybrid model's other groups go in the same manifest, over the same memfd: its state group
+(SGLang's Mamba side pool, `side_pools`) and its sliding-window group (SGLang's SWA side pool:
+another host KV pool of the sliding layers, mapped as the KV pool is, `kv_rows`). Not mapped
+(refused with the reason): MLA host pools, and a layout with no or several full-attention
+groups.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 
 from hicache.channel.shm import SharedPools
 from hicache.errors import HicacheError
+from hicache.index import GroupRule
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.memory import GroupGeometry
 
@@ -102,16 +104,20 @@ def tenant_of(layout: str) -> str:
 
 
 def kv_group(host: HostKv, geometries: Mapping[str, GroupGeometry], page_size_tokens: int) -> str:
-    """The one hicache token group SGLang's KV host pool maps to (state groups are side
-    pools'); every mismatch named."""
-    tokens = {g: geo for g, geo in geometries.items() if geo.group.kind.is_token_cache}
-    if len(tokens) != 1:
+    """The one whole-prefix (full-attention) token group SGLang's KV host pool maps to
+    (sliding-window and state groups are side pools'); every mismatch named."""
+    whole = sorted(g for g, geo in geometries.items() if GroupRule.of(geo.group).needs_whole_prefix)
+    if len(whole) != 1:
         raise HostPoolError(
-            f"the sidecar's layout caches token groups {sorted(tokens)}; SGLang's KV host pool "
-            "maps to a layout of one full-attention group beside its state groups (sliding-"
-            "window side pools are not mapped yet)"
+            f"the sidecar's layout caches full-attention groups {whole}; SGLang's KV host pool "
+            "maps to a layout of exactly one, beside its sliding-window and state groups"
         )
-    [(name, geometry)] = tokens.items()
+    check_kv(host, whole[0], geometries[whole[0]], page_size_tokens)
+    return whole[0]
+
+
+def check_kv(host: HostKv, name: str, geometry: GroupGeometry, page_size_tokens: int) -> None:
+    """Every difference between an SGLang KV host pool and the sidecar's group, named."""
     wrong = []
     if page_size_tokens != host.page_size:
         wrong.append(f"page size: SGLang {host.page_size}, sidecar {page_size_tokens}")
@@ -132,7 +138,25 @@ def kv_group(host: HostKv, geometries: Mapping[str, GroupGeometry], page_size_to
         raise HostPoolError(
             f"SGLang's host pool does not match the sidecar's group {name!r}: " + "; ".join(wrong)
         )
-    return name
+
+
+def kv_rows(
+    region: SharedRegions, kv_buffer: Any, host: HostKv
+) -> tuple[list[list[int]], list[list[int]]]:
+    """An SGLang KV host buffer's per-layer K and V row offsets and page strides over
+    `region` (shared in place), in the module doc's layouts."""
+    base = region.offset_of(kv_buffer.data_ptr())
+    row = host.row_bytes
+    half = host.layers * host.size * host.heads * host.head_dim * host.itemsize
+    offsets, strides = [], []
+    for layer in range(host.layers):
+        if host.layout == "layer_first":
+            k, stride = base + layer * (half // host.layers), row
+        else:  # one page's L rows (or its L*R region) after another
+            k, stride = base + layer * row, host.layers * row
+        offsets.append([k, k + half])
+        strides.append([stride, stride])
+    return offsets, strides
 
 
 def host_pool_manifest(
@@ -147,17 +171,7 @@ def host_pool_manifest(
     page rows, and each side pool's group (`side`: its geometry, slots, per-layer offsets and
     strides over the same region); it holds a dup of the region's descriptor (the client
     closes it with itself)."""
-    base = region.offset_of(kv_buffer.data_ptr())
-    row = host.row_bytes
-    half = host.layers * host.size * host.heads * host.head_dim * host.itemsize
-    offsets, strides = [], []
-    for layer in range(host.layers):
-        if host.layout == "layer_first":
-            k, stride = base + layer * (half // host.layers), row
-        else:  # one page's L rows (or its L*R region) after another
-            k, stride = base + layer * row, host.layers * row
-        offsets.append([k, k + half])
-        strides.append([stride, stride])
+    offsets, strides = kv_rows(region, kv_buffer, host)
     geometries, pages = {group: geometry}, {group: host.pages}
     all_offsets, all_strides = {group: offsets}, {group: strides}
     for name, rows in (side or {}).items():

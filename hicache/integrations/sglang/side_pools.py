@@ -32,6 +32,7 @@ from typing import Any
 from hicache.errors import HicacheError
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.memory import GroupGeometry
+from hicache.model import CacheKind
 
 STATE_LAYOUTS = ("page_first", "page_first_direct")  # MambaPoolHost's own
 CONV = "conv"
@@ -112,6 +113,17 @@ def state_group(geometries: Mapping[str, GroupGeometry]) -> str:
             "to a layout of exactly one"
         )
     return states[0]
+
+
+def sliding_group(geometries: Mapping[str, GroupGeometry]) -> str:
+    """The one sliding-window group of the sidecar's layout an SWA side pool maps to."""
+    windows = sorted(g for g, geo in geometries.items() if geo.group.kind is CacheKind.SLIDING)
+    if len(windows) != 1:
+        raise SidePoolError(
+            f"the sidecar's layout has sliding-window groups {windows}; SGLang's SWA side pool "
+            "maps to a layout of exactly one"
+        )
+    return windows[0]
 
 
 def check_state(state: HostState, group: str, geometry: GroupGeometry) -> None:

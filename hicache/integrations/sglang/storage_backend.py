@@ -44,7 +44,8 @@ Lifecycle (SGLang's scheduler process):
 `clear()` leaves the shared cache alone: it is every engine's (clear it through the sidecar).
 
 v2 (hybrid models): SGLang's Mamba side pool is mapped as the layout's state group
-(`side_pools`) and moved by the v2 calls (`storage_v2`, hit policies in `hit_policies`).
+(`side_pools`), its SWA side pool as the sliding group (`host_pools`), both moved by the v2
+calls (`storage_v2`, hit policies in `hit_policies`).
 """
 
 from __future__ import annotations
@@ -69,15 +70,19 @@ from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.host_pools import (
     HostKv,
     SideRows,
+    check_kv,
     host_pages,
     host_pool_manifest,
     kv_group,
+    kv_rows,
     tenant_of,
 )
 from hicache.integrations.sglang.settings import BackendSettings
 from hicache.integrations.sglang.side_pools import (
     HostState,
+    SidePoolError,
     check_state,
+    sliding_group,
     state_group,
     state_rows,
 )
@@ -161,16 +166,17 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         name = pool_name(host_pool_name)
         if name == "kv":
             return  # the anchor pool, registered by register_mem_pool_host
+        maps = {"mamba": self._map_state, "swa": self._map_window}
         with self._lock:
             attached = self.attached
             why = "SGLang's KV host pool is not attached"
-            if name == "mamba" and attached is not None:
+            if name in maps and attached is not None:
                 try:
-                    self._map_state(attached, host_pool)
+                    maps[name](attached, host_pool)
                     return
                 except HicacheError as exc:
                     why = str(exc)
-            elif name != "mamba":
+            elif name not in maps:
                 why = f"{type(host_pool).__name__} side pools are not mapped by hicache yet"
             self.side_pools[name] = why
         log.warning(
@@ -181,27 +187,48 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
 
     def _map_state(self, attached: Attached, host_pool: Any) -> None:
         """The Mamba host pool checked against the layout's state group, then shared in place
-        with the KV host pool: one memfd under both (the old one closed)."""
+        with the pools mapped before it."""
         geometries = self._geometries()
         group = state_group(geometries)
         state = HostState.of(host_pool, geometries[group])
         check_state(state, group, geometries[group])
-        storages = [attached.manifest.untyped_storage()]
-        storages += [b.buffer.untyped_storage() for b in state.buffers]
-        region = share_in_place(storages, "SGLang's host KV and Mamba pools", "hicache-engine-host")
+        self._share(attached, [b.buffer.untyped_storage() for b in state.buffers])
+        attached.state, attached.state_group = state, group
+
+    def _map_window(self, attached: Attached, host_pool: Any) -> None:
+        """The SWA host pool (a KV host pool of the sliding layers) checked against the
+        layout's sliding group, then shared in place with the pools mapped before it."""
+        geometries = self._geometries()
+        group = sliding_group(geometries)
+        host = HostKv.of(host_pool)
+        if host.layout != attached.host.layout:
+            raise SidePoolError(
+                f"SGLang's SWA host pool is {host.layout}, its KV host pool "
+                f"{attached.host.layout}; hicache maps them in one layout"
+            )
+        check_kv(host, group, geometries[group], attached.host.page_size)
+        self._share(attached, [host_pool.kv_buffer.untyped_storage()])
+        attached.swa, attached.swa_buffer, attached.swa_group = host, host_pool.kv_buffer, group
+
+    @staticmethod
+    def _share(attached: Attached, more: list[Any]) -> None:
+        """Every host buffer mapped so far and `more` under one new sealed memfd (the sidecar
+        registers one memfd for every group); the old one closed."""
+        region = share_in_place(
+            attached.storages() + more, "SGLang's host pools", "hicache-engine-host"
+        )
         old, attached.region = attached.region, region
         old.close()
-        attached.state, attached.state_group = state, group
 
     def on_host_pools_registered(self) -> None:
         attached = self.attached
         if attached is None:
             return
-        states = [g for g, geo in self._geometries().items() if not geo.group.kind.is_token_cache]
-        if states and attached.state is None:  # every group of the layout must be registered
+        missing = sorted(set(self._geometries()) - set(attached.groups().values()))
+        if missing:  # every group of the layout must be registered
             self.refused = (
-                f"the sidecar's layout has state groups {states} and SGLang registered no "
-                f"Mamba host pool hicache maps ({self.side_pools or 'none registered'})"
+                f"the sidecar's layout has groups {missing} no SGLang host pool hicache maps "
+                f"was registered for ({self.side_pools or 'none registered'})"
             )
             log.error("hicache: SGLang's host pools are not attached: %s", self.refused)
             with self._lock:
@@ -240,6 +267,11 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
             offsets, strides = state_rows(attached.region, attached.state, state_geometry)
             side[attached.state_group] = SideRows(
                 state_geometry, attached.state.slots, offsets, strides
+            )
+        if attached.swa is not None and attached.swa_group is not None:
+            offsets, strides = kv_rows(attached.region, attached.swa_buffer, attached.swa)
+            side[attached.swa_group] = SideRows(
+                client.geometries[attached.swa_group], attached.swa.pages, offsets, strides
             )
         client.register_pools(
             host_pool_manifest(

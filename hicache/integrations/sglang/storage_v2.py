@@ -25,7 +25,7 @@ from hicache.client import Client, PromptKeys
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
-from hicache.integrations.sglang.host_pools import HostKv
+from hicache.integrations.sglang.host_pools import HostKv, host_pages
 from hicache.integrations.sglang.settings import BackendSettings
 from hicache.integrations.sglang.side_pools import HostState, host_slots
 
@@ -41,16 +41,37 @@ def policy_name(transfer: PoolTransfer) -> str:
 
 
 class Attached:
-    """What one attach holds: the shared host pool and the group it maps to; with a Mamba side
-    pool mapped, its state and the state group (one region under both)."""
+    """What one attach holds: the shared host pool and the group it maps to; the side pools
+    mapped (a Mamba pool's state group, an SWA pool's sliding group), one region under all."""
 
     def __init__(self, region: SharedRegions, host: HostKv, group: str, manifest: Any):
         self.region = region
         self.host = host
         self.group = group
-        self.manifest = manifest
+        self.manifest = manifest  # the KV host buffer
         self.state: HostState | None = None
         self.state_group: str | None = None
+        self.swa: HostKv | None = None
+        self.swa_buffer: Any = None
+        self.swa_group: str | None = None
+
+    def groups(self) -> dict[str, str]:
+        """SGLang's pool names mapped, and the sidecar group each moves."""
+        out = {"kv": self.group}
+        if self.state_group is not None:
+            out["mamba"] = self.state_group
+        if self.swa_group is not None:
+            out["swa"] = self.swa_group
+        return out
+
+    def storages(self) -> list[Any]:
+        """Every host buffer shared with the sidecar (one memfd under all)."""
+        out = [self.manifest.untyped_storage()]
+        if self.state is not None:
+            out += [b.buffer.untyped_storage() for b in self.state.buffers]
+        if self.swa_buffer is not None:
+            out.append(self.swa_buffer.untyped_storage())
+        return out
 
 
 class SidePoolOps:
@@ -80,10 +101,10 @@ class SidePoolOps:
         if not side:
             return PoolTransferResult(self.batch_exists(keys, extra_info), {})
         attached = self.attached
-        if attached is None or attached.state_group is None or not keys:
+        if attached is None or not keys:
             return PoolTransferResult(0, {}, [])
         asks = [PoolAsk(pool_name(t.name), str(policy_name(t)), len(t.keys or ())) for t in side]
-        groups = {"kv": attached.group, "mamba": attached.state_group}
+        groups = attached.groups()
         if any(ask.name not in groups for ask in asks):  # a pool not mapped: no prefix whole
             return PoolTransferResult(0, {}, [])
 
@@ -99,17 +120,20 @@ class SidePoolOps:
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2("batch_get_v1", self._load_state, transfers, extra_info)
+        return self._v2("batch_get_v1", self._load_state, self._load_window, transfers, extra_info)
 
     def batch_set_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> dict[str, list[bool]]:
-        return self._v2("batch_set_v1", self._store_state, transfers, extra_info)
+        return self._v2(
+            "batch_set_v1", self._store_state, self._store_window, transfers, extra_info
+        )
 
     def _v2(
         self,
         v1: str,
         state_op: Any,
+        window_op: Any,
         transfers: list[PoolTransfer],
         extra_info: HiCacheStorageExtraInfo | None,
     ) -> dict[str, list[bool]]:
@@ -121,6 +145,8 @@ class SidePoolOps:
                 out[name] = getattr(self, v1)(keys, t.host_indices, extra_info)
             elif name == "mamba" and len(keys) == 1:  # one state, at the span's trailing key
                 out[name] = [bool(state_op(keys[0], t.host_indices))]
+            elif name == "swa" and keys:  # the window's pages, at the span's trailing keys
+                out[name] = [bool(window_op(keys, t.host_indices))] * len(keys)
             else:
                 out[name] = [False] * len(keys)
         return out
@@ -159,6 +185,50 @@ class SidePoolOps:
         def load(client: Client) -> bool:
             handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
             if handle is None:
+                return False
+            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+
+        return bool(self.link.use("batch_get_v2", load, False))
+
+    def _window_pages(
+        self, keys: Sequence[str], host_indices: Any
+    ) -> tuple[Attached, str, list[int]] | None:
+        attached = self.attached
+        if attached is None or attached.swa_group is None or attached.swa is None:
+            return None
+        pages = host_pages(host_indices, attached.swa.page_size, len(keys))
+        return None if pages is None else (attached, attached.swa_group, pages)
+
+    def _store_window(self, keys: Sequence[str], host_indices: Any) -> bool:
+        """An SWA window's pages in SGLang's SWA host pool, stored under the sliding group's
+        keys of their page ids (the full group's pages not named: None); all or nothing."""
+        found = self._window_pages(keys, host_indices)
+        if found is None:
+            return False
+        attached, group, pages = found
+
+        def store(client: Client) -> bool:
+            reply = client.store_keys(
+                self._keys(client, keys), {attached.group: [None] * len(keys), group: pages}
+            )
+            return reply.get("truncated_to_tokens") is None
+
+        return bool(self.link.use("batch_set_v2", store, False))
+
+    def _load_window(self, keys: Sequence[str], host_indices: Any) -> bool:
+        """An SWA window's pages into SGLang's SWA host slots, the sliding group alone; True
+        only when every page of the window landed (a shorter one is SGLang's miss)."""
+        found = self._window_pages(keys, host_indices)
+        if found is None:
+            return False
+        _, group, pages = found
+        size = self.attached.host.page_size if self.attached is not None else 0
+
+        def load(client: Client) -> bool:
+            handle = client.load_keys(self._keys(client, keys), {group: pages}, groups=[group])
+            if handle is None or handle.tokens != len(keys) * size:
+                if handle is not None:
+                    handle.done(timeout_s=self.settings.load_timeout_s)  # its pins go
                 return False
             return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
 

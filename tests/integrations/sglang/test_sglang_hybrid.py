@@ -76,8 +76,8 @@ def test_a_hybrid_model_without_its_mamba_pool_mapped_is_not_attached(setup: Set
     kv_only = setup.a.start("kv-only", "default", extra, "kv_only")
     assert kv_only["attached"] is False
     assert kv_only["refused"] == (
-        "the sidecar's layout has state groups ['linear'] and SGLang registered no Mamba host "
-        "pool hicache maps (none registered)"
+        "the sidecar's layout has groups ['linear'] no SGLang host pool hicache maps was "
+        "registered for (none registered)"
     )
     wrong = setup.a.start("bf16", "default", extra, "bf16_state")
     assert wrong["attached"] is False
@@ -86,7 +86,7 @@ def test_a_hybrid_model_without_its_mamba_pool_mapped_is_not_attached(setup: Set
         "recurrent state: SGLang 8192 bytes per layer ((4, 32, 32) x torch.bfloat16), sidecar "
         "16384"
     }
-    assert "registered no Mamba host pool hicache maps ({'mamba': " in wrong["refused"]
+    assert "no SGLang host pool hicache maps was registered for ({'mamba': " in wrong["refused"]
     # an unattached backend answers "absent" / "not stored": nothing raises into SGLang
     assert setup.a.fill("kv-only", 50, 2, state=False)["backed_up_tokens"] == 0
     assert setup.a.fetch("bf16", 50, 2)["hit_pages"] == 0

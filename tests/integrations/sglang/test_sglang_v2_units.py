@@ -199,7 +199,9 @@ def test_the_kv_host_pool_maps_to_the_full_group_beside_the_state_group(
     host = HostKv("page_first_direct", 2, PAGE, 64 * PAGE, 2, 64, "bfloat16", 2)
     assert kv_group(host, geoms, PAGE) == "full"
     two_token_groups = {"full": geoms["full"], "other": geoms["full"]}
-    with pytest.raises(HostPoolError, match=r"caches token groups \['full', 'other'\]"):
+    with pytest.raises(
+        HostPoolError, match=r"caches full-attention groups \['full', 'other'\]; SGLang's KV"
+    ):
         kv_group(host, two_token_groups, PAGE)
 
 
