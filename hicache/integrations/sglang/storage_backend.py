@@ -344,7 +344,8 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         started = time.perf_counter()
 
         def store(client: Client) -> int:
-            reply = client.store_keys(self._keys(client, keys), {attached.group: pages})
+            pages_of = attached.pages_of(attached.group, [*pages])
+            reply = client.store_keys(self._keys(client, keys), pages_of)
             cut = reply.get("truncated_to_tokens")
             return len(keys) if cut is None else int(cut) // attached.host.page_size
 

@@ -2,12 +2,15 @@
 holds: each pool moves on its own, as SGLang moves them. KV by `batch_*_v1` (the KV group
 alone), the Mamba state by `batch_*_v2` with its one trailing key: stored under the state
 group's key of that page id (per TP rank: every rank holds its own heads of the state, as
-SGLang keys Mamba per rank), loaded alone into the host slot SGLang gives. `batch_exists_v2`
-asks the sidecar which prefix lengths each group serves and answers SGLang's hit policies and
-`restorable_prefix_pages` from them (`hit_policies`). A side pool that is not mapped (SWA, DSA
-indexer, ...) or a transfer that is not one trailing state answers no hit / not stored: SGLang
-recomputes. Like the v1 calls, these never raise (`SidecarLink.use`), are bounded by the
-backend's timeouts, and a repeated set stores nothing new (the sidecar holds the state: True).
+SGLang keys Mamba per rank), loaded alone into the host slot SGLang gives; an SWA window by
+`batch_*_v2` with its trailing keys: its pages stored under the sliding group's keys, loaded
+whole into SGLang's SWA host slots (a window short of a page is a miss). `batch_exists_v2`
+asks the sidecar which pages each group holds and answers SGLang's hit policies and
+`restorable_prefix_pages` from them (`hit_policies`). A side pool that is not mapped (DSA
+indexer, DeepSeek-V4 pools, ...) or a transfer that does not fit (a Mamba transfer of several
+keys, slots that do not match the keys) answers no hit / not stored: SGLang recomputes. Like
+the v1 calls, these never raise (`SidecarLink.use`), are bounded by the backend's timeouts,
+and a repeated set stores nothing new (the sidecar holds those pages: True).
 """
 
 from __future__ import annotations
@@ -63,6 +66,13 @@ class Attached:
         if self.swa_group is not None:
             out["swa"] = self.swa_group
         return out
+
+    def pages_of(self, group: str | None, pages: list[int | None]) -> dict[str, list[int | None]]:
+        """A store's device pages: `pages` for `group`, none (None) for the other token
+        groups (a store names every token group; SGLang stores each pool on its own; a
+        state alone: `group` None)."""
+        tokens = [self.group] + ([self.swa_group] if self.swa_group is not None else [])
+        return {g: pages if g == group else [None] * len(pages) for g in tokens}
 
     def storages(self) -> list[Any]:
         """Every host buffer shared with the sidecar (one memfd under all)."""
@@ -169,7 +179,7 @@ class SidePoolOps:
 
         def store(client: Client) -> bool:
             reply = client.store_keys(
-                self._keys(client, [key]), {attached.group: [None]}, {group: {size: slot}}
+                self._keys(client, [key]), attached.pages_of(None, [None]), {group: {size: slot}}
             )
             return reply.get("truncated_to_tokens") is None
 
@@ -208,9 +218,7 @@ class SidePoolOps:
         attached, group, pages = found
 
         def store(client: Client) -> bool:
-            reply = client.store_keys(
-                self._keys(client, keys), {attached.group: [None] * len(keys), group: pages}
-            )
+            reply = client.store_keys(self._keys(client, keys), attached.pages_of(group, [*pages]))
             return reply.get("truncated_to_tokens") is None
 
         return bool(self.link.use("batch_set_v2", store, False))

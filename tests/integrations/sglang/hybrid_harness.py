@@ -57,11 +57,37 @@ def tiny_qwen3_next(directory: Path) -> Path:
     return path
 
 
-def write_hybrid_deployment(directory: Path) -> Path:
-    """A sidecar for the tiny Qwen3-Next (SGLang's state dtypes: conv bf16, SSM fp32)."""
+TINY_GPT_OSS = {  # gpt-oss's own fields, scaled down: sliding (64 tokens) and full, alternating
+    "num_hidden_layers": 4,
+    "layer_types": ["sliding_attention", "full_attention"] * 2,
+    "sliding_window": 64,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "num_local_experts": 4,
+    "vocab_size": 50000,
+    "max_position_embeddings": 4096,
+}
+
+
+def tiny_gpt_oss(directory: Path) -> Path:
+    """gpt-oss's real config.json scaled down (a hybrid-SWA model: full + sliding groups)."""
+    config = json.loads(shared_model("gpt_oss_20b.json").read_text()) | TINY_GPT_OSS
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def write_hybrid_deployment(directory: Path, model: str = "qwen3_next") -> Path:
+    """A sidecar for the tiny Qwen3-Next (SGLang's state dtypes: conv bf16, SSM fp32), or
+    (`model="gpt_oss"`) the tiny gpt-oss."""
+    config = tiny_gpt_oss(directory) if model == "gpt_oss" else tiny_qwen3_next(directory)
     lines = [
         "model:",
-        f"  config_path: {tiny_qwen3_next(directory)}",
+        f"  config_path: {config}",
         "  dtype: bfloat16",
         "  ssm_state_dtype: float32",
         f"  page_size_tokens: {PAGE}",
@@ -90,7 +116,7 @@ class HybridControllers(DriverProcess):
 
     def __init__(self, work: Path, name: str):
         super().__init__(
-            "tests.integrations.sglang.hybrid_driver",
+            "tests.integrations.sglang.window_driver",  # hybrid_driver's commands and SWA's
             [],
             work,
             name,
@@ -120,3 +146,20 @@ class HybridControllers(DriverProcess):
 
     def stop(self, name: str) -> dict[str, Any]:
         return self.request({"op": "stop", "name": name})
+
+    def start_window(self, name: str, extra: dict[str, Any]) -> dict[str, Any]:
+        return self.request({"op": "start_window", "name": name, "extra": extra})
+
+    def fill_window(self, name: str, seed: int, pages: int, window_pages: int) -> dict[str, Any]:
+        return self.request(
+            {
+                "op": "fill_window",
+                "name": name,
+                "seed": seed,
+                "pages": pages,
+                "window_pages": window_pages,
+            }
+        )
+
+    def fetch_window(self, name: str, seed: int, pages: int) -> dict[str, Any]:
+        return self.request({"op": "fetch_window", "name": name, "seed": seed, "pages": pages})

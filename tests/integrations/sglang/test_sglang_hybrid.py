@@ -1,15 +1,18 @@
-"""A hybrid model's side pool through hicache's storage backend (v2), driven by SGLang 0.5.23's
-own `HybridCacheController`, `HostPoolGroup` and `MambaPoolHost` (no engine: SGLang's CPU engine
-cannot run a hybrid forward, docs/design.md) against a real `hicache serve` of the same tiny
-Qwen3-Next (`hybrid_harness`).
+"""A hybrid model's side pools through hicache's storage backend (v2), driven by SGLang
+0.5.23's own `HybridCacheController` and `HostPoolGroup` (no engine: SGLang's CPU engine cannot
+run a hybrid forward, docs/design.md) against real `hicache serve`s of the same tiny models
+(`hybrid_harness`): a Qwen3-Next (a `MambaPoolHost` beside the KV host pool) and a gpt-oss (an
+SWA host pool of its sliding layers beside it).
 
-Two SGLang processes (`hybrid_driver.py`; one with SGLang's default host allocator, one with its
-"shm" memfds) share one sidecar for the module. What is judged: after device -> host -> hicache
--> (host and device cleared) -> prefetch -> host -> device, both the KV pages and the Mamba
-state are byte-exact; what one process stored, the other hits; where a state is absent the
-restorable prefix is the longest length every pool serves (SGLang's hit policies: the KV run,
-the state at its trailing page), and a state damaged in L3 is a miss, never wrong bytes, after
-which the prefix shortens to the next stored state — never an exception into SGLang.
+Two SGLang processes (`window_driver.py`, a superset of `hybrid_driver.py`; one with SGLang's
+default host allocator, one with its "shm" memfds) share one sidecar per model. What is
+judged: after device -> host -> hicache -> (host and device cleared) -> prefetch -> host ->
+device, the KV pages and the Mamba state (the SWA window's pages) are byte-exact; what one
+process stored, the other hits; where a state or a window page is absent the restorable prefix
+is the longest length every pool serves (SGLang's hit policies: the KV run, the state at its
+trailing page, the window's trailing pages), and a state damaged in L3 is a miss, never wrong
+bytes, after which the prefix shortens to the next stored state — never an exception into
+SGLang.
 
 SGLang comes from `.venv-sglang` or `$SGLANG_TEST_PYTHON`; without it this module skips.
 """
@@ -39,6 +42,7 @@ class Setup:
     sidecar: SidecarProcess
     a: HybridControllers
     b: HybridControllers
+    swa_sidecar: SidecarProcess
 
     def restart_sidecar(self) -> None:
         self.sidecar = SidecarProcess(self.deploy).start()
@@ -49,9 +53,9 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
     require_sglang()
     work = tmp_path_factory.mktemp("sglang-hybrid")
     deploy = write_hybrid_deployment(work / "sidecar")
-    sidecar = SidecarProcess(deploy).start()
+    swa_deploy = write_hybrid_deployment(work / "swa-sidecar", "gpt_oss")
     a, b = HybridControllers(work, "a"), HybridControllers(work, "b")  # import side by side
-    s = Setup(deploy, sidecar, a, b)
+    s = Setup(deploy, SidecarProcess(deploy).start(), a, b, SidecarProcess(swa_deploy).start())
     try:
         extra = {"config": str(deploy), "retry_after_s": 0.2, "load_timeout_s": 30}
         for name, controllers in (("a", a), ("b", b)):
@@ -62,11 +66,19 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                 "side_pools": {},
                 "state_group": "linear",
             }, started
+            window = controllers.start_window("w", extra | {"config": str(swa_deploy)})
+            assert window == {
+                "attached": True,
+                "refused": None,
+                "side_pools": {},
+                "swa_group": "sliding",
+            }, window
         yield s
     finally:
         a.close()
         b.close()
         s.sidecar.stop()
+        s.swa_sidecar.stop()
 
 
 def test_a_hybrid_model_without_its_mamba_pool_mapped_is_not_attached(setup: Setup) -> None:
@@ -161,3 +173,33 @@ def test_a_state_damaged_in_l3_is_a_miss_and_the_prefix_shortens(setup: Setup) -
     # SGLang's controller carries on: what is stored from now on is served
     assert setup.a.fill("c", 41, 8)["state_stored"] == 1
     assert setup.b.fetch("c", 41, 8) == whole(8)
+
+
+def whole_window(pages: int, window: int = 4) -> dict[str, object]:
+    """A fetch of `pages` pages, KV and the SWA window's last pages, restored byte-exact."""
+    return {
+        "hit_pages": pages,
+        "restorable": [pages],
+        "fetched_tokens": pages * PAGE,
+        "window_fetched": window,
+        "kv_match": True,
+        "window_match": True,
+    }
+
+
+def test_an_swa_window_round_trips_and_a_second_process_hits_it(setup: Setup) -> None:
+    """gpt-oss (sliding window 64 tokens: 4 pages): the window's pages travel in SGLang's SWA
+    side pool, stored by their trailing keys in the sidecar's sliding group."""
+    filled = setup.a.fill_window("w", 60, 8, 4)
+    assert filled == {"l1_l2_ok": True, "backed_up_tokens": 8 * PAGE, "window_stored": 4}
+    assert setup.a.fetch_window("w", 60, 8) == whole_window(8)
+    assert setup.b.fetch_window("w", 60, 8) == whole_window(8)  # b's host pools: shm memfds
+
+
+def test_an_swa_window_short_of_a_page_shortens_the_prefix(setup: Setup) -> None:
+    """Windows of 4 pages stored after 4 pages, only the last 2 after 8: a length is
+    restorable where its 4 trailing pages (fewer at the start) are all held."""
+    assert setup.a.fill_window("w", 61, 4, 4)["window_stored"] == 4
+    assert setup.a.fill_window("w", 61, 8, 2)["window_stored"] == 2
+    got = setup.b.fetch_window("w", 61, 8)
+    assert got == whole_window(4) | {"restorable": [1, 2, 3, 4]}

@@ -30,6 +30,7 @@ from hicache.integrations.sglang.side_pools import (
     SidePoolError,
     check_state,
     host_slots,
+    sliding_group,
     state_group,
     state_rows,
 )
@@ -209,3 +210,13 @@ def test_a_transfer_s_slots_are_one_per_key_or_refused() -> None:
     assert host_slots(torch.tensor([7]), 1) == [7]
     assert host_slots(torch.tensor([7, 8]), 1) is None
     assert host_slots(None, 1) is None
+
+
+def test_an_swa_pool_maps_to_the_sliding_group_beside_the_full_group(tmp_path: Path) -> None:
+    loaded = load_deployment(write_hybrid_deployment(tmp_path, "gpt_oss"))
+    swa = group_geometries(loaded.layer_map().groups, CacheDtypes.uniform(torch.bfloat16), PAGE)
+    host = HostKv("page_first_direct", 2, PAGE, 64 * PAGE, 2, 64, "bfloat16", 2)
+    assert kv_group(host, swa, PAGE) == "full"
+    assert sliding_group(swa) == "sliding"
+    with pytest.raises(SidePoolError, match=r"has sliding-window groups \[\]; SGLang's SWA"):
+        sliding_group({"full": swa["full"]})
