@@ -310,8 +310,8 @@ class TieredCache:
     def served_keys(
         self, keys: Mapping[str, Sequence[PageKey]], groups: Collection[str] | None = None
     ) -> dict[str, Served]:
-        """Per group (of `groups`), every prefix length it alone serves (`PrefixIndex.served`):
-        an engine that moves each pool on its own intersects them itself."""
+        """Per group (of `groups`), the prompt's pages it holds (`PrefixIndex.served`): an
+        engine that moves each pool on its own applies its own hit rules to them."""
         self._resync_if_due()
         return self.index.served(keys, groups)
 

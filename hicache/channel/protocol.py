@@ -189,7 +189,7 @@ class KeyLookup(Msg):
     num_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
     # the hit of these groups alone (an engine moving each pool on its own); None: all
     groups: Annotated[list[Name], Field(min_length=1, max_length=64)] | None = None
-    # also answer, per group, every prefix length it alone serves (`served`)
+    # also answer, per group, the prompt's pages it holds (`served`: run and at)
     served: bool = False
 
 

@@ -33,7 +33,7 @@ Shape = Callable[[list[Result]], Result]  # the op's reply from its lookups' rep
 @dataclass(frozen=True, slots=True)
 class Query:
     """One key lookup, checked: its keys, the tokens asked, the groups whose hit it is about
-    (None: all) and whether it also wants each group's served lengths."""
+    (None: all) and whether it also wants the pages each group holds (`served`)."""
 
     keys: dict[str, PackedKeys]
     asked: int
@@ -48,7 +48,7 @@ class Query:
         return {g: k for g, k in self.keys.items() if self.groups is None or g in self.groups}
 
     def needs_discovery(self, cache: TieredCache, hit: Hit) -> bool:
-        """Served lengths may lie before the hit's end (a state snapshot at a shorter
+        """The pages held may lie before the hit's end (a state snapshot at a shorter
         prefix): every unknown page counts then, not only those past the hit."""
         since = Hit(hit.page_size_tokens, 0, 0) if self.served else hit
         return cache.needs_discovery_keys(self.discovery_keys(), since)

@@ -1,8 +1,8 @@
 """A hybrid model's state snapshots by the engine's own page keys, each pool on its own, against
 a real `hicache serve` — what SGLang's storage backend needs for its side pools (v2): a state
 stored alone under the key of the page it follows (`store_keys` with the token group's pages
-None and `snapshots`), the lengths each group alone serves (`lookup_keys` with `served`: the
-full group's run, the state group's snapshots), a lookup and a load of one group alone
+None and `snapshots`), the pages each group holds (`lookup_keys` with `served`: the full
+group's run, the state group's snapshots), a lookup and a load of one group alone
 (`groups`: the KV leading run without the state; the state of one trailing key without KV),
 byte-exact into another engine's pool; malformed requests refused naming the field and what
 is allowed, and the session carries on."""
@@ -77,7 +77,7 @@ def rows(client: Client, group: str, page: int) -> list[torch.Tensor]:
 def served(
     client: Client, keys: PromptKeys, groups: list[str] | None = None
 ) -> dict[str, list[int]]:
-    """Each group's served lengths, listed (up to the prompt's pages)."""
+    """The pages each group holds, as prefix lengths, listed."""
     got = client.served_keys(keys, groups)
     return {group: s.lengths(keys.pages) for group, s in got.items()}
 

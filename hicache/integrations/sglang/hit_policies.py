@@ -13,10 +13,11 @@ prefix it can restore when every pool is satisfied. The rules (SGLang 0.5.23's
 - `restorable_prefix_pages`: the lengths every pool allows, ascending; `kv_hit_pages` its last
   (0 when none); per pool the longest length it alone allows within 1..kv_pages.
 
-hicache answers per group which prefix lengths it serves alone (`Client.served_keys`): the KV
-group 1..its run, a state group the lengths after which a snapshot is stored (the snapshot
-after p pages is filed under the key of page p-1, exactly a trailing window of one). So
-a page p-1 of a side pool is "held" when the length p is served by its group.
+hicache answers per group which of the prompt's pages it holds (`Client.served_keys`), each as
+the length ending with it: the KV group 1..its leading run, a state group the lengths after
+which a snapshot is stored (the snapshot after p pages is filed under the key of page p-1),
+a sliding group each page it holds. So `held[pool]` is the set of p whose page p-1 the pool's
+group holds, and the windows are applied here, with SGLang's sizes.
 """
 
 from __future__ import annotations
