@@ -206,6 +206,8 @@ class SidePoolOps:
         attached = self.attached
         if attached is None or attached.swa_group is None or attached.swa is None:
             return None
+        if host_indices is None:
+            return None
         pages = host_pages(host_indices, attached.swa.page_size, len(keys))
         return None if pages is None else (attached, attached.swa_group, pages)
 

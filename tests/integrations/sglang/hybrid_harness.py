@@ -163,3 +163,6 @@ class HybridControllers(DriverProcess):
 
     def fetch_window(self, name: str, seed: int, pages: int) -> dict[str, Any]:
         return self.request({"op": "fetch_window", "name": name, "seed": seed, "pages": pages})
+
+    def malformed(self, name: str) -> dict[str, Any]:
+        return self.request({"op": "malformed", "name": name})

@@ -203,3 +203,21 @@ def test_an_swa_window_short_of_a_page_shortens_the_prefix(setup: Setup) -> None
     assert setup.a.fill_window("w", 61, 8, 2)["window_stored"] == 2
     got = setup.b.fetch_window("w", 61, 8)
     assert got == whole_window(4) | {"restorable": [1, 2, 3, 4]}
+
+
+@pytest.mark.parametrize("name", ["c", "w"])
+def test_transfers_sglang_should_not_send_are_misses_never_exceptions(
+    setup: Setup, name: str
+) -> None:
+    got = setup.a.malformed(name)
+    results = {
+        "mamba": [{"mamba": [False]}, {"mamba": [False, False]}],
+        "swa": [{"swa": [False]}, {"swa": [False]}],
+        "indexer": [{"indexer": [False]}],
+        "none": [{"mamba": []}],
+    }
+    expected = [*results["mamba"], *results["swa"], *results["indexer"], *results["none"]]
+    assert got["get"] == expected
+    assert got["set"] == expected
+    assert got["exists_unmapped"] == [0, []]
+    assert got["exists_empty"] == [0, []]

@@ -10,6 +10,7 @@ min(window, hit) pages). The process `hybrid_harness.HybridControllers` starts; 
         (page i's from (seed, i) alone) device -> host (both pools) -> hicache, the SWA pool's
         last `window_pages` pages backed up with their keys -> {"l1_l2_ok",
         "backed_up_tokens", "window_stored"}; then host and device cleared
+    {"op": "malformed", "name"}  v2 calls with transfers SGLang should not send -> each result
     {"op": "fetch_window", "name", "seed", "pages"}  hit query with the SWA pool's window,
         host slots of both, page transfer, acks, load of both -> {"hit_pages", "restorable",
         "fetched_tokens", "window_fetched", "kv_match", "window_match"} (window_match: the
@@ -283,6 +284,40 @@ class WindowHarness(Harness):
             window = ([k[lo:] for k in sks], [v[lo:] for v in svs])
             out["window_match"] = self._rows(c["swa_dev"], swa_dev, len(SWA_LAYERS), *window)
         self._clear_window(c, host_idx, dev_idx, (side.host_indices, swa_dev))
+        return out
+
+    def malformed(self, name: str) -> dict[str, Any]:
+        """The backend's v2 calls with transfers SGLang should not send (no slots, slots that
+        do not match the keys, a pool not mapped, no keys): each answers "absent" / "not
+        stored" (lists of False, no hit), never an exception."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        torch = self.torch
+        backend = self.controllers[name]["backend"]
+        trailing = PoolHitPolicy.TRAILING_PAGES
+        transfers = [
+            PoolTransfer(name=PoolName.MAMBA, keys=["a" * 64], host_indices=None),
+            PoolTransfer(
+                name=PoolName.MAMBA, keys=["a" * 64, "b" * 64], host_indices=torch.tensor([0])
+            ),
+            PoolTransfer(name=PoolName.SWA, keys=["c" * 64], host_indices=None),
+            PoolTransfer(name=PoolName.SWA, keys=["c" * 64], host_indices=torch.tensor([3])),
+            PoolTransfer(name=PoolName.INDEXER, keys=["d" * 64], host_indices=torch.tensor([0])),
+            PoolTransfer(name=PoolName.MAMBA, keys=None, host_indices=None),
+        ]
+        out: dict[str, Any] = {"get": [], "set": []}
+        for t in transfers:
+            out["get"].append(backend.batch_get_v2([t]))
+            out["set"].append(backend.batch_set_v2([t]))
+        exists = backend.batch_exists_v2(
+            ["e" * 64] * 3,
+            [PoolTransfer(name=PoolName.INDEXER, keys=["e" * 64], hit_policy=trailing)],
+        )
+        out["exists_unmapped"] = [exists.kv_hit_pages, exists.restorable_prefix_pages]
+        exists = backend.batch_exists_v2(
+            [], [PoolTransfer(name=PoolName.MAMBA, hit_policy=trailing)]
+        )
+        out["exists_empty"] = [exists.kv_hit_pages, exists.restorable_prefix_pages]
         return out
 
 
