@@ -20,7 +20,7 @@ from functools import partial
 
 from hicache.cache import TieredCache
 from hicache.channel import protocol as p
-from hicache.index import KEY_BYTES, Hit, PackedKeys
+from hicache.index import KEY_BYTES, Hit, PackedKeys, PageKey
 from hicache.service.dispatch import Later, Reply, Result
 from hicache.service.namespaces import Namespace
 from hicache.service.sessions import Session
@@ -43,15 +43,25 @@ class Query:
     def hit(self, cache: TieredCache) -> Hit:
         return cache.lookup_keys(self.keys, self.groups)
 
-    def discovery_keys(self) -> dict[str, PackedKeys]:
-        """The keys discovery may ask L3 about: the named groups'."""
-        return {g: k for g, k in self.keys.items() if self.groups is None or g in self.groups}
+    def discovery_sets(self, cache: TieredCache) -> list[dict[str, Sequence[PageKey]]]:
+        """The keys discovery may ask L3 about, each set of equal length: the named groups'.
+        With `served`, the other groups' only up to the whole-prefix groups' run, in a set of
+        their own: past it no length is restorable whatever they hold (a cold prompt asks L3
+        about its KV pages, not about a state or window page at every position)."""
+        named = {g: k for g, k in self.keys.items() if self.groups is None or g in self.groups}
+        rules = cache.index.rules
+        whole = {g: k for g, k in named.items() if rules[g].needs_whole_prefix}
+        if not self.served or not whole:
+            return [dict(named)]
+        run = min(s.run for s in cache.served_keys(self.keys, list(whole)).values())
+        others = {g: k[:run] for g, k in named.items() if g not in whole}
+        return [dict(whole), others] if run and others else [dict(whole)]
 
     def needs_discovery(self, cache: TieredCache, hit: Hit) -> bool:
         """The pages held may lie before the hit's end (a state snapshot at a shorter
         prefix): every unknown page counts then, not only those past the hit."""
         since = Hit(hit.page_size_tokens, 0, 0) if self.served else hit
-        return cache.needs_discovery_keys(self.discovery_keys(), since)
+        return any(cache.needs_discovery_keys(keys, since) for keys in self.discovery_sets(cache))
 
 
 class LookupOps:
@@ -108,8 +118,13 @@ class LookupOps:
         replies = []
         for query in checked:
             hit = query.hit(cache)
-            if query.needs_discovery(cache, hit):
-                await cache.discover_keys(query.discovery_keys())
+            # a served lookup twice at most: what L3 adds to the run may bring more of the
+            # other groups' pages within it (`Query.discovery_sets`)
+            for _ in range(2 if query.served else 1):
+                if not query.needs_discovery(cache, hit):
+                    break
+                for keys in query.discovery_sets(cache):
+                    await cache.discover_keys(keys)
                 hit = query.hit(cache)
             replies.append(self._key_reply(cache, query, hit, tenant))
         return shape(replies)
