@@ -30,7 +30,7 @@ reservation of a round is committed or freed by `commit_fetch` as before.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping, Sequence
+from collections.abc import Callable, Collection, Coroutine, Mapping, Sequence
 from typing import Any
 
 from hicache.cache.l3_io import L3Io
@@ -79,20 +79,22 @@ class Loads:
         fence: Fence | None,
         attachment: int,
         num_tokens: int,
+        groups: Collection[str] | None = None,
     ) -> tuple[OpHandle | None, Hit]:
         """`TieredCache.load` / `load_keys` past their checks, fence and discovery: the prompt
-        of `num_tokens` tokens given by every cached group's page keys."""
+        of `num_tokens` tokens given by every cached group's page keys; the hit and the
+        copies of `groups` alone (None: every group)."""
         size = self.index.page_size_tokens
-        hit = self.index.lookup_keys(keys, skip_pages=skip_pages)
+        hit = self.index.lookup_keys(keys, skip_pages=skip_pages, groups=groups)
         failed: dict[str, tuple[int, ...]] = {}
         if hit.pages_total > hit.pages_l2 and self._l3() is not None:
-            await self._prefetch(keys, skip_pages, hit, num_tokens)
+            await self._prefetch(keys, skip_pages, hit, num_tokens, groups)
             failed = {
                 group: lost
                 for group, rows in hit.needed.items()
                 if (lost := tuple(i for i, r in rows if r.l2_page is None))
             }
-        plan = self.planner.plan_load(keys, skip_pages)
+        plan = self.planner.plan_load(keys, skip_pages, groups)
         hot = {g: rs for g, rs in plan.hot.items() if g not in self.io.replica_groups}
         if hot and self._l3() is not None:
             self.persist.offer(hot)  # selective write-through: hit often enough (rank 0's)
@@ -132,7 +134,12 @@ class Loads:
         return int(gained or 0)
 
     async def _prefetch(
-        self, keys: Mapping[str, Sequence[PageKey]], skip_pages: int, hit: Hit, tokens: int
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        skip_pages: int,
+        hit: Hit,
+        tokens: int,
+        groups: Collection[str] | None = None,
     ) -> None:
         """Bring the hit's L3-only pages into L2 within the prefetch policy's wait; the
         fetch goes on in the background past it (owned by the running cache), so the next
@@ -145,11 +152,17 @@ class Loads:
         # the reads in flight go first (L3 serves them meanwhile), then this one
         queued = self.io.reading_bytes + l3_bytes
         wait = self._prefetch_policy().wait_s(tokens, queued, self.io.read_rate.bytes_per_s())
-        task = self._spawn(lambda: self._fetch(keys, skip_pages, hit), "fetch")
+        task = self._spawn(lambda: self._fetch(keys, skip_pages, hit, groups), "fetch")
         if wait != 0.0:
             await asyncio.wait({task}, timeout=wait)
 
-    async def _fetch(self, keys: Mapping[str, Sequence[PageKey]], skip_pages: int, hit: Hit) -> int:
+    async def _fetch(
+        self,
+        keys: Mapping[str, Sequence[PageKey]],
+        skip_pages: int,
+        hit: Hit,
+        groups: Collection[str] | None = None,
+    ) -> int:
         """The hit's L3-only pages into L2, in rounds. Where some page did not arrive —
         damaged or gone from L3, which the index learns from L3's answer — the hit it broke
         is looked up again: the longest prefix the tiers still serve, whose needs may
@@ -164,7 +177,7 @@ class Loads:
                 return gained
             if self._l3() is None:
                 return gained
-            shorter = self.index.lookup_keys(keys, skip_pages=skip_pages)
+            shorter = self.index.lookup_keys(keys, skip_pages=skip_pages, groups=groups)
             if shorter.pages_total >= hit.pages_total or shorter.pages_total == shorter.pages_l2:
                 return gained
             hit = shorter

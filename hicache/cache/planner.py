@@ -26,7 +26,7 @@ does (`StorePlan.truncated_to_pages`) instead of failing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING, Protocol
@@ -439,13 +439,19 @@ class Planner:
 
     # ---- load (L2 -> L1) --------------------------------------------------------------------
 
-    def plan_load(self, prompt: Mapping[str, Sequence[PageKey]], skip_pages: int) -> LoadPlan:
-        """The L2 hit now of the prompt given by its page keys, its records pinned in the same
-        step (no eviction can come between the hit and the pins), and hits counted: only
-        loads count, never lookups."""
-        hit = self.index.lookup_keys(prompt, touch=False, skip_pages=skip_pages)
+    def plan_load(
+        self,
+        prompt: Mapping[str, Sequence[PageKey]],
+        skip_pages: int,
+        groups: Collection[str] | None = None,
+    ) -> LoadPlan:
+        """The L2 hit now of the prompt given by its page keys (of `groups` alone: None,
+        all), its records pinned in the same step (no eviction can come between the hit and
+        the pins), and hits counted: only loads count, never lookups."""
+        hit = self.index.lookup_keys(prompt, touch=False, skip_pages=skip_pages, groups=groups)
         pages, size = hit.pages_l2, hit.page_size_tokens
-        keys = prompt if pages > skip_pages else {}
+        named = {g: k for g, k in prompt.items() if groups is None or g in groups}
+        keys = named if pages > skip_pages else {}
         needed: dict[str, tuple[tuple[int, PageRecord], ...]] = {}
         for group, group_keys in keys.items():
             rows: list[tuple[int, PageRecord]] = []

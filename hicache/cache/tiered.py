@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -57,6 +57,7 @@ from hicache.index import (
     PageKey,
     PrefetchPolicy,
     PrefixIndex,
+    Served,
     WritePolicy,
 )
 from hicache.memory import DevicePool, HostPoolStats
@@ -298,11 +299,21 @@ class TieredCache:
         engine needs to compute the very keys this cache's index holds."""
         return {group: keyer.root for group, keyer in self.index.keyers.items()}
 
-    def lookup_keys(self, keys: Mapping[str, Sequence[PageKey]]) -> Hit:
+    def lookup_keys(
+        self, keys: Mapping[str, Sequence[PageKey]], groups: Collection[str] | None = None
+    ) -> Hit:
         """`lookup` of a prompt given by every cached group's keys of its full pages; the
-        counts only (no `needed`)."""
+        counts only (no `needed`). `groups`: the hit of those groups alone (None: all)."""
         self._resync_if_due()
-        return self.index.lookup_keys(keys, rows=False)
+        return self.index.lookup_keys(keys, rows=False, groups=groups)
+
+    def served_keys(
+        self, keys: Mapping[str, Sequence[PageKey]], groups: Collection[str] | None = None
+    ) -> dict[str, Served]:
+        """Per group (of `groups`), the prompt's pages it holds (`PrefixIndex.served`): an
+        engine that moves each pool on its own applies its own hit rules to them."""
+        self._resync_if_due()
+        return self.index.served(keys, groups)
 
     def needs_discovery_keys(self, keys: Mapping[str, Sequence[PageKey]], hit: Hit) -> bool:
         return self.l3 is not None and self.discovery.needed_keys(keys, hit)
@@ -419,21 +430,25 @@ class TieredCache:
         keys: Mapping[str, Sequence[PageKey]],
         device_pages: Mapping[str, Sequence[int | None]],
         *,
+        snapshots: Mapping[str, Mapping[int, int]] | None = None,
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
     ) -> Coroutine[Any, Any, StoreResult]:
         """`store` of a prompt given by every cached group's keys of its full pages (one
-        per page, the same count in each) instead of its tokens; token groups' pages only
-        (state snapshots are filed by prefix length, which keys do not carry). The default
-        fence is taken when this is called, as `store`'s."""
+        per page, the same count in each) instead of its tokens. State groups' snapshots as
+        `store`'s, `{num_tokens: slot}`: the state after the first num_tokens / page_size
+        keys, filed under the group's key of the last of them (an engine that stores a
+        state alone names the prompt by its keys up to there, and its token groups' pages
+        None). The default fence is taken when this is called, as `store`'s."""
         if fence is None:
             fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
-        return self._store_keys(keys, device_pages, fence, attachment)
+        return self._store_keys(keys, device_pages, snapshots, fence, attachment)
 
     async def _store_keys(
         self,
         keys: Mapping[str, Sequence[PageKey]],
         device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Mapping[int, int]] | None,
         fence: Fence | None,
         attachment: int,
     ) -> StoreResult:
@@ -441,7 +456,13 @@ class TieredCache:
         self._resync_if_due()
         size = self.index.page_size_tokens
         full_pages = min((len(k) for k in keys.values()), default=0)
-        wanted = store_positions(self.index.rules, size, self._moved(device_pages), {}, full_pages)
+        wanted = store_positions(
+            self.index.rules,
+            size,
+            self._moved(device_pages),
+            self._moved(snapshots or {}),
+            full_pages,
+        )
         return await self.stores.store(keys, wanted, fence, attachment)
 
     def load_keys(
@@ -453,9 +474,12 @@ class TieredCache:
         skip_pages: int = 0,
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
+        groups: Collection[str] | None = None,
     ) -> Coroutine[Any, Any, tuple[OpHandle | None, Hit]]:
         """`load` of a prompt given by every cached group's page keys (see `store_keys`);
-        the default fence is taken when this is called, as `load`'s."""
+        `groups`: the hit and the copies of those groups alone, device pages named for them
+        only (None: every group); the default fence is taken when this is called, as
+        `load`'s."""
         if fence is None:
             fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
         pages = min((len(k) for k in keys.values()), default=0)
@@ -467,6 +491,7 @@ class TieredCache:
             fence,
             attachment,
             pages * self.index.page_size_tokens,
+            groups,
         )
 
     async def _load_keys(
@@ -478,14 +503,18 @@ class TieredCache:
         fence: Fence | None,
         attachment: int,
         num_tokens: int,
+        groups: Collection[str] | None = None,
     ) -> tuple[OpHandle | None, Hit]:
         """`load` and `load_keys` past their fence: a prompt of `num_tokens` tokens given by
-        every cached group's page keys."""
+        every cached group's page keys (moving `groups` alone: None, all)."""
         self._group()
         self._resync_if_due()
         pages = min((len(k) for k in keys.values()), default=0)
-        check_load_pages(self.index.rules, self._moved(device_pages), pages)
-        await self.discover_keys(keys)
+        rules = self.index.rules
+        if groups is not None:
+            rules = {g: rule for g, rule in rules.items() if g in groups}
+        check_load_pages(rules, self._moved(device_pages), pages)
+        await self.discover_keys({g: k for g, k in keys.items() if g in rules})
         return await self.loads.load(
             keys,
             device_pages,
@@ -494,6 +523,7 @@ class TieredCache:
             fence=fence,
             attachment=attachment,
             num_tokens=num_tokens,
+            groups=groups,
         )
 
     async def prefetch(self, token_ids: Sequence[int]) -> int:

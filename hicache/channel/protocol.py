@@ -187,6 +187,10 @@ class KeyLookup(Msg):
     keys: Annotated[dict[Name, KeyBlob], Field(max_length=64)]
     # the prompt's length; its partial trailing page has no key (default: the full pages')
     num_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    # the hit of these groups alone (an engine moving each pool on its own); None: all
+    groups: Annotated[list[Name], Field(min_length=1, max_length=64)] | None = None
+    # also answer, per group, the prompt's pages it holds (`served`: run and at)
+    served: bool = False
 
 
 class LookupMany(Msg):
@@ -240,10 +244,14 @@ class LoadRequest(PagesRequest):
 class KeyedStore(Msg):
     """`store` of a prompt given by page keys the engine derived itself (an engine that keys
     pages by its own hashes, as SGLang does, and sends no tokens), one key per full page in
-    every cached group (hello's `keys.roots` names them); token groups only."""
+    every cached group (hello's `keys.roots` names them); state groups' snapshots as
+    `store`'s, after a number of tokens that whole keys cover."""
 
     keys: Annotated[dict[Name, KeyBlob], Field(max_length=64)]
     device_pages: Annotated[dict[Name, HeldPageIds], Field(max_length=64)]
+    snapshots: Annotated[
+        dict[Name, Annotated[list[Snapshot], Field(max_length=MAX_TOKENS)]], Field(max_length=64)
+    ] = {}
     fence: Fence = None
 
 
@@ -254,6 +262,8 @@ class KeyedLoad(Msg):
     device_pages: Annotated[dict[Name, PageIds], Field(max_length=64)]
     skip_pages: int = Field(default=0, ge=0, le=PAGE_ID_MAX)
     fence: Fence = None
+    # the hit and copies of these groups alone, device pages for them only; None: all
+    groups: Annotated[list[Name], Field(min_length=1, max_length=64)] | None = None
 
 
 class Release(Msg):

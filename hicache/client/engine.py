@@ -60,6 +60,7 @@ from hicache.client.base import (
 from hicache.client.handle import ClientError, LoadHandle, Lookup, NoReplyError
 from hicache.client.keys import PromptKeys
 from hicache.config import LoadedConfig
+from hicache.index import Served
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
 
@@ -233,11 +234,31 @@ class Client(ClientBase):
         r = self.call("lookup", {"tokens": list(tokens)})
         return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
 
-    def lookup_keys(self, keys: PromptKeys | Sequence[int]) -> Lookup:
+    def lookup_keys(
+        self, keys: PromptKeys | Sequence[int], groups: Sequence[str] | None = None
+    ) -> Lookup:
         """`lookup` by the prompt's page keys (`page_keys`, computed once per prompt; tokens
         are keyed here first): the same answer, without the sidecar decoding and hashing a
-        token list."""
-        return self._lookup_of(self.call("lookup_keys", self._key_args(keys)))
+        token list. `groups`: the hit of those groups alone (an engine that moves each of its
+        pools on its own)."""
+        extra: dict[str, Any] = {} if groups is None else {"groups": list(groups)}
+        return self._lookup_of(self.call("lookup_keys", self._key_args(keys) | extra))
+
+    def served_keys(
+        self, keys: PromptKeys, groups: Sequence[str] | None = None
+    ) -> dict[str, Served]:
+        """Per group (of `groups`; None: all), the prefix lengths in pages it alone can serve
+        from the sidecar's L2 or L3: a whole-prefix group every length up to its `run`, a
+        state group those in `at` (where a snapshot is stored); `Served.lengths(n)` lists
+        them."""
+        args = self._key_args(keys) | {"served": True}
+        if groups is not None:
+            args["groups"] = list(groups)
+        reply = self.call("lookup_keys", args)
+        return {
+            group: Served(int(got["run"]), tuple(int(h) for h in got["at"]))
+            for group, got in reply["served"].items()
+        }
 
     def lookup_many(self, prompts: Sequence[PromptKeys | Sequence[int]]) -> list[Lookup]:
         """Several prompts' `lookup_keys` in one frame (more than fit go in a few), answered
@@ -308,15 +329,23 @@ class Client(ClientBase):
         self,
         keys: PromptKeys,
         device_pages: Mapping[str, Sequence[int | None]],
+        snapshots: Mapping[str, Mapping[int, int]] | None = None,
         *,
         stream: Any = None,
     ) -> dict[str, Any]:
         """`store` of a prompt given by page keys (`key_spec().of_ids(...)`: pages the engine
-        names itself) instead of tokens; token groups only, a device page per key. CUDA
-        pools: ordered after `stream`'s work as `store` is (a fence sent with the request)."""
+        names itself) instead of tokens: token groups a device page per key (None: not
+        stored), state groups `{num_tokens: slot}` as `store`'s (the state after the keys
+        covering num_tokens, filed under the last of them). CUDA pools: ordered after
+        `stream`'s work as `store` is (a fence sent with the request)."""
         args = self._key_args(keys)
         event, handle = self._engine_fence(stream, "store_keys")  # this thread, first
         extra: dict[str, Any] = {} if handle is None else {"fence": handle}
+        if snapshots:
+            extra["snapshots"] = {
+                group: [[int(n), int(slot)] for n, slot in sorted(given.items())]
+                for group, given in snapshots.items()
+            }
         try:
             return self.call(
                 "store_keys",
@@ -333,12 +362,16 @@ class Client(ClientBase):
         skip_pages: int = 0,
         *,
         stream: Any = None,
+        groups: Sequence[str] | None = None,
     ) -> LoadHandle | None:
-        """`load` of a prompt given by page keys (see `store_keys`); CUDA pools: the copies
+        """`load` of a prompt given by page keys (see `store_keys`); `groups`: the hit and
+        copies of those groups alone, `device_pages` naming only them. CUDA pools: the copies
         run after `stream`'s work, as `load`'s do."""
         args = self._key_args(keys)
         event, handle = self._engine_fence(stream, "load_keys")  # this thread, first
         extra: dict[str, Any] = {} if handle is None else {"fence": handle}
+        if groups is not None:
+            extra["groups"] = list(groups)
         try:
             reply = self.call(
                 "load_keys",

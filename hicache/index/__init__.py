@@ -6,7 +6,14 @@ from hicache.index.absent import AbsentKeys
 from hicache.index.eviction import EVICTION_POLICIES, EvictionPolicy, LruPolicy, S3FifoPolicy
 from hicache.index.keys import KEY_BYTES, HashAlgorithm, Namespace, PackedKeys, PageKey, PageKeyer
 from hicache.index.policies import PREFETCH_POLICIES, WRITE_POLICIES, PrefetchPolicy, WritePolicy
-from hicache.index.prefix_index import GroupRule, Hit, PageIndexError, PageRecord, PrefixIndex
+from hicache.index.prefix_index import (
+    GroupRule,
+    Hit,
+    PageIndexError,
+    PageRecord,
+    PrefixIndex,
+    Served,
+)
 
 __all__ = [
     "EVICTION_POLICIES",
@@ -28,5 +35,6 @@ __all__ = [
     "PrefetchPolicy",
     "PrefixIndex",
     "S3FifoPolicy",
+    "Served",
     "WritePolicy",
 ]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from hicache.errors import HicacheError, PinError
@@ -114,6 +114,18 @@ class Hit:
         return self.pages_total * self.page_size_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class Served:
+    """The pages of a prompt one group holds, as prefix lengths: 1..`run`, and those in `at`."""
+
+    run: int
+    at: tuple[int, ...]
+
+    def lengths(self, limit: int) -> list[int]:
+        """Every length up to `limit` held, ascending."""
+        return sorted({*range(1, min(self.run, limit) + 1), *(h for h in self.at if h <= limit)})
+
+
 class PrefixIndex:
     def __init__(
         self,
@@ -178,14 +190,14 @@ class PrefixIndex:
         touch: bool = False,
         skip_pages: int = 0,
         rows: bool = True,
+        groups: Collection[str] | None = None,
     ) -> Hit:
         """`lookup` of a prompt given by its keys (every group's, as `keys` computes them: an
         engine that computed them once sends them instead of its tokens). `rows=False`: only
-        the counts, no `needed` (a lookup's reply needs no records)."""
-        if keys.keys() != self.rules.keys():
-            raise PageIndexError(
-                f"keys name groups {sorted(keys)}; this index keys {sorted(self.rules)}"
-            )
+        the counts, no `needed` (a lookup's reply needs no records). `groups`: the hit of
+        those groups alone (an engine that moves each of its pools on its own, as SGLang's
+        storage backend does); default every group."""
+        keys = self._of_groups(keys, groups)
         pages = min((len(k) for k in keys.values()), default=0)
         skip = min(skip_pages, pages)
         pages_l2, pages_total = self._longest(keys, pages, skip)
@@ -202,6 +214,48 @@ class PrefixIndex:
                 if touch:
                     self.touch(group, [r for _, r in found])
         return Hit(self.page_size_tokens, pages_l2, pages_total, needed)
+
+    def _of_groups(
+        self, keys: Mapping[str, Sequence[PageKey]], groups: Collection[str] | None
+    ) -> Mapping[str, Sequence[PageKey]]:
+        """`keys` checked (every group of the index), narrowed to `groups` (None: all)."""
+        if keys.keys() != self.rules.keys():
+            raise PageIndexError(
+                f"keys name groups {sorted(keys)}; this index keys {sorted(self.rules)}"
+            )
+        if groups is None:
+            return keys
+        unknown = sorted(set(groups) - set(self.rules))
+        if unknown or not groups:
+            raise PageIndexError(
+                f"a lookup of groups {sorted(groups)}: name one or more of {sorted(self.rules)}"
+            )
+        return {group: keys[group] for group in self.rules if group in groups}
+
+    def served(
+        self, keys: Mapping[str, Sequence[PageKey]], groups: Collection[str] | None = None
+    ) -> dict[str, Served]:
+        """Per group (of `groups`, default all), the pages of the prompt it holds in L2 or
+        L3, each as the prefix length ending with it: a whole-prefix group its leading run
+        (`run`: every length up to it is served), any other group every page held (`at`: a
+        state group's snapshots — the one after h pages is its page h-1 —, a sliding
+        group's pages, which a window of the engine's own size then needs; not monotone).
+        What SGLang's `batch_exists_v2` applies its hit policies to."""
+        keys = self._of_groups(keys, groups)
+        pages = min((len(k) for k in keys.values()), default=0)
+        out = {}
+        for group, group_keys in keys.items():
+            if self.rules[group].needs_whole_prefix:
+                out[group] = Served(self._present_runs(group, group_keys, pages, 0)[1], ())
+                continue
+            records = self._records[group]
+            at = []
+            for i, key in enumerate(group_keys[:pages]):
+                record = records.get(key)
+                if record is not None and (record.l2_page is not None or record.in_l3):
+                    at.append(i + 1)
+            out[group] = Served(0, tuple(at))
+        return out
 
     def _longest(
         self, keys: Mapping[str, Sequence[PageKey]], pages: int, skip: int = 0

@@ -28,7 +28,7 @@ from hicache.scheduler import OpHandle, OpResult, OpState
 from hicache.service.checkpoints import checkpoint
 from hicache.service.kv_events import storing_tokens
 from hicache.service.namespaces import Namespace
-from hicache.service.ops_lookup import packed_keys
+from hicache.service.ops_lookup import check_groups, packed_keys
 from hicache.service.sessions import LoadEntry, Session
 from hicache.service.state import ServerState
 from hicache.transfer import NO_FENCE, CopyBackend, Fence, LayerFailure, LayerListener
@@ -48,16 +48,7 @@ class DataOps:
     async def store(self, session: Session, args: p.StoreRequest) -> dict[str, Any]:
         namespace = self.state.ready(session, "store")
         self._check_pages(session, "store", args.device_pages, args.snapshots)
-        snapshots: dict[str, dict[int, int]] = {}
-        for group, pairs in args.snapshots.items():
-            given = snapshots.setdefault(group, {})
-            for tokens, slot in pairs:
-                if given.setdefault(tokens, slot) != slot:
-                    raise p.RequestError(
-                        p.ErrorCode.BAD_REQUEST,
-                        f"store.snapshots.{group}: two snapshots after {tokens} tokens (slots "
-                        f"{given[tokens]} and {slot}); give one per prefix length",
-                    )
+        snapshots = _snapshots("store", args.snapshots)
         fence = engine_fence(namespace.cache.backend, args.fence, "store")
         await checkpoint("store.begin")
         # KV events (service.kv_events) hash the pages this store brings into L2
@@ -73,15 +64,17 @@ class DataOps:
         return self._stored(session, result)
 
     async def store_keys(self, session: Session, args: p.KeyedStore) -> dict[str, Any]:
-        """`store` of a prompt given by the engine's own page keys (token groups only)."""
+        """`store` of a prompt given by the engine's own page keys (state groups' snapshots
+        by the number of tokens the keys up to them cover)."""
         namespace = self.state.ready(session, "store_keys")
         keys, _ = packed_keys(self.state, args.keys, None, "store_keys")
-        self._check_pages(session, "store_keys", args.device_pages, {})
+        self._check_pages(session, "store_keys", args.device_pages, args.snapshots)
         self._check_counts("store_keys", keys, args.device_pages)
+        snapshots = _snapshots("store_keys", args.snapshots)
         fence = engine_fence(namespace.cache.backend, args.fence, "store_keys")
         await checkpoint("store.begin")
         result = await namespace.cache.store_keys(
-            keys, args.device_pages, fence=fence, attachment=session.id
+            keys, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
         )
         del fence
         return self._stored(session, result)
@@ -115,10 +108,12 @@ class DataOps:
         return await self._load(session, namespace, "load", args.fence, start)
 
     async def load_keys(self, session: Session, args: p.KeyedLoad) -> dict[str, Any]:
-        """`load` of a prompt given by the engine's own page keys."""
+        """`load` of a prompt given by the engine's own page keys (of `groups` alone, when
+        named: their device pages only)."""
         namespace = self.state.ready(session, "load_keys")
         keys, _ = packed_keys(self.state, args.keys, None, "load_keys")
-        self._check_pages(session, "load_keys", args.device_pages)
+        groups = check_groups(self.state, args.groups, "load_keys")
+        self._check_pages(session, "load_keys", args.device_pages, groups=groups)
         self._check_counts("load_keys", keys, args.device_pages)
 
         def start(fence: Fence, on_layer: LayerListener) -> Awaitable[tuple[OpHandle | None, Hit]]:
@@ -129,6 +124,7 @@ class DataOps:
                 skip_pages=args.skip_pages,
                 fence=fence,
                 attachment=session.id,
+                groups=groups,
             )
 
         return await self._load(session, namespace, "load_keys", args.fence, start)
@@ -241,16 +237,19 @@ class DataOps:
         op: str,
         device_pages: Mapping[str, Sequence[int | None]],
         snapshots: Mapping[str, Sequence[Sequence[int]]] | None = None,
+        *,
+        groups: Sequence[str] | None = None,
     ) -> None:
-        """Every page named is inside the engine's registered pool; a load names every group,
-        a store every token group (its state groups' snapshots come in `snapshots`)."""
+        """Every page named is inside the engine's registered pool; a load names every group
+        (of `groups`, when it moves those alone), a store every token group (its state
+        groups' snapshots come in `snapshots`)."""
         assert session.pools is not None
         named = dict(device_pages)
         for group, pairs in (snapshots or {}).items():
             self._check_in_pool(session, f"{op}.snapshots", group, [slot for _, slot in pairs])
         for group, pages in named.items():
             self._check_in_pool(session, f"{op}.device_pages", group, pages)
-        required = set(session.pools)
+        required = set(session.pools) if groups is None else set(groups)
         if snapshots is not None:
             required = {g for g in required if self.state.layer_map.group(g).kind.is_token_cache}
         missing = required - set(named)
@@ -279,6 +278,21 @@ class DataOps:
                 f"{where}.{group}: pages {bad[:5]} are outside the registered "
                 f"pool of {pool.num_pages} pages (0..{pool.num_pages - 1})",
             )
+
+
+def _snapshots(op: str, given: Mapping[str, Sequence[Sequence[int]]]) -> dict[str, dict[int, int]]:
+    """A store's snapshots as `{group: {num_tokens: slot}}`; two for one length refused."""
+    snapshots: dict[str, dict[int, int]] = {}
+    for group, pairs in given.items():
+        got = snapshots.setdefault(group, {})
+        for tokens, slot in pairs:
+            if got.setdefault(tokens, slot) != slot:
+                raise p.RequestError(
+                    p.ErrorCode.BAD_REQUEST,
+                    f"{op}.snapshots.{group}: two snapshots after {tokens} tokens (slots "
+                    f"{got[tokens]} and {slot}); give one per prefix length",
+                )
+    return snapshots
 
 
 def engine_fence(backend: CopyBackend, handle: bytes | None, op: str) -> Fence:

@@ -15,18 +15,53 @@ the token lookup's, discovery included."""
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 
 from hicache.cache import TieredCache
 from hicache.channel import protocol as p
-from hicache.index import KEY_BYTES, Hit, PackedKeys
+from hicache.index import KEY_BYTES, Hit, PackedKeys, PageKey
 from hicache.service.dispatch import Later, Reply, Result
 from hicache.service.namespaces import Namespace
 from hicache.service.sessions import Session
 from hicache.service.state import ServerState
 
-Checked = list[tuple[dict[str, PackedKeys], int]]  # each lookup's keys and tokens asked
+Checked = list["Query"]  # each lookup, checked
 Shape = Callable[[list[Result]], Result]  # the op's reply from its lookups' replies
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    """One key lookup, checked: its keys, the tokens asked, the groups whose hit it is about
+    (None: all) and whether it also wants the pages each group holds (`served`)."""
+
+    keys: dict[str, PackedKeys]
+    asked: int
+    groups: list[str] | None = None
+    served: bool = False
+
+    def hit(self, cache: TieredCache) -> Hit:
+        return cache.lookup_keys(self.keys, self.groups)
+
+    def discovery_sets(self, cache: TieredCache) -> list[dict[str, Sequence[PageKey]]]:
+        """The keys discovery may ask L3 about, each set of equal length: the named groups'.
+        With `served`, the other groups' only up to the whole-prefix groups' run, in a set of
+        their own: past it no length is restorable whatever they hold (a cold prompt asks L3
+        about its KV pages, not about a state or window page at every position)."""
+        named = {g: k for g, k in self.keys.items() if self.groups is None or g in self.groups}
+        rules = cache.index.rules
+        whole = {g: k for g, k in named.items() if rules[g].needs_whole_prefix}
+        if not self.served or not whole:
+            return [dict(named)]
+        run = min(s.run for s in cache.served_keys(self.keys, list(whole)).values())
+        others = {g: k[:run] for g, k in named.items() if g not in whole}
+        return [dict(whole), others] if run and others else [dict(whole)]
+
+    def needs_discovery(self, cache: TieredCache, hit: Hit) -> bool:
+        """The pages held may lie before the hit's end (a state snapshot at a shorter
+        prefix): every unknown page counts then, not only those past the hit."""
+        since = Hit(hit.page_size_tokens, 0, 0) if self.served else hit
+        return any(cache.needs_discovery_keys(keys, since) for keys in self.discovery_sets(cache))
 
 
 class LookupOps:
@@ -62,29 +97,46 @@ class LookupOps:
         extend a later one's hit)."""
         namespace, checked = self._checked(session, lookups, op)
         if namespace is None:
-            return shape([self._reply(self._no_hit(), asked) for _, asked in checked])
+            return shape([self._no_key_hit(query) for query in checked])
         cache, tenant = namespace.cache, namespace.key.tenant
         hits = []
-        for keys, _ in checked:
-            hit = cache.lookup_keys(keys)
-            if cache.needs_discovery_keys(keys, hit):
+        for query in checked:
+            hit = query.hit(cache)
+            if query.needs_discovery(cache, hit):
                 return Later(partial(self._discovering_keys, cache, checked, shape, tenant))
             hits.append(hit)
         return shape(
-            [self._reply(hit, asked, tenant) for hit, (_, asked) in zip(hits, checked, strict=True)]
+            [
+                self._key_reply(cache, query, hit, tenant)
+                for hit, query in zip(hits, checked, strict=True)
+            ]
         )
 
     async def _discovering_keys(
         self, cache: TieredCache, checked: Checked, shape: Shape, tenant: str
     ) -> Result:
         replies = []
-        for keys, asked in checked:
-            hit = cache.lookup_keys(keys)
-            if cache.needs_discovery_keys(keys, hit):
-                await cache.discover_keys(keys)
-                hit = cache.lookup_keys(keys)
-            replies.append(self._reply(hit, asked, tenant))
+        for query in checked:
+            hit = query.hit(cache)
+            # a served lookup twice at most: what L3 adds to the run may bring more of the
+            # other groups' pages within it (`Query.discovery_sets`)
+            for _ in range(2 if query.served else 1):
+                if not query.needs_discovery(cache, hit):
+                    break
+                for keys in query.discovery_sets(cache):
+                    await cache.discover_keys(keys)
+                hit = query.hit(cache)
+            replies.append(self._key_reply(cache, query, hit, tenant))
         return shape(replies)
+
+    def _key_reply(self, cache: TieredCache, query: Query, hit: Hit, tenant: str) -> Result:
+        reply = self._reply(hit, query.asked, tenant)
+        if query.served:  # run: every length up to it; at: the others, listed
+            reply["served"] = {
+                group: {"run": served.run, "at": list(served.at)}
+                for group, served in cache.served_keys(query.keys, query.groups).items()
+            }
+        return reply
 
     def _checked(
         self, session: Session, lookups: Sequence[p.KeyLookup], op: str
@@ -92,12 +144,20 @@ class LookupOps:
         namespace = self.state.readable(session, op)
         many = op == "lookup_many"
         return namespace, [
-            self._packed_keys(args, f"{op}.lookups.{i}" if many else op)
-            for i, args in enumerate(lookups)
+            self._query(args, f"{op}.lookups.{i}" if many else op) for i, args in enumerate(lookups)
         ]
 
-    def _packed_keys(self, args: p.KeyLookup, where: str) -> tuple[dict[str, PackedKeys], int]:
-        return packed_keys(self.state, args.keys, args.num_tokens, where)
+    def _query(self, args: p.KeyLookup, where: str) -> Query:
+        keys, asked = packed_keys(self.state, args.keys, args.num_tokens, where)
+        groups = check_groups(self.state, args.groups, where)
+        return Query(keys, asked, groups, args.served)
+
+    def _no_key_hit(self, query: Query) -> Result:
+        reply = self._reply(self._no_hit(), query.asked)
+        if query.served:
+            named = query.groups if query.groups is not None else list(query.keys)
+            reply["served"] = {group: {"run": 0, "at": []} for group in named}
+        return reply
 
     def _no_hit(self) -> Hit:
         return Hit(self.state.plan.page_size_tokens, 0, 0, {}, {})
@@ -167,6 +227,22 @@ def packed_keys(
             f"tokens; the engine sent {pages} keys per group",
         )
     return {group: PackedKeys(blob) for group, blob in blobs.items()}, asked
+
+
+def check_groups(state: ServerState, groups: Sequence[str] | None, op: str) -> list[str] | None:
+    """A keyed op's `groups` (the ones it is about alone), each a cached group, once."""
+    if groups is None:
+        return None
+    known = list(state.key_groups)
+    bad = sorted({g for g in groups if g not in known})
+    if bad or len(set(groups)) != len(groups):
+        raise p.RequestError(
+            p.ErrorCode.BAD_REQUEST,
+            f"{op}.groups: {list(groups)} "
+            + (f"names groups {bad} this layout does not cache" if bad else "repeats a group")
+            + f"; name each at most once of {known}",
+        )
+    return list(groups)
 
 
 def _first(replies: list[Result]) -> Result:

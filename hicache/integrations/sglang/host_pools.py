@@ -19,8 +19,11 @@ gets a tenant of its own (`tenant_of`) and never shares with the rest.
 `host_pool_manifest` describes the buffer, shared in place (`core.shared_memory`), as a
 `SharedPools` with per-layer offsets and page strides (`hicache.channel.shm`): the sidecar maps
 SGLang's host pages as its device pages, and page p for the sidecar is SGLang's host page p.
-Not mapped (refused with the reason): MLA host pools, and a model whose hicache layout has more
-than one cached group (sliding-window or state groups travel in SGLang's v2 side pools).
+A hybrid model's other groups go in the same manifest, over the same memfd: its state group
+(SGLang's Mamba side pool, `side_pools`) and its sliding-window group (SGLang's SWA side pool:
+another host KV pool of the sliding layers, mapped as the KV pool is, `kv_rows`). Not mapped
+(refused with the reason): MLA host pools, and a layout with no or several full-attention
+groups.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from hicache.channel.shm import SharedPools
 from hicache.errors import HicacheError
+from hicache.index import GroupRule
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.memory import GroupGeometry
 
@@ -98,13 +104,20 @@ def tenant_of(layout: str) -> str:
 
 
 def kv_group(host: HostKv, geometries: Mapping[str, GroupGeometry], page_size_tokens: int) -> str:
-    """The one hicache group SGLang's KV host pool maps to; every mismatch named."""
-    if len(geometries) != 1:
+    """The one whole-prefix (full-attention) token group SGLang's KV host pool maps to
+    (sliding-window and state groups are side pools'); every mismatch named."""
+    whole = sorted(g for g, geo in geometries.items() if GroupRule.of(geo.group).needs_whole_prefix)
+    if len(whole) != 1:
         raise HostPoolError(
-            f"the sidecar's layout caches groups {sorted(geometries)}; SGLang's KV host pool "
-            "maps to a layout of one full-attention group (hybrid side pools are not mapped yet)"
+            f"the sidecar's layout caches full-attention groups {whole}; SGLang's KV host pool "
+            "maps to a layout of exactly one, beside its sliding-window and state groups"
         )
-    [(name, geometry)] = geometries.items()
+    check_kv(host, whole[0], geometries[whole[0]], page_size_tokens)
+    return whole[0]
+
+
+def check_kv(host: HostKv, name: str, geometry: GroupGeometry, page_size_tokens: int) -> None:
+    """Every difference between an SGLang KV host pool and the sidecar's group, named."""
     wrong = []
     if page_size_tokens != host.page_size:
         wrong.append(f"page size: SGLang {host.page_size}, sidecar {page_size_tokens}")
@@ -125,18 +138,13 @@ def kv_group(host: HostKv, geometries: Mapping[str, GroupGeometry], page_size_to
         raise HostPoolError(
             f"SGLang's host pool does not match the sidecar's group {name!r}: " + "; ".join(wrong)
         )
-    return name
 
 
-def host_pool_manifest(
-    region: SharedRegions,
-    kv_buffer: Any,
-    host: HostKv,
-    group: str,
-    geometry: GroupGeometry,
-) -> SharedPools:
-    """SGLang's host KV buffer (shared in place as `region`) as a `SharedPools` of the group's
-    page rows; it holds a dup of the region's descriptor (the client closes it with itself)."""
+def kv_rows(
+    region: SharedRegions, kv_buffer: Any, host: HostKv
+) -> tuple[list[list[int]], list[list[int]]]:
+    """An SGLang KV host buffer's per-layer K and V row offsets and page strides over
+    `region` (shared in place), in the module doc's layouts."""
     base = region.offset_of(kv_buffer.data_ptr())
     row = host.row_bytes
     half = host.layers * host.size * host.heads * host.head_dim * host.itemsize
@@ -148,15 +156,43 @@ def host_pool_manifest(
             k, stride = base + layer * row, host.layers * row
         offsets.append([k, k + half])
         strides.append([stride, stride])
+    return offsets, strides
+
+
+def host_pool_manifest(
+    region: SharedRegions,
+    kv_buffer: Any,
+    host: HostKv,
+    group: str,
+    geometry: GroupGeometry,
+    side: Mapping[str, SideRows] | None = None,
+) -> SharedPools:
+    """SGLang's host KV buffer (shared in place as `region`) as a `SharedPools` of the group's
+    page rows, and each side pool's group (`side`: its geometry, slots, per-layer offsets and
+    strides over the same region); it holds a dup of the region's descriptor (the client
+    closes it with itself)."""
+    offsets, strides = kv_rows(region, kv_buffer, host)
+    geometries, pages = {group: geometry}, {group: host.pages}
+    all_offsets, all_strides = {group: offsets}, {group: strides}
+    for name, rows in (side or {}).items():
+        geometries[name], pages[name] = rows.geometry, rows.pages
+        all_offsets[name], all_strides[name] = rows.offsets, rows.strides
+    # one region's memory is one buffer; several regions' (side pools' buffers beside the KV
+    # buffer) are registered by offsets alone: the sidecar maps the memfd, not this view
+    buffer = region.buffer() if len(region.regions) == 1 else torch.empty(0, dtype=torch.uint8)
     return SharedPools(
-        os.dup(region.fd),
-        region.nbytes,
-        {group: geometry},
-        {group: host.pages},
-        {group: offsets},
-        region.buffer(),
-        {group: strides},
+        os.dup(region.fd), region.nbytes, geometries, pages, all_offsets, buffer, all_strides
     )
+
+
+@dataclass(frozen=True, slots=True)
+class SideRows:
+    """A side pool's group in a manifest: its geometry, slots and rows (`side_pools`)."""
+
+    geometry: GroupGeometry
+    pages: int
+    offsets: list[list[int]]
+    strides: list[list[int]]
 
 
 def host_pages(host_indices: Any, page_size: int, count: int) -> list[int] | None:

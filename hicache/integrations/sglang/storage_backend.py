@@ -33,12 +33,19 @@ Lifecycle (SGLang's scheduler process):
     created (settings checked; a bad one fails SGLang's start, naming the key)
     -> register_mem_pool_host (host pool shared in place and checked against the sidecar's
        layout; a mismatch leaves the backend unattached, logged: every call then answers
-       "absent") -> register_mem_host_pool_v2 (side pools noted: not mapped)
-    -> on_host_pools_registered (first attach: hello + pools registered; a sidecar that is
+       "absent") -> register_mem_host_pool_v2 ("kv": the same pool; "mamba": checked against
+       the layout's state group and shared in place with the KV pool, one memfd under both;
+       other side pools noted, not mapped)
+    -> on_host_pools_registered (a layout with a state group and no Mamba pool mapped stays
+       unattached, logged; else first attach: hello + pools registered; a sidecar that is
        down is attached later, on the first call after `retry_after_s`)
     -> serving (the data path) -> close() (runtime detach, or shutdown: the session ends, the
        sidecar drops its mapping; nothing of the host pool is kept)
 `clear()` leaves the shared cache alone: it is every engine's (clear it through the sidecar).
+
+v2 (hybrid models): SGLang's Mamba side pool is mapped as the layout's state group
+(`side_pools`), its SWA side pool as the sliding group (`host_pools`), both moved by the v2
+calls (`storage_v2`, hit policies in `hit_policies`).
 """
 
 from __future__ import annotations
@@ -53,24 +60,34 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorage,
     HiCacheStorageConfig,
     HiCacheStorageExtraInfo,
-    PoolTransfer,
-    PoolTransferResult,
 )
 
 from hicache.assembly import geometries as deployment_geometries
 from hicache.client import Client, PromptKeys, connect_deployment
 from hicache.errors import ConfigError, HicacheError
-from hicache.integrations.core.shared_memory import SharedRegions, share_in_place
+from hicache.integrations.core.shared_memory import share_in_place
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.host_pools import (
     HostKv,
+    SideRows,
+    check_kv,
     host_pages,
     host_pool_manifest,
     kv_group,
+    kv_rows,
     tenant_of,
 )
 from hicache.integrations.sglang.settings import BackendSettings
+from hicache.integrations.sglang.side_pools import (
+    HostState,
+    SidePoolError,
+    check_state,
+    sliding_group,
+    state_group,
+    state_rows,
+)
 from hicache.integrations.sglang.stats import BackendStats
+from hicache.integrations.sglang.storage_v2 import Attached, SidePoolOps, pool_name
 from hicache.memory import GroupGeometry
 
 log = logging.getLogger("hicache.sglang")
@@ -101,17 +118,7 @@ def page_ids(keys: Sequence[str]) -> list[bytes]:
     return [key.encode() for key in keys]
 
 
-class _Attached:
-    """What one attach holds: the shared host pool and the group it maps to."""
-
-    def __init__(self, region: SharedRegions, host: HostKv, group: str, manifest: Any):
-        self.region = region
-        self.host = host
-        self.group = group
-        self.manifest = manifest
-
-
-class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
+class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
     """hicache's `dynamic` HiCache storage backend for SGLang (see the module doc)."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None):
@@ -120,9 +127,9 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         self.tp_rank = int(storage_config.tp_rank)
         self.tp_size = int(storage_config.tp_size)
         self.stats = BackendStats()
-        self.attached: _Attached | None = None
+        self.attached: Attached | None = None
         self.refused: str | None = None  # why SGLang's pools could not be mapped
-        self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang: not mapped
+        self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang, not mapped: why
         self._lock = threading.Lock()
         self.link = SidecarLink(
             self._connect,
@@ -151,24 +158,84 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
                 self.refused = str(exc)
                 log.error("hicache: SGLang's host pool is not attached: %s", exc)
                 return
-            self.attached = _Attached(region, host, group, mem_pool_host.kv_buffer)
+            self.attached = Attached(region, host, group, mem_pool_host.kv_buffer)
             self.refused = None
 
     def register_mem_host_pool_v2(self, host_pool: Any, host_pool_name: Any) -> None:
         super().register_mem_host_pool_v2(host_pool, host_pool_name)
-        name = str(getattr(host_pool_name, "value", host_pool_name))
-        if name != "kv":
-            self.side_pools[name] = type(host_pool).__name__
-            log.warning(
-                "hicache: SGLang's %s side pool (%s) is not mapped: requests that need it "
-                "recompute",
-                name,
-                type(host_pool).__name__,
+        name = pool_name(host_pool_name)
+        if name == "kv":
+            return  # the anchor pool, registered by register_mem_pool_host
+        maps = {"mamba": self._map_state, "swa": self._map_window}
+        with self._lock:
+            attached = self.attached
+            why = "SGLang's KV host pool is not attached"
+            if name in maps and attached is not None:
+                try:
+                    maps[name](attached, host_pool)
+                    return
+                except HicacheError as exc:
+                    why = str(exc)
+            elif name not in maps:
+                why = f"{type(host_pool).__name__} side pools are not mapped by hicache yet"
+            self.side_pools[name] = why
+        log.warning(
+            "hicache: SGLang's %s side pool is not mapped (%s): requests that need it recompute",
+            name,
+            why,
+        )
+
+    def _map_state(self, attached: Attached, host_pool: Any) -> None:
+        """The Mamba host pool checked against the layout's state group, then shared in place
+        with the pools mapped before it."""
+        geometries = self._geometries()
+        group = state_group(geometries)
+        state = HostState.of(host_pool, geometries[group])
+        check_state(state, group, geometries[group])
+        self._share(attached, [b.buffer.untyped_storage() for b in state.buffers])
+        attached.state, attached.state_group = state, group
+
+    def _map_window(self, attached: Attached, host_pool: Any) -> None:
+        """The SWA host pool (a KV host pool of the sliding layers) checked against the
+        layout's sliding group, then shared in place with the pools mapped before it."""
+        geometries = self._geometries()
+        group = sliding_group(geometries)
+        host = HostKv.of(host_pool)
+        if host.layout != attached.host.layout:
+            raise SidePoolError(
+                f"SGLang's SWA host pool is {host.layout}, its KV host pool "
+                f"{attached.host.layout}; hicache maps them in one layout"
             )
+        check_kv(host, group, geometries[group], attached.host.page_size)
+        self._share(attached, [host_pool.kv_buffer.untyped_storage()])
+        attached.swa, attached.swa_buffer, attached.swa_group = host, host_pool.kv_buffer, group
+
+    @staticmethod
+    def _share(attached: Attached, more: list[Any]) -> None:
+        """Every host buffer mapped so far and `more` under one new sealed memfd (the sidecar
+        registers one memfd for every group); the old one closed."""
+        region = share_in_place(
+            attached.storages() + more, "SGLang's host pools", "hicache-engine-host"
+        )
+        old, attached.region = attached.region, region
+        old.close()
 
     def on_host_pools_registered(self) -> None:
-        if self.attached is not None:
-            self.link.client()  # attach now; a sidecar that is down is tried again later
+        attached = self.attached
+        if attached is None:
+            return
+        missing = sorted(set(self._geometries()) - set(attached.groups().values()))
+        if missing:  # every group of the layout must be registered
+            self.refused = (
+                f"the sidecar's layout has groups {missing} no SGLang host pool hicache maps "
+                f"was registered for ({self.side_pools or 'none registered'})"
+            )
+            log.error("hicache: SGLang's host pools are not attached: %s", self.refused)
+            with self._lock:
+                self.attached = None
+            attached.region.close()
+            return
+        self.link.client()  # attach now; a sidecar that is down is tried again later
 
     def _geometries(self) -> dict[str, GroupGeometry]:
         """The sidecar's page geometries, derived as the client derives them (the
@@ -194,9 +261,21 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         attached = self.attached
         assert attached is not None
         geometry = client.geometries[attached.group]
+        side = {}
+        if attached.state is not None and attached.state_group is not None:
+            state_geometry = client.geometries[attached.state_group]
+            offsets, strides = state_rows(attached.region, attached.state, state_geometry)
+            side[attached.state_group] = SideRows(
+                state_geometry, attached.state.slots, offsets, strides
+            )
+        if attached.swa is not None and attached.swa_group is not None:
+            offsets, strides = kv_rows(attached.region, attached.swa_buffer, attached.swa)
+            side[attached.swa_group] = SideRows(
+                client.geometries[attached.swa_group], attached.swa.pages, offsets, strides
+            )
         client.register_pools(
             host_pool_manifest(
-                attached.region, attached.manifest, attached.host, attached.group, geometry
+                attached.region, attached.manifest, attached.host, attached.group, geometry, side
             )
         )
 
@@ -212,8 +291,10 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
             return 0
         size = self.attached.host.page_size
 
+        group = self.attached.group
+
         def ask(client: Client) -> int:
-            return client.lookup_keys(self._keys(client, keys)).tokens_total // size
+            return client.lookup_keys(self._keys(client, keys), [group]).tokens_total // size
 
         return int(self.link.use("batch_exists", ask, 0))
 
@@ -234,7 +315,9 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         started = time.perf_counter()
 
         def load(client: Client) -> int:
-            handle = client.load_keys(self._keys(client, keys), {attached.group: pages})
+            handle = client.load_keys(
+                self._keys(client, keys), {attached.group: pages}, groups=[attached.group]
+            )
             if handle is None:
                 return 0
             state = handle.done(timeout_s=self.settings.load_timeout_s)
@@ -261,7 +344,8 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
         started = time.perf_counter()
 
         def store(client: Client) -> int:
-            reply = client.store_keys(self._keys(client, keys), {attached.group: pages})
+            pages_of = attached.pages_of(attached.group, [*pages])
+            reply = client.store_keys(self._keys(client, keys), pages_of)
             cut = reply.get("truncated_to_tokens")
             return len(keys) if cut is None else int(cut) // attached.host.page_size
 
@@ -272,42 +356,6 @@ class HicacheStorage(HiCacheStorage):  # type: ignore[misc]
     def _page_bytes(self) -> int:
         attached = self.attached
         return 0 if attached is None else attached.host.row_bytes * attached.host.layers
-
-    # ---- v2: side pools (Mamba, SWA, DSA indexer) are not mapped: no hit where one is asked
-
-    def batch_exists_v2(
-        self,
-        keys: list[str],
-        pool_transfers: list[PoolTransfer] | None = None,
-        extra_info: HiCacheStorageExtraInfo | None = None,
-    ) -> PoolTransferResult:
-        side = [t for t in pool_transfers or [] if str(getattr(t.name, "value", t.name)) != "kv"]
-        if side:  # a prefix is restorable only with every pool: none here
-            return PoolTransferResult(0, {str(t.name): 0 for t in side}, [])
-        return PoolTransferResult(self.batch_exists(keys, extra_info), {})
-
-    def batch_get_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[str, list[bool]]:
-        return self._v2("batch_get_v1", transfers, extra_info)
-
-    def batch_set_v2(
-        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
-    ) -> dict[str, list[bool]]:
-        return self._v2("batch_set_v1", transfers, extra_info)
-
-    def _v2(
-        self, v1: str, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None
-    ) -> dict[str, list[bool]]:
-        out = {}
-        for t in transfers:
-            name = str(getattr(t.name, "value", t.name))
-            keys = list(t.keys or [])
-            if name == "kv" and t.host_indices is not None:
-                out[name] = getattr(self, v1)(keys, t.host_indices, extra_info)
-            else:
-                out[name] = [False] * len(keys)
-        return out
 
     # ---- the legacy interface: never called with interface_v1 (settings require it) ------
 

@@ -1,0 +1,245 @@
+"""SGLang's v2 side-pool calls of `HicacheStorage` (`storage_backend`), and what one attach
+holds: each pool moves on its own, as SGLang moves them. KV by `batch_*_v1` (the KV group
+alone), the Mamba state by `batch_*_v2` with its one trailing key: stored under the state
+group's key of that page id (per TP rank: every rank holds its own heads of the state, as
+SGLang keys Mamba per rank), loaded alone into the host slot SGLang gives; an SWA window by
+`batch_*_v2` with its trailing keys: its pages stored under the sliding group's keys, loaded
+whole into SGLang's SWA host slots (a window short of a page is a miss). `batch_exists_v2`
+asks the sidecar which pages each group holds and answers SGLang's hit policies and
+`restorable_prefix_pages` from them (`hit_policies`). A side pool that is not mapped (DSA
+indexer, DeepSeek-V4 pools, ...) or a transfer that does not fit (a Mamba transfer of several
+keys, slots that do not match the keys) answers no hit / not stored: SGLang recomputes. Like
+the v1 calls, these never raise (`SidecarLink.use`), are bounded by the backend's timeouts,
+and a repeated set stores nothing new (the sidecar holds those pages: True).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sglang.srt.mem_cache.hicache_storage import (
+    HiCacheStorageExtraInfo,
+    PoolTransfer,
+    PoolTransferResult,
+)
+
+from hicache.client import Client, PromptKeys
+from hicache.integrations.core.shared_memory import SharedRegions
+from hicache.integrations.core.sidecar_link import SidecarLink
+from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
+from hicache.integrations.sglang.host_pools import HostKv, host_pages
+from hicache.integrations.sglang.settings import BackendSettings
+from hicache.integrations.sglang.side_pools import HostState, host_slots
+
+
+def pool_name(name: Any) -> str:
+    """SGLang's pool name (a `PoolName` or its value) as its value: "kv", "mamba", ..."""
+    return str(getattr(name, "value", name))
+
+
+def policy_name(transfer: PoolTransfer) -> str:
+    policy = transfer.hit_policy
+    return str(getattr(policy, "value", policy))
+
+
+class Attached:
+    """What one attach holds: the shared host pool and the group it maps to; the side pools
+    mapped (a Mamba pool's state group, an SWA pool's sliding group), one region under all."""
+
+    def __init__(self, region: SharedRegions, host: HostKv, group: str, manifest: Any):
+        self.region = region
+        self.host = host
+        self.group = group
+        self.manifest = manifest  # the KV host buffer
+        self.state: HostState | None = None
+        self.state_group: str | None = None
+        self.swa: HostKv | None = None
+        self.swa_buffer: Any = None
+        self.swa_group: str | None = None
+
+    def groups(self) -> dict[str, str]:
+        """SGLang's pool names mapped, and the sidecar group each moves."""
+        out = {"kv": self.group}
+        if self.state_group is not None:
+            out["mamba"] = self.state_group
+        if self.swa_group is not None:
+            out["swa"] = self.swa_group
+        return out
+
+    def pages_of(self, group: str | None, pages: list[int | None]) -> dict[str, list[int | None]]:
+        """A store's device pages: `pages` for `group`, none (None) for the other token
+        groups (a store names every token group; SGLang stores each pool on its own; a
+        state alone: `group` None)."""
+        tokens = [self.group] + ([self.swa_group] if self.swa_group is not None else [])
+        return {g: pages if g == group else [None] * len(pages) for g in tokens}
+
+    def storages(self) -> list[Any]:
+        """Every host buffer shared with the sidecar (one memfd under all)."""
+        out = [self.manifest.untyped_storage()]
+        if self.state is not None:
+            out += [b.buffer.untyped_storage() for b in self.state.buffers]
+        if self.swa_buffer is not None:
+            out.append(self.swa_buffer.untyped_storage())
+        return out
+
+
+class SidePoolOps:
+    """`HicacheStorage`'s v2 calls (see the module doc); the backend gives what they use."""
+
+    attached: Attached | None
+    link: SidecarLink
+    settings: BackendSettings
+
+    def _keys(self, client: Client, keys: Sequence[str]) -> PromptKeys:
+        raise NotImplementedError
+
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> int:
+        raise NotImplementedError
+
+    # ---- v2: each pool on its own; the Mamba state by its trailing key (module doc) ------
+
+    def batch_exists_v2(
+        self,
+        keys: list[str],
+        pool_transfers: list[PoolTransfer] | None = None,
+        extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> PoolTransferResult:
+        side = [t for t in pool_transfers or [] if pool_name(t.name) != "kv"]
+        if not side:
+            return PoolTransferResult(self.batch_exists(keys, extra_info), {})
+        attached = self.attached
+        if attached is None or not keys:
+            return PoolTransferResult(0, {}, [])
+        asks = [PoolAsk(pool_name(t.name), str(policy_name(t)), len(t.keys or ())) for t in side]
+        groups = attached.groups()
+        if any(ask.name not in groups for ask in asks):  # a pool not mapped: no prefix whole
+            return PoolTransferResult(0, {}, [])
+
+        def ask(client: Client) -> PoolTransferResult:
+            served = client.served_keys(self._keys(client, keys), list(groups.values()))
+            kv_pages = served[attached.group].run  # a whole-prefix group: its run
+            held = {name: set(served[group].lengths(kv_pages)) for name, group in groups.items()}
+            got = restorable(kv_pages, asks, held)
+            return PoolTransferResult(got.kv_hit_pages, got.pool_hits, got.lengths)
+
+        return self.link.use("batch_exists_v2", ask, PoolTransferResult(0, {}, []))
+
+    def batch_get_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2("batch_get_v1", self._load_state, self._load_window, transfers, extra_info)
+
+    def batch_set_v2(
+        self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
+    ) -> dict[str, list[bool]]:
+        return self._v2(
+            "batch_set_v1", self._store_state, self._store_window, transfers, extra_info
+        )
+
+    def _v2(
+        self,
+        v1: str,
+        state_op: Any,
+        window_op: Any,
+        transfers: list[PoolTransfer],
+        extra_info: HiCacheStorageExtraInfo | None,
+    ) -> dict[str, list[bool]]:
+        out = {}
+        for t in transfers:
+            name = pool_name(t.name)
+            keys = list(t.keys or [])
+            if name == "kv" and t.host_indices is not None:
+                out[name] = getattr(self, v1)(keys, t.host_indices, extra_info)
+            elif name == "mamba" and len(keys) == 1:  # one state, at the span's trailing key
+                out[name] = [bool(state_op(keys[0], t.host_indices))]
+            elif name == "swa" and keys:  # the window's pages, at the span's trailing keys
+                out[name] = [bool(window_op(keys, t.host_indices))] * len(keys)
+            else:
+                out[name] = [False] * len(keys)
+        return out
+
+    def _state_slot(self, host_indices: Any) -> tuple[Attached, str, int] | None:
+        attached = self.attached
+        slots = host_slots(host_indices, 1)
+        if attached is None or attached.state_group is None or slots is None:
+            return None
+        return attached, attached.state_group, slots[0]
+
+    def _store_state(self, key: str, host_indices: Any) -> bool:
+        """The state in SGLang's host slot, stored under the state group's key of `key` (the
+        page it follows): a one-key prompt whose KV page is not named (None)."""
+        found = self._state_slot(host_indices)
+        if found is None:
+            return False
+        attached, group, slot = found
+        size = attached.host.page_size
+
+        def store(client: Client) -> bool:
+            reply = client.store_keys(
+                self._keys(client, [key]), attached.pages_of(None, [None]), {group: {size: slot}}
+            )
+            return reply.get("truncated_to_tokens") is None
+
+        return bool(self.link.use("batch_set_v2", store, False))
+
+    def _load_state(self, key: str, host_indices: Any) -> bool:
+        """The state stored under `key` into SGLang's host slot, the state group alone."""
+        found = self._state_slot(host_indices)
+        if found is None:
+            return False
+        _, group, slot = found
+
+        def load(client: Client) -> bool:
+            handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
+            if handle is None:
+                return False
+            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+
+        return bool(self.link.use("batch_get_v2", load, False))
+
+    def _window_pages(
+        self, keys: Sequence[str], host_indices: Any
+    ) -> tuple[Attached, str, list[int]] | None:
+        attached = self.attached
+        if attached is None or attached.swa_group is None or attached.swa is None:
+            return None
+        if host_indices is None:
+            return None
+        pages = host_pages(host_indices, attached.swa.page_size, len(keys))
+        return None if pages is None else (attached, attached.swa_group, pages)
+
+    def _store_window(self, keys: Sequence[str], host_indices: Any) -> bool:
+        """An SWA window's pages in SGLang's SWA host pool, stored under the sliding group's
+        keys of their page ids (the full group's pages not named: None); all or nothing."""
+        found = self._window_pages(keys, host_indices)
+        if found is None:
+            return False
+        attached, group, pages = found
+
+        def store(client: Client) -> bool:
+            reply = client.store_keys(self._keys(client, keys), attached.pages_of(group, [*pages]))
+            return reply.get("truncated_to_tokens") is None
+
+        return bool(self.link.use("batch_set_v2", store, False))
+
+    def _load_window(self, keys: Sequence[str], host_indices: Any) -> bool:
+        """An SWA window's pages into SGLang's SWA host slots, the sliding group alone; True
+        only when every page of the window landed (a shorter one is SGLang's miss)."""
+        found = self._window_pages(keys, host_indices)
+        if found is None:
+            return False
+        _, group, pages = found
+        size = self.attached.host.page_size if self.attached is not None else 0
+
+        def load(client: Client) -> bool:
+            handle = client.load_keys(self._keys(client, keys), {group: pages}, groups=[group])
+            if handle is None or handle.tokens != len(keys) * size:
+                if handle is not None:
+                    handle.done(timeout_s=self.settings.load_timeout_s)  # its pins go
+                return False
+            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+
+        return bool(self.link.use("batch_get_v2", load, False))
