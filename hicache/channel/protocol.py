@@ -58,6 +58,7 @@ IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 # then cudaIpcMemHandle_t's 64 bytes), with room; expandable segments' are kilobytes
 IPC_MEM_HANDLE_MAX_BYTES = 256
 MAX_LOOKUPS = 4096  # lookups in one lookup_many
+MAX_STORE_WAIT_S = 60.0  # the longest a lookup may wait for a store in flight
 
 
 class ErrorCode:
@@ -187,6 +188,9 @@ class KeyLookup(Msg):
     keys: Annotated[dict[Name, KeyBlob], Field(max_length=64)]
     # the prompt's length; its partial trailing page has no key (default: the full pages')
     num_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    # wait up to this long when the hit stops at a page a store in flight is writing (a
+    # decode instance asking for its prefill's pages, service/store_waits.py); 0: answer now
+    wait_stored_s: float = Field(default=0.0, ge=0.0, le=MAX_STORE_WAIT_S)
 
 
 class LookupMany(Msg):

@@ -233,11 +233,16 @@ class Client(ClientBase):
         r = self.call("lookup", {"tokens": list(tokens)})
         return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
 
-    def lookup_keys(self, keys: PromptKeys | Sequence[int]) -> Lookup:
+    def lookup_keys(
+        self, keys: PromptKeys | Sequence[int], *, wait_stored_s: float = 0.0
+    ) -> Lookup:
         """`lookup` by the prompt's page keys (`page_keys`, computed once per prompt; tokens
         are keyed here first): the same answer, without the sidecar decoding and hashing a
-        token list."""
-        return self._lookup_of(self.call("lookup_keys", self._key_args(keys)))
+        token list. `wait_stored_s`: when the hit stops at a page another engine's store is
+        writing now, the sidecar answers once that store ended, or after this long (the
+        call's reply timeout must exceed it); `Lookup.store_wait` says how it ended."""
+        args = self._key_lookup_args(keys, wait_stored_s)
+        return self._lookup_of(self.call("lookup_keys", args))
 
     def lookup_many(self, prompts: Sequence[PromptKeys | Sequence[int]]) -> list[Lookup]:
         """Several prompts' `lookup_keys` in one frame (more than fit go in a few), answered

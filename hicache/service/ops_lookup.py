@@ -10,7 +10,9 @@ lookup is counted once either way.
 A lookup by keys is the token lookup without decoding, validating and hashing a token list:
 the blobs are checked (whole keys, the same count in every cached group, at most `MAX_TOKENS`
 tokens' worth, `num_tokens` consistent with them), looked up as they are, and the reply is
-the token lookup's, discovery included."""
+the token lookup's, discovery included. A key lookup with `wait_stored_s` whose hit stops at
+a page a store in flight is writing is answered later, once that store ended or the bound
+passed (`store_waits.py`); its reply says how the wait ended (`store_wait`)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from hicache.service.namespaces import Namespace
 from hicache.service.sessions import Session
 from hicache.service.state import ServerState
 
-Checked = list[tuple[dict[str, PackedKeys], int]]  # each lookup's keys and tokens asked
+# each lookup's keys, tokens asked and how long it may wait for stores in flight
+Checked = list[tuple[dict[str, PackedKeys], int, float]]
 Shape = Callable[[list[Result]], Result]  # the op's reply from its lookups' replies
 
 
@@ -62,28 +65,36 @@ class LookupOps:
         extend a later one's hit)."""
         namespace, checked = self._checked(session, lookups, op)
         if namespace is None:
-            return shape([self._reply(self._no_hit(), asked) for _, asked in checked])
+            return shape([self._reply(self._no_hit(), asked) for _, asked, _ in checked])
         cache, tenant = namespace.cache, namespace.key.tenant
+        waits = self.state.store_waits
         hits = []
-        for keys, _ in checked:
+        for keys, _, wait_s in checked:
             hit = cache.lookup_keys(keys)
-            if cache.needs_discovery_keys(keys, hit):
+            if cache.needs_discovery_keys(keys, hit) or (
+                wait_s > 0 and waits.writing(cache, keys, hit)
+            ):
                 return Later(partial(self._discovering_keys, cache, checked, shape, tenant))
             hits.append(hit)
         return shape(
-            [self._reply(hit, asked, tenant) for hit, (_, asked) in zip(hits, checked, strict=True)]
+            [
+                self._reply(hit, asked, tenant)
+                for hit, (_, asked, _) in zip(hits, checked, strict=True)
+            ]
         )
 
     async def _discovering_keys(
         self, cache: TieredCache, checked: Checked, shape: Shape, tenant: str
     ) -> Result:
+        """In order: each lookup's wait for stores in flight (`store_waits.py`), then L3's
+        pages the index does not know."""
         replies = []
-        for keys, asked in checked:
-            hit = cache.lookup_keys(keys)
+        for keys, asked, wait_s in checked:
+            hit, waited = await self.state.store_waits.wait(cache, keys, wait_s)
             if cache.needs_discovery_keys(keys, hit):
                 await cache.discover_keys(keys)
                 hit = cache.lookup_keys(keys)
-            replies.append(self._reply(hit, asked, tenant))
+            replies.append(self._reply(hit, asked, tenant, waited))
         return shape(replies)
 
     def _checked(
@@ -96,19 +107,29 @@ class LookupOps:
             for i, args in enumerate(lookups)
         ]
 
-    def _packed_keys(self, args: p.KeyLookup, where: str) -> tuple[dict[str, PackedKeys], int]:
-        return packed_keys(self.state, args.keys, args.num_tokens, where)
+    def _packed_keys(
+        self, args: p.KeyLookup, where: str
+    ) -> tuple[dict[str, PackedKeys], int, float]:
+        keys, asked = packed_keys(self.state, args.keys, args.num_tokens, where)
+        return keys, asked, args.wait_stored_s
 
     def _no_hit(self) -> Hit:
         return Hit(self.state.plan.page_size_tokens, 0, 0, {}, {})
 
-    def _reply(self, hit: Hit, asked: int, tenant: str | None = None) -> Result:
+    def _reply(
+        self, hit: Hit, asked: int, tenant: str | None = None, waited: str | None = None
+    ) -> Result:
+        """`waited`: the outcome of a wait for stores in flight (`store_waits.OUTCOMES`),
+        in the reply only when the lookup waited."""
         self.state.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked, tenant)
-        return {
+        reply: Result = {
             "page_size_tokens": hit.page_size_tokens,
             "tokens_l2": hit.tokens_l2,
             "tokens_total": hit.tokens_total,
         }
+        if waited is not None:
+            reply["store_wait"] = waited
+        return reply
 
 
 def packed_keys(
