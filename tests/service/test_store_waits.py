@@ -56,6 +56,7 @@ class HeldBackups:
         self.held: list[tuple[Any, ...]] = []
         self._submit = self.backend.submit_walk
         self.backend.submit_walk = self._held_submit  # type: ignore[method-assign]
+        _HELD[id(world)] = self  # released when the test ends, failed or not (`run`)
 
     def _held_submit(
         self,
@@ -148,10 +149,21 @@ async def in_flight(world: SidecarWorld, prefill: Engine, tokens: list[int]) -> 
     return store
 
 
+_HELD: dict[int, HeldBackups] = {}
+
+
 def run(config: Path, body: Callable[[SidecarWorld], Any]) -> None:
+    """`body` against a fresh world; walks it left held are released at its end, so a
+    failing test fails (the drain would otherwise wait for them for good)."""
+
     async def main() -> None:
         async with SidecarWorld.running(config) as world:
-            await body(world)
+            try:
+                await body(world)
+            finally:
+                held = _HELD.pop(id(world), None)
+                if held is not None:
+                    held.release()
 
     asyncio.run(main())
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.assembly import engine_channel
+from hicache.channel.protocol import MAX_STORE_WAIT_S
 from hicache.config import load_deployment
 from hicache.errors import ConfigError
 
@@ -22,6 +23,7 @@ EXTRA_KEYS = (
     "retry_after_s",
     "load_mode",
     "stats_path",
+    "store_wait_s",
 )
 LOAD_MODES = ("auto", "layerwise", "async", "whole")
 
@@ -36,6 +38,9 @@ class ConnectorSettings:
     retry_after_s: float
     load_mode: str
     stats_path: Path | None = None
+    # how long a lookup waits for pages a store in flight is writing (None: the kv_role's
+    # default, `roles.py`)
+    store_wait_s: float | None = None
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -66,6 +71,7 @@ class ConnectorSettings:
             _positive(extra, "retry_after_s", 1.0),
             _choice(extra, "load_mode", LOAD_MODES),
             None if extra.get("stats_path") is None else Path(str(extra["stats_path"])),
+            _store_wait(extra),
         )
 
 
@@ -86,4 +92,21 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
         number = -1.0
     if not number > 0:
         raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not a positive number")
+    return number
+
+
+def _store_wait(extra: dict[str, Any]) -> float | None:
+    """`store_wait_s`: seconds, 0 up to the protocol's `MAX_STORE_WAIT_S`; None: not given."""
+    value = extra.get("store_wait_s")
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = -1.0
+    if isinstance(value, bool) or not 0 <= number <= MAX_STORE_WAIT_S:
+        raise ConfigError(
+            f"kv_connector_extra_config.store_wait_s: {value!r}; seconds from 0 (never wait "
+            f"for a store in flight) to {MAX_STORE_WAIT_S:g}"
+        )
     return number

@@ -19,7 +19,9 @@ of use (`staging_quarantined`) until its epoch is confirmed over (`Staging.recla
 Lifecycle (all calls on vLLM's worker thread):
     stores = Stores(layer_map, bindings, counters, state_store_block, staging=... | None)
     stores.submit(client, jobs, skip)   # wait_for_save: skip = requests whose load failed
-    stores.drain(client)                # handle_preemptions, before the next forward
+    stores.drain(client)                # handle_preemptions, before the next forward; and
+                                        # kv_producer: at wait_for_save (its step ends once
+                                        # the sidecar said its pages are in L2)
     stores.close()
 """
 
@@ -172,10 +174,10 @@ class Stores:
         device_pages: dict[str, list[int | None]],
         snapshots: dict[str, dict[int, int]],
         fence: tuple[Any, bytes | None],
-    ) -> None:
+    ) -> dict[str, Any]:
         started = time.perf_counter()
         try:
-            client.store(tokens, device_pages, snapshots, fence=fence)
+            return client.store(tokens, device_pages, snapshots, fence=fence)
         finally:
             self.counters.store_s += time.perf_counter() - started
 
@@ -213,8 +215,7 @@ class Stores:
             snapshots = {g: {len(job.tokens): pages[g][0]} for g in plan.state_groups}
             # No fence: staging is shared host memory and `to_staging`'s copies are blocking,
             # so the pages are written before the request leaves (`Client.store`'s CPU rule).
-            client.store(list(job.tokens), device_pages, snapshots)
-            self.counters.stores += 1
+            self._answered(client.store(list(job.tokens), device_pages, snapshots))
             self.counters.pages_stored += sum(len(p) for p in plan.positions.values())
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
@@ -247,8 +248,7 @@ class Stores:
         in_flight, self._in_flight = self._in_flight, []
         for req_id, future in in_flight:
             try:
-                future.result()  # the client's socket timeout bounds it
-                self.counters.stores += 1
+                self._answered(future.result())  # the client's socket timeout bounds it
             except (HicacheError, OSError) as exc:
                 self.counters.store_failures += 1
                 self.counters.error(f"request {req_id}: store failed: {exc}")
@@ -257,6 +257,14 @@ class Stores:
         if self._unsettled and client is not None:
             self._settle(client)
         self.counters.store_on_step_s += time.perf_counter() - started
+
+    def _answered(self, reply: dict[str, Any]) -> None:
+        """A store's reply: L2 holds every page it named, or only a prefix (L2 too full)."""
+        self.counters.stores += 1
+        if reply.get("truncated_to_tokens") is None:
+            self.counters.stores_in_l2 += 1
+        else:
+            self.counters.stores_truncated += 1
 
     def _settle(self, client: Client) -> None:
         """Wait until the sidecar confirmed every unsettled epoch over (`Client.confirmed`):
