@@ -1,7 +1,8 @@
 """Prefill/decode through the cache with real vLLM (the CPU build): a prefill instance
 (`kv_role="kv_producer"`) and a decode instance (`kv_consumer`), each a process of its own,
 on one sidecar (shared L2). The proxy (`disaggregated`, the one docs/engines.md
-"Disaggregated prefill" shows) sends each prompt to the prefill instance with
+"Disaggregated prefill" shows, run as written with its HTTP call swapped for the engine
+processes) sends each prompt to the prefill instance with
 `max_tokens=1`, then to the decode instance.
 
 Judges:
@@ -35,7 +36,7 @@ import pytest
 
 from hicache.client.process import SidecarProcess
 from hicache.testing import serve as fault_serve
-from tests.integrations.vllm_harness import PAGE, EngineProcess, write_deployment
+from tests.integrations.vllm_harness import PAGE, ROOT, EngineProcess, write_deployment
 from tests.integrations.vllm_models import build_model
 
 if not os.environ.get("_HICACHE_REQUIRE_VLLM"):
@@ -68,16 +69,31 @@ class Pair:
     reference: dict[tuple[int, ...], dict[str, Any]]  # per prompt: the decode run alone
 
 
+def docs_proxy() -> dict[str, Any]:
+    """docs/engines.md's proxy (`pd_proxy.py`), its code as written, not run as a script."""
+    text = (ROOT / "docs" / "engines.md").read_text()
+    start = text.index("A proxy sends each prompt to the prefill instance")
+    code = text[text.index("```python\n", start) + len("```python\n") :]
+    namespace: dict[str, Any] = {"__name__": "pd_proxy"}
+    exec(compile(code[: code.index("```")], "docs/engines.md (pd_proxy.py)", "exec"), namespace)
+    return namespace
+
+
 def disaggregated(
     prefill: EngineProcess, decode: EngineProcess, prompts: list[list[int]], max_tokens: int
 ) -> list[dict[str, Any]]:
-    """The proxy: each prompt's prefill (one token: its pages stored, acknowledged in L2
-    before the reply), then its decode (loading them)."""
-    results = []
-    for tokens in prompts:
-        prefill.round([tokens], max_tokens=1)
-        results += decode.round([tokens], max_tokens=max_tokens)
-    return results
+    """Each prompt through the docs' proxy: its prefill (one token: its pages stored,
+    acknowledged in L2 before the reply), then its decode (loading them). The proxy's
+    `complete` (an HTTP call to a vLLM server there) is this test's engine processes."""
+    proxy = docs_proxy()
+    engines = {"prefill": prefill, "decode": decode}
+
+    def complete(url: str, model: str, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+        [result] = engines[url].round([prompt], max_tokens=max_tokens)
+        return result
+
+    proxy["complete"] = complete
+    return [proxy["disaggregated"]("prefill", "decode", KIND, p, max_tokens) for p in prompts]
 
 
 @pytest.fixture(scope="module")
