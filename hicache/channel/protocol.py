@@ -229,6 +229,9 @@ class StoreRequest(Msg):
     # engine recorded after the kernels that wrote the pages; the backup waits on it. Absent:
     # the engine synchronised before storing (or its pools are shared memory, written on CPU).
     fence: Fence = None
+    # answer only once L3 holds the prompt's pages (`persisted` in the reply), or after this
+    # long: a prefill instance whose decode instance is on another host (0: at L2)
+    persisted_within_s: float = Field(default=0.0, ge=0.0, le=MAX_STORE_WAIT_S)
 
 
 class LoadRequest(PagesRequest):

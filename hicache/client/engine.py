@@ -261,6 +261,7 @@ class Client(ClientBase):
         *,
         stream: Any = None,
         fence: tuple[Any, bytes | None] | None = None,
+        persisted_within_s: float = 0.0,
     ) -> dict[str, Any]:
         """Back up the prompt's pages the sidecar lacks. Token groups: a device page per full
         page in token order, None where the engine no longer holds it (freed out-of-window
@@ -275,7 +276,9 @@ class Client(ClientBase):
         kernel that wrote these pages must be on that stream, or ordered before it (e.g.
         `stream.wait_stream(other)`), at the time of this call. `fence`: one recorded
         earlier (`record_fence`, on the engine's thread) for a store sent from another
-        thread; then no `stream`."""
+        thread; then no `stream`. `persisted_within_s`: the reply waits until L3 holds the
+        prompt's pages, at most this long (its `persisted` says whether it does); the
+        call's reply timeout must exceed it."""
         if fence is not None and stream is not None:
             raise ClientError(
                 p.ErrorCode.BAD_REQUEST,
@@ -284,7 +287,10 @@ class Client(ClientBase):
         # this thread, before the request, unless recorded earlier where the pages were written
         event, handle = fence if fence is not None else self._engine_fence(stream, "store")
         try:
-            return self.call("store", store_args(tokens, device_pages, snapshots, handle))
+            args = store_args(tokens, device_pages, snapshots, handle)
+            if persisted_within_s > 0:  # only then: an older sidecar is asked as before
+                args["persisted_within_s"] = float(persisted_within_s)
+            return self.call("store", args)
         except BaseException as exc:
             self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
             raise

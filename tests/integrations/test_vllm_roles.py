@@ -136,3 +136,32 @@ def test_lookups_ask_with_the_wait_and_count_each_outcome(tmp_path: Path) -> Non
         "store_wait_s": 2.5,
         "store_waits": {"hit": 2, "timed_out": 1},
     }
+
+
+def test_only_a_producer_may_wait_for_l3() -> None:
+    from hicache.integrations.vllm.roles import check_persisted
+
+    check_persisted(role_of("kv_producer"), 30.0)
+    for name in ("kv_both", "kv_consumer"):
+        check_persisted(role_of(name), 0.0)
+        with pytest.raises(ConfigError) as caught:
+            check_persisted(role_of(name), 30.0)
+        assert str(caught.value).startswith(
+            f"kv_connector_extra_config.persisted_within_s: 30 with KVTransferConfig.kv_role "
+            f"{name!r}; only kv_producer"
+        )
+    with pytest.raises(ConfigError, match=r"persisted_within_s: 61; seconds from 0"):
+        ConnectorSettings.parse({"address": "s", "persisted_within_s": 61})
+    assert ConnectorSettings.parse({"address": "s"}).persisted_within_s == 0.0
+
+
+def test_a_store_reply_saying_persisted_is_counted() -> None:
+    worker, client = _worker(staging_pages=4, direct=True)
+    replies = iter([{"persisted": True}, {"persisted": False}, {}])
+    client.store = lambda *args, **kwargs: next(replies)  # type: ignore[method-assign]
+    for i in range(3):
+        worker.store([StoreJob(f"r{i}", tuple(range(32)), 0, ((1, 2, 0),), 32)])
+        worker.await_stores()
+    counters = worker.counters
+    assert (counters.stores_persisted, counters.stores_not_persisted) == (1, 1)
+    assert counters.stores_in_l2 == 3

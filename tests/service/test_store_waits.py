@@ -6,7 +6,8 @@ walk (the copy backend's walk is queued until released), so "in flight" is a sta
 sets, not a race: every ordering of the wait's lifecycle — the store lands before the
 lookup, during the wait, never (the bound passes), fails (the plan aborted), its engine dies
 mid-store, the sidecar drains during the wait — each with its outcome counted in
-`/v1/stats`'s `store_waits`.
+`/v1/stats`'s `store_waits`. And a store asked to answer once L3 holds its pages
+(`persisted_within_s`, a producer whose decode instance is on another host).
 """
 
 from __future__ import annotations
@@ -315,3 +316,58 @@ def test_wait_bound_refused_past_the_protocol_limit() -> None:
         p.KeyLookup.model_validate({"keys": {}, "wait_stored_s": p.MAX_STORE_WAIT_S + 1})
     with pytest.raises(ValidationError, match="wait_stored_s"):
         p.KeyLookup.model_validate({"keys": {}, "wait_stored_s": -1.0})
+
+
+def test_a_store_asked_to_persist_answers_once_l3_holds_its_pages(config: Path) -> None:
+    """`persisted_within_s`: the producer for a decode host that reads L3. The reply comes
+    once L3 holds every page (write-through: written behind the L2 acknowledgement)."""
+
+    async def body(world: SidecarWorld) -> None:
+        prefill = await world.engine("prefill").start()
+        tokens = prompt(7)
+        reply = await prefill.call(
+            "store",
+            tokens=tokens,
+            device_pages=prefill._pages(tokens, 0),
+            persisted_within_s=30.0,
+        )
+        assert (reply["pages_stored"], reply["persisted"]) == (PAGES, True)
+        assert await world.l3_missing(prefill.key, [tokens]) == 0
+        # without it: no `persisted` in the reply (an older client's store, unchanged)
+        plain = await prefill.call(
+            "store", tokens=prompt(8), device_pages=prefill._pages(prompt(8), 3)
+        )
+        assert "persisted" not in plain
+
+    run(config, body)
+
+
+def test_a_store_whose_pages_are_not_owed_to_l3_answers_not_persisted(tmp_path: Path) -> None:
+    """write_back offers nothing to L3 at a store: nothing is owed, so the reply says so at
+    once rather than waiting out the bound."""
+    data = {
+        "model": {"config_path": str(shared_model("qwen2_7b.json")), "page_size_tokens": PAGE},
+        "device": {"kind": "cpu"},
+        "host": {"capacity_bytes": "12MiB"},
+        "storage": {"kind": "none"},
+        "cache": {"write_policy": "write_back"},
+        "service": {"socket_path": str(tmp_path / "e.sock"), "drain_timeout_s": 30},
+    }
+    path = tmp_path / "write_back.yaml"
+    path.write_text(yaml.safe_dump(data))
+
+    async def body(world: SidecarWorld) -> None:
+        prefill = await world.engine("prefill").start()
+        tokens = prompt(9)
+        reply = await asyncio.wait_for(
+            prefill.call(
+                "store",
+                tokens=tokens,
+                device_pages=prefill._pages(tokens, 0),
+                persisted_within_s=60.0,
+            ),
+            timeout=30,  # a hang bound only: the answer comes without waiting for L3
+        )
+        assert (reply["pages_stored"], reply["persisted"]) == (PAGES, False)
+
+    run(path, body)

@@ -24,19 +24,18 @@ Extra config keys (`kv_connector_extra_config`):
                     hold vLLM's packed block bytes, which differ per backend and ISA
     load_timeout_s  how long one layer may take to land before the load is recomputed (10)
     staging_pages   copy through a staging pool of this many pages per token group instead
-                    of the sidecar copying straight into vLLM's blocks (the default where
-                    it can: dense and one-group-per-kind models; else staging, sized for
-                    max_num_seqs concurrent max_model_len loads)
+                    of the sidecar copying straight into vLLM's blocks (where it can)
     retry_after_s   wait between reconnect attempts while the sidecar is down (1)
     load_mode       auto (layerwise for one KV-cache group, else async), layerwise, async,
-                    whole (synchronous, the forward starts once every layer landed: no
-                    overlap; the baseline of the benchmark's layer-wise figure)
+                    whole (the forward starts once every layer landed: no overlap)
     stats_path      the worker writes its counters (loads, failures, pages, seconds) here
                     as JSON after each step that moved pages; at tensor_parallel_size > 1
                     each rank to PATH with .rank<r> before its suffix; the scheduler half
                     its lookups' waits for stores in flight to PATH with .scheduler
     store_wait_s    how long a lookup waits for pages another engine's store in flight is
                     writing (0 to 60; default: 2 for kv_consumer, else 0; `vllm/roles.py`)
+    persisted_within_s  kv_producer: each store answered once L3 holds its pages, at most
+                    this long (0: at L2); for a decode instance on another host
 
 `kv_role` (`vllm/roles.py`): kv_both loads and stores; kv_producer (a prefill instance) stores
 every complete page of each prompt and ends each step once the sidecar acknowledged its
@@ -75,7 +74,7 @@ from hicache.integrations.vllm.layout import (
 )
 from hicache.integrations.vllm.lookups import Lookups
 from hicache.integrations.vllm.plan import Scheduled, StepBook, StepMeta
-from hicache.integrations.vllm.roles import role_of
+from hicache.integrations.vllm.roles import check_persisted, role_of
 from hicache.integrations.vllm.settings import ConnectorSettings
 from hicache.integrations.vllm.shared_kv import SharedKv, data_plane
 from hicache.integrations.vllm.worker import WorkerSide
@@ -132,6 +131,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             if self.settings.store_wait_s is None
             else self.settings.store_wait_s
         )
+        check_persisted(self.kv_role, self.settings.persisted_within_s)
+        self._waits_s = (self.store_wait_s, self.settings.persisted_within_s)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             raise ConfigError(
@@ -215,8 +216,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             # both halves of one vLLM engine name it alike: a lookup session answers only
             # for the namespace its own engine's worker holds
             engine=f"vllm:{self._engine_id}",
-            # a lookup's reply may wait for a store in flight: the timeout outlasts that
-            timeout_s=max(5.0, self.settings.load_timeout_s, self.store_wait_s + 5.0),
+            # a reply may wait for a store in flight, or for L3: the timeout outlasts that
+            timeout_s=5.0 + max(self.settings.load_timeout_s, *self._waits_s),
             **self._client_args,
         )
 
@@ -389,6 +390,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             state_store_block=state_store_block,
             register=plane.register,
             stream=plane.stream,
+            persisted_within_s=self.settings.persisted_within_s,
         )
         self.worker.client()
 

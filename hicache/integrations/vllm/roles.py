@@ -15,6 +15,10 @@
                  store in flight is writing (`service/store_waits.py`), so a decode request
                  that overtakes its prefill's store loads instead of recomputing
 
+Two hosts: the decode instance's sidecar sees the prefill's pages only in L3; a producer with
+`persisted_within_s` has each store answered once L3 holds its pages (or at that bound), so
+its reply means they are readable from the other host (`check_persisted`: producers only).
+
 vLLM checks the value when it builds `KVTransferConfig`; the connector checks it again (a
 config built without validation, a value from a newer vLLM) and refuses to start on any
 other, naming it.
@@ -68,3 +72,14 @@ def role_of(value: object, where: str = WHERE) -> Role:
             "pages; kv_consumer: the decode instance, loads them; kv_both: both)"
         )
     return role
+
+
+def check_persisted(role: Role, persisted_within_s: float) -> None:
+    """`persisted_within_s` (a store answered once L3 holds its pages) makes each step wait
+    for L3: only a producer, whose steps wait for their stores anyway, may ask for it."""
+    if persisted_within_s > 0 and not role.acks_stores:
+        raise ConfigError(
+            f"kv_connector_extra_config.persisted_within_s: {persisted_within_s:g} with "
+            f"{WHERE} {role.name!r}; only kv_producer (a prefill instance whose decode "
+            "instance reads its pages from L3 on another host) waits for L3; use 0 here"
+        )

@@ -24,6 +24,7 @@ EXTRA_KEYS = (
     "load_mode",
     "stats_path",
     "store_wait_s",
+    "persisted_within_s",
 )
 LOAD_MODES = ("auto", "layerwise", "async", "whole")
 
@@ -41,6 +42,8 @@ class ConnectorSettings:
     # how long a lookup waits for pages a store in flight is writing (None: the kv_role's
     # default, `roles.py`)
     store_wait_s: float | None = None
+    # kv_producer: each store answered once L3 holds its pages, at most this long (0: at L2)
+    persisted_within_s: float = 0.0
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -71,7 +74,8 @@ class ConnectorSettings:
             _positive(extra, "retry_after_s", 1.0),
             _choice(extra, "load_mode", LOAD_MODES),
             None if extra.get("stats_path") is None else Path(str(extra["stats_path"])),
-            _store_wait(extra),
+            _store_wait(extra, "store_wait_s"),
+            _store_wait(extra, "persisted_within_s") or 0.0,
         )
 
 
@@ -95,9 +99,10 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
     return number
 
 
-def _store_wait(extra: dict[str, Any]) -> float | None:
-    """`store_wait_s`: seconds, 0 up to the protocol's `MAX_STORE_WAIT_S`; None: not given."""
-    value = extra.get("store_wait_s")
+def _store_wait(extra: dict[str, Any], key: str) -> float | None:
+    """`key` (`store_wait_s`, `persisted_within_s`): seconds, 0 up to the protocol's
+    `MAX_STORE_WAIT_S`; None: not given."""
+    value = extra.get(key)
     if value is None:
         return None
     try:
@@ -106,7 +111,7 @@ def _store_wait(extra: dict[str, Any]) -> float | None:
         number = -1.0
     if isinstance(value, bool) or not 0 <= number <= MAX_STORE_WAIT_S:
         raise ConfigError(
-            f"kv_connector_extra_config.store_wait_s: {value!r}; seconds from 0 (never wait "
-            f"for a store in flight) to {MAX_STORE_WAIT_S:g}"
+            f"kv_connector_extra_config.{key}: {value!r}; seconds from 0 (never wait) to "
+            f"{MAX_STORE_WAIT_S:g}"
         )
     return number

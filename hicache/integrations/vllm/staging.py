@@ -88,6 +88,9 @@ class WorkerCounters:
     # (L2 too full for the rest)
     stores_in_l2: int = 0
     stores_truncated: int = 0
+    # persisted_within_s: stores whose reply said L3 holds every page / did not by the bound
+    stores_persisted: int = 0
+    stores_not_persisted: int = 0
     # kv_producer: seconds its steps waited at wait_for_save for the sidecar's replies
     store_ack_wait_s: float = 0.0
     store_failures: int = 0

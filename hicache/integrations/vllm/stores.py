@@ -68,6 +68,7 @@ class Stores:
         stream: Callable[[], Any] = lambda: None,
         settle_timeout_s: float = 60.0,
         retry_after_s: float = 1.0,
+        persisted_within_s: float = 0.0,
     ):
         self.layer_map = layer_map
         self.bindings = dict(bindings)
@@ -79,6 +80,8 @@ class Stores:
         self._state_store_block = state_store_block
         self.settle_timeout_s = settle_timeout_s
         self.retry_after_s = retry_after_s
+        # kv_producer for another host: each store answered once L3 holds its pages
+        self.persisted_within_s = persisted_within_s
         # direct: each hicache group's layers in one vLLM group (its block ids are the pages)
         self._vllm_group = {
             g.name: self.bindings[g.layer_ids[0]].vllm_group
@@ -177,7 +180,13 @@ class Stores:
     ) -> dict[str, Any]:
         started = time.perf_counter()
         try:
-            return client.store(tokens, device_pages, snapshots, fence=fence)
+            return client.store(
+                tokens,
+                device_pages,
+                snapshots,
+                fence=fence,
+                persisted_within_s=self.persisted_within_s,
+            )
         finally:
             self.counters.store_s += time.perf_counter() - started
 
@@ -215,7 +224,13 @@ class Stores:
             snapshots = {g: {len(job.tokens): pages[g][0]} for g in plan.state_groups}
             # No fence: staging is shared host memory and `to_staging`'s copies are blocking,
             # so the pages are written before the request leaves (`Client.store`'s CPU rule).
-            self._answered(client.store(list(job.tokens), device_pages, snapshots))
+            reply = client.store(
+                list(job.tokens),
+                device_pages,
+                snapshots,
+                persisted_within_s=self.persisted_within_s,
+            )
+            self._answered(reply)
             self.counters.pages_stored += sum(len(p) for p in plan.positions.values())
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
@@ -265,6 +280,11 @@ class Stores:
             self.counters.stores_in_l2 += 1
         else:
             self.counters.stores_truncated += 1
+        if "persisted" in reply:  # asked for: L3 holds every page, or not by the bound
+            if reply["persisted"]:
+                self.counters.stores_persisted += 1
+            else:
+                self.counters.stores_not_persisted += 1
 
     def _settle(self, client: Client) -> None:
         """Wait until the sidecar confirmed every unsettled epoch over (`Client.confirmed`):

@@ -70,6 +70,7 @@ class WorkerSide:
         state_store_block: Callable[[Sequence[int], int], int | None],
         register: Callable[[Client], None] | None = None,
         stream: Callable[[], Any] = lambda: None,
+        persisted_within_s: float = 0.0,
     ):
         """`register`: registers vLLM's own blocks with a new client (direct); None: the
         worker registers a staging pool of `staging_pages` per group instead.
@@ -100,6 +101,7 @@ class WorkerSide:
             stream=stream,
             settle_timeout_s=6 * load_timeout_s,
             retry_after_s=retry_after_s,
+            persisted_within_s=persisted_within_s,
         )
         self.loads = Loads(
             layer_map,
