@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from hicache.client import Lookup
+from hicache.channel.protocol import ErrorCode
+from hicache.client import ClientError, Lookup
 from hicache.errors import ConfigError
 from hicache.integrations.vllm.lookups import Lookups
 from hicache.integrations.vllm.plan import Scheduled, StepBook, StoreJob
@@ -165,3 +166,48 @@ def test_a_store_reply_saying_persisted_is_counted() -> None:
     counters = worker.counters
     assert (counters.stores_persisted, counters.stores_not_persisted) == (1, 1)
     assert counters.stores_in_l2 == 3
+
+
+class _OlderSidecar(_WaitingClient):
+    """A sidecar that predates waits for stores in flight: it refuses the field by name."""
+
+    def lookup_keys(self, keys: Any, *, wait_stored_s: float = 0.0) -> Lookup:
+        if wait_stored_s:
+            raise ClientError(
+                ErrorCode.BAD_REQUEST,
+                "lookup_keys.wait_stored_s: Extra inputs are not permitted (got 2.0)",
+            )
+        return super().lookup_keys(keys)
+
+
+def test_an_older_sidecar_is_asked_without_the_wait_from_then_on() -> None:
+    client = _OlderSidecar([None, None])
+    lookups = Lookups(lambda: client, 1.0, wait_stored_s=2.0)  # type: ignore[arg-type,return-value]
+    assert lookups.lookup(list(range(12))) == (8, 0)  # answered, not an outage
+    assert lookups.wait_stored_s == 0.0
+    assert lookups.lookup(list(range(12))) == (8, 0)
+    assert client.waits == [0.0, 0.0]
+
+
+def test_an_older_sidecar_refusing_persisted_is_asked_at_l2_from_then_on() -> None:
+    worker, client = _worker(staging_pages=4, direct=True)
+    worker.stores.persisted_within_s = 30.0
+    asked: list[float] = []
+
+    def store(*args: Any, persisted_within_s: float = 0.0, **kwargs: Any) -> dict[str, Any]:
+        asked.append(persisted_within_s)
+        if persisted_within_s:
+            raise ClientError(
+                ErrorCode.BAD_REQUEST,
+                "store.persisted_within_s: Extra inputs are not permitted (got 30.0)",
+            )
+        return {}
+
+    client.store = store  # type: ignore[method-assign]
+    for i in range(2):
+        worker.store([StoreJob(f"r{i}", tuple(range(32)), 0, ((1, 2, 0),), 32)])
+        worker.await_stores()
+    assert asked == [30.0, 0.0, 0.0]
+    counters = worker.counters
+    assert (counters.stores, counters.store_failures, counters.stores_in_l2) == (2, 0, 2)
+    assert "the sidecar predates it" in counters.errors[-1]

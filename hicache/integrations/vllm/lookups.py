@@ -105,7 +105,19 @@ class Lookups:
             return None
         if self._asking is not None:
             self._keys[self._asking] = keys
-        hit = client.lookup_keys(keys, wait_stored_s=self.wait_stored_s)
+        try:
+            hit = client.lookup_keys(keys, wait_stored_s=self.wait_stored_s)
+        except ClientError as exc:
+            if not refused_field(exc, "wait_stored_s"):
+                raise
+            log.warning(
+                "kv_connector_extra_config.store_wait_s %g: the sidecar predates waits for "
+                "stores in flight; its lookups answer at once (%s)",
+                self.wait_stored_s,
+                exc,
+            )
+            self.wait_stored_s = 0.0
+            hit = client.lookup_keys(keys)
         if hit.store_wait is not None:
             self.store_waits[hit.store_wait] = self.store_waits.get(hit.store_wait, 0) + 1
             self.changed = True
@@ -141,3 +153,8 @@ class Lookups:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def refused_field(exc: ClientError, field: str) -> bool:
+    """Did a sidecar that predates `field` refuse the request for it (an unknown field)?"""
+    return exc.code == ErrorCode.BAD_REQUEST and f".{field}: Extra inputs" in str(exc)

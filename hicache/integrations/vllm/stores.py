@@ -34,10 +34,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.client import Client, NoReplyError, SidecarUnreachableError
+from hicache.client import Client, ClientError, NoReplyError, SidecarUnreachableError
 from hicache.client.handle import Epoch
 from hicache.errors import HicacheError
 from hicache.integrations.vllm.binding import LayerBinding
+from hicache.integrations.vllm.lookups import refused_field
 from hicache.integrations.vllm.plan import NULL_BLOCK, StoreJob
 from hicache.integrations.vllm.staging import Staging, WorkerCounters
 from hicache.memory import DevicePool
@@ -180,6 +181,21 @@ class Stores:
     ) -> dict[str, Any]:
         started = time.perf_counter()
         try:
+            return self._store(client, tokens, device_pages, snapshots, fence)
+        finally:
+            self.counters.store_s += time.perf_counter() - started
+
+    def _store(
+        self,
+        client: Client,
+        tokens: list[int],
+        device_pages: dict[str, list[int | None]],
+        snapshots: dict[str, dict[int, int]],
+        fence: tuple[Any, bytes | None] | None = None,
+    ) -> dict[str, Any]:
+        """`client.store`, asking for L3 when configured; a sidecar that predates that is
+        said once and asked without it from then on (its stores answered at L2)."""
+        try:
             return client.store(
                 tokens,
                 device_pages,
@@ -187,8 +203,15 @@ class Stores:
                 fence=fence,
                 persisted_within_s=self.persisted_within_s,
             )
-        finally:
-            self.counters.store_s += time.perf_counter() - started
+        except ClientError as exc:
+            if not refused_field(exc, "persisted_within_s"):
+                raise
+            self.counters.error(
+                f"kv_connector_extra_config.persisted_within_s {self.persisted_within_s:g}: "
+                f"the sidecar predates it; stores are answered at L2 from now on ({exc})"
+            )
+            self.persisted_within_s = 0.0
+            return client.store(tokens, device_pages, snapshots, fence=fence)
 
     def _through_staging(self, client: Client, job: StoreJob, staging: Staging) -> None:
         plan = self.plan(job)
@@ -224,13 +247,7 @@ class Stores:
             snapshots = {g: {len(job.tokens): pages[g][0]} for g in plan.state_groups}
             # No fence: staging is shared host memory and `to_staging`'s copies are blocking,
             # so the pages are written before the request leaves (`Client.store`'s CPU rule).
-            reply = client.store(
-                list(job.tokens),
-                device_pages,
-                snapshots,
-                persisted_within_s=self.persisted_within_s,
-            )
-            self._answered(reply)
+            self._answered(self._store(client, list(job.tokens), device_pages, snapshots))
             self.counters.pages_stored += sum(len(p) for p in plan.positions.values())
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
