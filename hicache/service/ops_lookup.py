@@ -129,6 +129,7 @@ class LookupOps:
         }
         if waited is not None:
             reply["store_wait"] = waited
+            self.state.metrics.store_waits.labels(waited).inc()
         return reply
 
 

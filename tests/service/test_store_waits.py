@@ -371,3 +371,25 @@ def test_a_store_whose_pages_are_not_owed_to_l3_answers_not_persisted(tmp_path: 
         assert (reply["pages_stored"], reply["persisted"]) == (PAGES, False)
 
     run(path, body)
+
+
+def test_each_wait_is_counted_in_the_metrics_by_outcome(config: Path) -> None:
+    async def body(world: SidecarWorld) -> None:
+        held = HeldBackups(world)
+        prefill, decode = await pair(world)
+        tokens = prompt(10)
+        store = await in_flight(world, prefill, tokens)
+        assert (await lookup(world, decode, tokens, 0.01))["store_wait"] == "timed_out"
+        waiting = asyncio.create_task(lookup(world, decode, tokens, 30.0))
+        await settle(lambda: counted(world)["waiting"] == 1, "the lookup waiting")
+        held.release()
+        assert (await waiting)["store_wait"] == "hit"
+        await store
+        registry = world.server.state.metrics.registry
+        counts = {
+            o: registry.get_sample_value("hicache_lookup_store_waits_total", {"outcome": o})
+            for o in OUTCOMES
+        }
+        assert counts == {"hit": 1, "missed": None, "timed_out": 1, "drained": None}
+
+    run(config, body)
