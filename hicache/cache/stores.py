@@ -11,7 +11,8 @@ after `fence`, and commits them (offering them to L3 per the write policy) or ab
 waiting has the plan aborted when its backup ends. Pages another store is backing up
 meanwhile (another engine's, of the same prefix) are waited for until that store has ended
 (the planner's `store_ended` hook wakes the waiters, `plan_ended` here; orphaned plans are
-swept every `_SETTLE_POLL_S`), and what it did not store the next round stores, for at most
+swept every `_SETTLE_POLL_S`; a lookup waiting for a store in flight waits the same way,
+`until_settled`), and what it did not store the next round stores, for at most
 `_STORE_ROUNDS` rounds.
 """
 
@@ -91,7 +92,7 @@ class Stores:
                 break
             # pages another store (another engine's, of this prompt's prefix) is backing up:
             # acknowledged once it has ended; what it did not store, the next round stores
-            await self._until_settled(waits)
+            await self.until_settled(waits)
         return total
 
     async def _store_round(
@@ -138,7 +139,7 @@ class Stores:
         done = StoreResult(stored, queued, evicted, result.bytes_moved, result.seconds, truncated)
         return done, plan.waits
 
-    async def _until_settled(self, waits: Mapping[str, frozenset[PageKey]]) -> None:
+    async def until_settled(self, waits: Mapping[str, frozenset[PageKey]]) -> None:
         """Until no key of `waits` is pending: the stores holding them committed or aborted.
         Each is bounded by its backup's deadline; a plan whose caller left is aborted at a
         sweep once its copy ended, so the wait sweeps too (at `_SETTLE_POLL_S` at most)."""

@@ -58,6 +58,7 @@ IPC_EVENT_HANDLE_BYTES = 64  # sizeof(cudaIpcEventHandle_t)
 # then cudaIpcMemHandle_t's 64 bytes), with room; expandable segments' are kilobytes
 IPC_MEM_HANDLE_MAX_BYTES = 256
 MAX_LOOKUPS = 4096  # lookups in one lookup_many
+MAX_STORE_WAIT_S = 60.0  # the longest a lookup may wait for a store in flight
 
 
 class ErrorCode:
@@ -191,6 +192,9 @@ class KeyLookup(Msg):
     groups: Annotated[list[Name], Field(min_length=1, max_length=64)] | None = None
     # also answer, per group, the prompt's pages it holds (`served`: run and at)
     served: bool = False
+    # wait up to this long when the hit stops at a page a store in flight is writing (a
+    # decode instance asking for its prefill's pages, service/store_waits.py); 0: answer now
+    wait_stored_s: float = Field(default=0.0, ge=0.0, le=MAX_STORE_WAIT_S)
 
 
 class LookupMany(Msg):
@@ -229,6 +233,9 @@ class StoreRequest(Msg):
     # engine recorded after the kernels that wrote the pages; the backup waits on it. Absent:
     # the engine synchronised before storing (or its pools are shared memory, written on CPU).
     fence: Fence = None
+    # answer only once L3 holds the prompt's pages (`persisted` in the reply), or after this
+    # long: a prefill instance whose decode instance is on another host (0: at L2)
+    persisted_within_s: float = Field(default=0.0, ge=0.0, le=MAX_STORE_WAIT_S)
 
 
 class LoadRequest(PagesRequest):

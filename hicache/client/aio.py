@@ -154,9 +154,13 @@ class AsyncClient(ClientBase):
         r = await self.call("lookup", {"tokens": list(tokens)})
         return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
 
-    async def lookup_keys(self, keys: PromptKeys | Sequence[int]) -> Lookup:
-        """`Client.lookup_keys`: a lookup by the prompt's page keys (`page_keys`)."""
-        return self._lookup_of(await self.call("lookup_keys", self._key_args(keys)))
+    async def lookup_keys(
+        self, keys: PromptKeys | Sequence[int], *, wait_stored_s: float = 0.0
+    ) -> Lookup:
+        """`Client.lookup_keys`: a lookup by the prompt's page keys (`page_keys`), waiting
+        up to `wait_stored_s` for pages a store in flight is writing."""
+        args = self._key_lookup_args(keys, wait_stored_s)
+        return self._lookup_of(await self.call("lookup_keys", args))
 
     async def lookup_many(self, prompts: Sequence[PromptKeys | Sequence[int]]) -> list[Lookup]:
         """`Client.lookup_many`: several lookups by keys in one frame, answered in order."""

@@ -345,7 +345,20 @@ class ClientBase:
 
     @staticmethod
     def _lookup_of(reply: Mapping[str, Any]) -> Lookup:
-        return Lookup(reply["page_size_tokens"], reply["tokens_l2"], reply["tokens_total"])
+        return Lookup(
+            reply["page_size_tokens"],
+            reply["tokens_l2"],
+            reply["tokens_total"],
+            reply.get("store_wait"),
+        )
+
+    def _key_lookup_args(
+        self, keys: PromptKeys | Sequence[int], wait_stored_s: float
+    ) -> dict[str, Any]:
+        args = self._key_args(keys)
+        if wait_stored_s > 0:  # only then: a sidecar that predates the field is asked as before
+            args["wait_stored_s"] = float(wait_stored_s)
+        return args
 
     def _engine_fence(self, stream: Any, op: str) -> tuple[Any, bytes | None]:
         """A store's or load's `fence`: with CUDA pools, an interprocess event recorded now on

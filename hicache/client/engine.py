@@ -235,14 +235,22 @@ class Client(ClientBase):
         return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
 
     def lookup_keys(
-        self, keys: PromptKeys | Sequence[int], groups: Sequence[str] | None = None
+        self,
+        keys: PromptKeys | Sequence[int],
+        groups: Sequence[str] | None = None,
+        *,
+        wait_stored_s: float = 0.0,
     ) -> Lookup:
         """`lookup` by the prompt's page keys (`page_keys`, computed once per prompt; tokens
         are keyed here first): the same answer, without the sidecar decoding and hashing a
         token list. `groups`: the hit of those groups alone (an engine that moves each of its
-        pools on its own)."""
-        extra: dict[str, Any] = {} if groups is None else {"groups": list(groups)}
-        return self._lookup_of(self.call("lookup_keys", self._key_args(keys) | extra))
+        pools on its own). `wait_stored_s`: when the hit stops at a page another engine's
+        store is writing now, the sidecar answers once that store ended, or after this long
+        (the call's reply timeout must exceed it); `Lookup.store_wait` says how it ended."""
+        args = self._key_lookup_args(keys, wait_stored_s)
+        if groups is not None:
+            args["groups"] = list(groups)
+        return self._lookup_of(self.call("lookup_keys", args))
 
     def served_keys(
         self, keys: PromptKeys, groups: Sequence[str] | None = None
@@ -277,6 +285,7 @@ class Client(ClientBase):
         *,
         stream: Any = None,
         fence: tuple[Any, bytes | None] | None = None,
+        persisted_within_s: float = 0.0,
     ) -> dict[str, Any]:
         """Back up the prompt's pages the sidecar lacks. Token groups: a device page per full
         page in token order, None where the engine no longer holds it (freed out-of-window
@@ -291,7 +300,9 @@ class Client(ClientBase):
         kernel that wrote these pages must be on that stream, or ordered before it (e.g.
         `stream.wait_stream(other)`), at the time of this call. `fence`: one recorded
         earlier (`record_fence`, on the engine's thread) for a store sent from another
-        thread; then no `stream`."""
+        thread; then no `stream`. `persisted_within_s`: the reply waits until L3 holds the
+        prompt's pages, at most this long (its `persisted` says whether it does); the
+        call's reply timeout must exceed it."""
         if fence is not None and stream is not None:
             raise ClientError(
                 p.ErrorCode.BAD_REQUEST,
@@ -300,7 +311,10 @@ class Client(ClientBase):
         # this thread, before the request, unless recorded earlier where the pages were written
         event, handle = fence if fence is not None else self._engine_fence(stream, "store")
         try:
-            return self.call("store", store_args(tokens, device_pages, snapshots, handle))
+            args = store_args(tokens, device_pages, snapshots, handle)
+            if persisted_within_s > 0:  # only then: an older sidecar is asked as before
+                args["persisted_within_s"] = float(persisted_within_s)
+            return self.call("store", args)
         except BaseException as exc:
             self._keep_fence(event, exc)  # no reply: alive until confirmed (_engine_fence)
             raise

@@ -78,6 +78,9 @@ class Lookup:
     page_size_tokens: int
     tokens_l2: int
     tokens_total: int
+    # a lookup with `wait_stored_s` that waited for a store in flight: how the wait ended
+    # ("hit", "missed", "timed_out", "drained"); None: it did not wait
+    store_wait: str | None = None
 
 
 _STATES = {

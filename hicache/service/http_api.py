@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hmac
 import logging
+from dataclasses import asdict
 from typing import Any
 
 from aiohttp import web
@@ -143,6 +144,8 @@ class ControlApi:
                 "tenants": tenant_stats(
                     self.server.namespaces.values(), self.metrics.tenant_hit_tokens
                 ),
+                # lookups that waited for pages a store in flight was writing, by outcome
+                "store_waits": asdict(self.server.state.store_waits.stats),
                 # loads engines recomputed for want of their own staging pages (heartbeats)
                 "engine_loads_starved": self.metrics.loads_starved_count,
                 # the KV-event publisher (service.kv_events): sent, dropped; None when off

@@ -97,6 +97,13 @@ class ServiceMetrics:
             registry=r,
         )
         self.loads_starved_count = 0  # the same, for /v1/stats
+        self.store_waits = Counter(
+            "hicache_lookup_store_waits",
+            "Key lookups that waited for pages a store in flight was writing (wait_stored_s, "
+            "a decode instance's), by how the wait ended: hit, missed, timed_out, drained",
+            ["outcome"],
+            registry=r,
+        )
         self.page_size_tokens = 1
         self._requests: dict[str, Any] = {}  # children bound once (labels() takes a lock)
 

@@ -10,7 +10,9 @@ runs, each landed layer written to the slot from the copy thread -> its end mark
 final state -> `release` frees the slot (or cancels a load still running; its slot is freed
 when it ends). Every page a store or load names is checked against the session's registered
 pools first (`_check_pages`). A store's and a load's reply names its session (`session`,
-the epoch), whose end settles every copy it started."""
+the epoch), whose end settles every copy it started. A store with `persisted_within_s`
+answers once L3 holds its pages, or at that bound (`persisted`: whether it does;
+`cache/writing.py`), for a decode instance on another host."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hicache.cache import StoreResult
+from hicache.cache.writing import until_persisted
 from hicache.channel import protocol as p
 from hicache.channel.counters import LoadState
 from hicache.errors import HicacheError
@@ -61,7 +64,21 @@ class DataOps:
                 attachment=session.id,
             )
         del fence  # an opened IPC event goes before the reply: the engine may then free its own
-        return self._stored(session, result)
+        reply = self._stored(session, result)
+        if args.persisted_within_s > 0:  # the pages in L3, for a decode host reading L3
+            cache = namespace.cache
+            reply["persisted"] = await until_persisted(
+                cache.index,
+                cache.persist,
+                {
+                    group: keys  # token groups this rank writes (state snapshots: boundaries)
+                    for group, keys in cache.index.keys(args.tokens).items()
+                    if cache.index.rules[group].kind.is_token_cache
+                    and group not in cache.stores.replica_groups
+                },
+                args.persisted_within_s,
+            )
+        return reply
 
     async def store_keys(self, session: Session, args: p.KeyedStore) -> dict[str, Any]:
         """`store` of a prompt given by the engine's own page keys (state groups' snapshots

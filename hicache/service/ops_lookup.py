@@ -10,7 +10,9 @@ lookup is counted once either way.
 A lookup by keys is the token lookup without decoding, validating and hashing a token list:
 the blobs are checked (whole keys, the same count in every cached group, at most `MAX_TOKENS`
 tokens' worth, `num_tokens` consistent with them), looked up as they are, and the reply is
-the token lookup's, discovery included."""
+the token lookup's, discovery included. A key lookup with `wait_stored_s` whose hit stops at
+a page a store in flight is writing is answered later, once that store ended or the bound
+passed (`store_waits.py`); its reply says how the wait ended (`store_wait`)."""
 
 from __future__ import annotations
 
@@ -33,12 +35,14 @@ Shape = Callable[[list[Result]], Result]  # the op's reply from its lookups' rep
 @dataclass(frozen=True, slots=True)
 class Query:
     """One key lookup, checked: its keys, the tokens asked, the groups whose hit it is about
-    (None: all) and whether it also wants the pages each group holds (`served`)."""
+    (None: all), whether it also wants the pages each group holds (`served`) and how long
+    it may wait for a store in flight (`wait_s`, `store_waits.py`)."""
 
     keys: dict[str, PackedKeys]
     asked: int
     groups: list[str] | None = None
     served: bool = False
+    wait_s: float = 0.0
 
     def hit(self, cache: TieredCache) -> Hit:
         return cache.lookup_keys(self.keys, self.groups)
@@ -99,10 +103,13 @@ class LookupOps:
         if namespace is None:
             return shape([self._no_key_hit(query) for query in checked])
         cache, tenant = namespace.cache, namespace.key.tenant
+        waits = self.state.store_waits
         hits = []
         for query in checked:
             hit = query.hit(cache)
-            if query.needs_discovery(cache, hit):
+            if query.needs_discovery(cache, hit) or (
+                query.wait_s > 0 and waits.writing(cache, query.keys, hit)
+            ):
                 return Later(partial(self._discovering_keys, cache, checked, shape, tenant))
             hits.append(hit)
         return shape(
@@ -115,8 +122,13 @@ class LookupOps:
     async def _discovering_keys(
         self, cache: TieredCache, checked: Checked, shape: Shape, tenant: str
     ) -> Result:
+        """In order: each lookup's wait for stores in flight (`store_waits.py`), then L3's
+        pages the index does not know."""
         replies = []
         for query in checked:
+            waited = None
+            if query.wait_s > 0:  # for a store in flight first (all groups' keys)
+                _, waited = await self.state.store_waits.wait(cache, query.keys, query.wait_s)
             hit = query.hit(cache)
             # a served lookup twice at most: what L3 adds to the run may bring more of the
             # other groups' pages within it (`Query.discovery_sets`)
@@ -126,11 +138,18 @@ class LookupOps:
                 for keys in query.discovery_sets(cache):
                     await cache.discover_keys(keys)
                 hit = query.hit(cache)
-            replies.append(self._key_reply(cache, query, hit, tenant))
+            replies.append(self._key_reply(cache, query, hit, tenant, waited))
         return shape(replies)
 
-    def _key_reply(self, cache: TieredCache, query: Query, hit: Hit, tenant: str) -> Result:
-        reply = self._reply(hit, query.asked, tenant)
+    def _key_reply(
+        self,
+        cache: TieredCache,
+        query: Query,
+        hit: Hit,
+        tenant: str,
+        waited: str | None = None,
+    ) -> Result:
+        reply = self._reply(hit, query.asked, tenant, waited)
         if query.served:  # run: every length up to it; at: the others, listed
             reply["served"] = {
                 group: {"run": served.run, "at": list(served.at)}
@@ -150,7 +169,7 @@ class LookupOps:
     def _query(self, args: p.KeyLookup, where: str) -> Query:
         keys, asked = packed_keys(self.state, args.keys, args.num_tokens, where)
         groups = check_groups(self.state, args.groups, where)
-        return Query(keys, asked, groups, args.served)
+        return Query(keys, asked, groups, args.served, args.wait_stored_s)
 
     def _no_key_hit(self, query: Query) -> Result:
         reply = self._reply(self._no_hit(), query.asked)
@@ -162,13 +181,21 @@ class LookupOps:
     def _no_hit(self) -> Hit:
         return Hit(self.state.plan.page_size_tokens, 0, 0, {}, {})
 
-    def _reply(self, hit: Hit, asked: int, tenant: str | None = None) -> Result:
+    def _reply(
+        self, hit: Hit, asked: int, tenant: str | None = None, waited: str | None = None
+    ) -> Result:
+        """`waited`: the outcome of a wait for stores in flight (`store_waits.OUTCOMES`),
+        in the reply only when the lookup waited."""
         self.state.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked, tenant)
-        return {
+        reply: Result = {
             "page_size_tokens": hit.page_size_tokens,
             "tokens_l2": hit.tokens_l2,
             "tokens_total": hit.tokens_total,
         }
+        if waited is not None:
+            reply["store_wait"] = waited
+            self.state.metrics.store_waits.labels(waited).inc()
+        return reply
 
 
 def packed_keys(

@@ -410,6 +410,7 @@ class EngineServer:
         deadline = loop.time() + self.service.drain_timeout_s
         self._draining = True
         self.state.registry.begin_drain()
+        self.state.store_waits.stop()  # lookups waiting for a store answer now
         for server in self._servers:
             server.close()
         if self._watchdog_task is not None:

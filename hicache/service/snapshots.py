@@ -7,6 +7,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
+from hicache.cache.writing import pending_pages
 from hicache.service.namespaces import Namespace
 from hicache.storage import GuardedStore
 
@@ -50,6 +51,8 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "in_flight_bytes": sched.in_flight_bytes,
         "in_flight_walks": sched.in_flight_walks,
         "ops_by_state": dict(sched.ops_by_state),
+        # pages store plans in flight are writing (not in L2 yet; a lookup may wait for them)
+        "stores_writing_pages": pending_pages(cache.planner),
         "persist": asdict(cache.persist.stats()),
         # pages of replicated groups (MLA latents) this tensor-parallel rank left to rank 0
         "l3_replica_skipped_pages": cache.io.replica_skipped_pages,

@@ -31,6 +31,7 @@ from hicache.service.metrics import ServiceMetrics
 from hicache.service.namespace_registry import NamespaceRegistry
 from hicache.service.namespaces import Namespace, NamespaceKey
 from hicache.service.sessions import Session
+from hicache.service.store_waits import StoreWaits
 from hicache.storage import GuardedStore
 from hicache.transfer import CopyBackend
 
@@ -55,6 +56,8 @@ class ServerState:
     prefaults: ThreadPoolExecutor = field(
         default_factory=lambda: ThreadPoolExecutor(1, thread_name_prefix="hicache-prefault")
     )
+    # lookups waiting for pages a store in flight is writing (`wait_stored_s`), counted
+    store_waits: StoreWaits = field(default_factory=StoreWaits)
     # which namespace each key has, and its phase: the one writer of `namespaces`
     registry: NamespaceRegistry = field(init=False)
 

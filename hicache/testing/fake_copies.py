@@ -14,7 +14,8 @@ walk never reaches the positions after it: `fail_next({2, 4})` fails one walk at
 
 Processes a test cannot reach into (a sidecar child) get a fake with persistent faults by
 running `python -m hicache.testing.serve --copy-faults JSON` instead of `hicache serve`;
-`from_spec` says what the JSON may hold. Nothing on the product's path reads a test switch.
+`from_spec` says what the JSON may hold (`backup_hold_path`: a store held in flight while a
+file exists). Nothing on the product's path reads a test switch.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ import json
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from hicache.errors import ConfigError
 from hicache.transfer.backend import Direction, LayerPart
 from hicache.transfer.cpu_backend import CpuCopyBackend
 
-_SPEC_KEYS = {"fail_load_layers", "load_layer_delay_s", "backup_layer_delay_s"}
+_SPEC_KEYS = {"fail_load_layers", "load_layer_delay_s", "backup_layer_delay_s", "backup_hold_path"}
+_HOLD_POLL_S = 0.01  # how often a held backup walk looks for its hold file gone
 
 
 class InjectedFault(RuntimeError):
@@ -44,6 +47,7 @@ class FakeCopyBackend(CpuCopyBackend):
         load_layer_delay_s: float = 0.0,
         backup_layer_delay_s: float = 0.0,
         fail_load_layers: frozenset[int] = frozenset(),
+        backup_hold_path: Path | None = None,
     ):
         self._gated = gated
         self._permits = threading.Semaphore(0)
@@ -53,6 +57,9 @@ class FakeCopyBackend(CpuCopyBackend):
         self.load_layer_delay_s = load_layer_delay_s  # and of load walks only
         self.backup_layer_delay_s = backup_layer_delay_s  # and of backup (store) walks only
         self.fail_load_layers = fail_load_layers  # every load walk fails at these positions
+        # while this file exists, every backup walk waits before each layer: a store held in
+        # flight for as long as a test (in another process) wants
+        self.backup_hold_path = backup_hold_path
         self.layers_run = 0
         super().__init__(staging_bytes=1 << 20)
 
@@ -62,7 +69,9 @@ class FakeCopyBackend(CpuCopyBackend):
         `fail_load_layers` (stage-local positions at which every load walk fails),
         `load_layer_delay_s` (seconds before each layer of a load walk: time for a test to
         cancel a load mid-walk) and `backup_layer_delay_s` (likewise before each layer of a
-        store's backup walk: a store that outlasts its engine's timeout)."""
+        store's backup walk: a store that outlasts its engine's timeout) and
+        `backup_hold_path` (while that file exists, backup walks wait: a store in flight
+        until the test removes it)."""
         try:
             data = json.loads(spec)
         except json.JSONDecodeError as exc:
@@ -82,10 +91,14 @@ class FakeCopyBackend(CpuCopyBackend):
             if not isinstance(delay, int | float) or delay < 0:
                 raise ConfigError(f"{where}: {key} {delay!r}; a number of seconds >= 0")
             delays[key] = float(delay)
+        hold = data.get("backup_hold_path")
+        if hold is not None and not isinstance(hold, str):
+            raise ConfigError(f"{where}: backup_hold_path {hold!r}; a file path")
         return cls(
             load_layer_delay_s=delays["load_layer_delay_s"],
             backup_layer_delay_s=delays["backup_layer_delay_s"],
             fail_load_layers=frozenset(layers),
+            backup_hold_path=None if hold is None else Path(hold),
         )
 
     def release(self, layers: int = 1) -> None:
@@ -111,6 +124,10 @@ class FakeCopyBackend(CpuCopyBackend):
     def _start_layer(self, direction: Direction, position: int) -> None:
         if self._gated:
             self._permits.acquire()
+        hold = self.backup_hold_path
+        if hold is not None and direction is Direction.BACKUP:
+            while hold.exists():
+                time.sleep(_HOLD_POLL_S)
         only = self.load_layer_delay_s if direction is Direction.LOAD else self.backup_layer_delay_s
         delay = self.layer_delay_s + only
         if delay:

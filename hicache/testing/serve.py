@@ -9,7 +9,8 @@ line and exit 2, as the CLI's do. `command(faults)` is the argv a `SidecarProces
 
 The faults, a JSON object (`FakeCopyBackend.from_spec`): `fail_load_layers` (stage-local
 positions at which every load walk fails), `load_layer_delay_s` and `backup_layer_delay_s`
-(seconds before each layer of a load walk, of a store's backup walk). CPU deployments only.
+(seconds before each layer of a load walk, of a store's backup walk), `backup_hold_path` (backup
+walks wait while that file exists). CPU deployments only.
 """
 
 from __future__ import annotations

@@ -288,6 +288,7 @@ class _FakeClient:
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
         stream: Any = None,
         fence: tuple[Any, bytes | None] | None = None,
+        persisted_within_s: float = 0.0,
     ) -> dict[str, Any]:
         self.store_fences.append(fence)
         self.stores.append({g: list(p) for g, p in device_pages.items()})

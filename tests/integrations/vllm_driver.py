@@ -7,7 +7,8 @@ PLAN: {"model": dir, "max_model_len": int, "max_tokens": int, "multiprocess": bo
        "connector": {extra config} | null, "rounds": [[[token ids], ...], ...],
        "reset_prefix_cache": bool (before every round after the first),
        "between_rounds": [shell-free hook names] (see `_hook`),
-       "tensor_parallel_size": int (default 1; > 1 runs one worker process per rank)}
+       "tensor_parallel_size": int (default 1; > 1 runs one worker process per rank),
+       "kv_role": "kv_both" (default) | "kv_producer" | "kv_consumer"}
 OUT: {"rounds": [[{"output": [ids], "logprobs": [float], "cached": n}, ...], ...],
       "start_s": float, "round_s": [float]}
 
@@ -74,7 +75,7 @@ def _llm(plan: dict[str, Any]) -> Any:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="HicacheConnector",
             kv_connector_module_path="hicache.integrations.vllm",
-            kv_role="kv_both",
+            kv_role=plan.get("kv_role", "kv_both"),
             kv_connector_extra_config=plan["connector"],
             kv_load_failure_policy="recompute",
         )

@@ -278,11 +278,17 @@ class EngineProcess:
         connector: dict[str, Any] | None = None,
         name: str = "engine",
         max_model_len: int = 2048,
+        kv_role: str = "kv_both",
     ):
         work.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log = work / f"{name}.log"
-        plan = {"model": str(model), "connector": connector, "max_model_len": max_model_len}
+        plan = {
+            "model": str(model),
+            "connector": connector,
+            "max_model_len": max_model_len,
+            "kv_role": kv_role,
+        }
         plan_path = work / f"{name}.plan.json"
         plan_path.write_text(json.dumps(plan))
         self._log: IO[str] = self.log.open("w")

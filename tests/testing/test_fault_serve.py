@@ -20,9 +20,10 @@ from tests.service.conftest import write_config
 BAD_SPECS = [
     (
         "[2]",
-        r"'\[2\]'; a JSON object with keys from \['backup_layer_delay_s', 'fail_load_layers', "
-        r"'load_layer_delay_s'\]",
+        r"'\[2\]'; a JSON object with keys from \['backup_hold_path', 'backup_layer_delay_s', "
+        r"'fail_load_layers', 'load_layer_delay_s'\]",
     ),
+    ('{"backup_hold_path": 3}', r"backup_hold_path 3; a file path"),
     ('{"fail_load_layers": [-1]}', r"fail_load_layers \[-1\]; a list of layer positions >= 0"),
     ('{"load_layer_delay_s": "1"}', r"load_layer_delay_s '1'; a number of seconds >= 0"),
     ('{"backup_layer_delay_s": -1}', r"backup_layer_delay_s -1; a number of seconds >= 0"),

@@ -3,7 +3,7 @@
     LLM(model=..., kv_transfer_config=KVTransferConfig(
         kv_connector="HicacheConnector",
         kv_connector_module_path="hicache.integrations.vllm",
-        kv_role="kv_both",
+        kv_role="kv_both",     # or kv_producer / kv_consumer: prefill and decode (roles.py)
         kv_connector_extra_config={"config": "deploy.yaml"}))
 
 vLLM makes one connector per process and role. The scheduler role (EngineCore) asks a running
@@ -24,16 +24,22 @@ Extra config keys (`kv_connector_extra_config`):
                     hold vLLM's packed block bytes, which differ per backend and ISA
     load_timeout_s  how long one layer may take to land before the load is recomputed (10)
     staging_pages   copy through a staging pool of this many pages per token group instead
-                    of the sidecar copying straight into vLLM's blocks (the default where
-                    it can: dense and one-group-per-kind models; else staging, sized for
-                    max_num_seqs concurrent max_model_len loads)
+                    of the sidecar copying straight into vLLM's blocks (where it can)
     retry_after_s   wait between reconnect attempts while the sidecar is down (1)
     load_mode       auto (layerwise for one KV-cache group, else async), layerwise, async,
-                    whole (synchronous, the forward starts once every layer landed: no
-                    overlap; the baseline of the benchmark's layer-wise figure)
+                    whole (the forward starts once every layer landed: no overlap)
     stats_path      the worker writes its counters (loads, failures, pages, seconds) here
                     as JSON after each step that moved pages; at tensor_parallel_size > 1
-                    each rank to PATH with .rank<r> before its suffix
+                    each rank to PATH with .rank<r> before its suffix; the scheduler half
+                    its lookups' waits for stores in flight to PATH with .scheduler
+    store_wait_s    how long a lookup waits for pages another engine's store in flight is
+                    writing (0 to 60; default: 2 for kv_consumer, else 0; `vllm/roles.py`)
+    persisted_within_s  kv_producer: each store answered once L3 holds its pages, at most
+                    this long (0: at L2); for a decode instance on another host
+
+`kv_role` (`vllm/roles.py`): kv_both loads and stores; kv_producer (a prefill instance) stores
+every complete page of each prompt and ends each step once the sidecar acknowledged its
+stores; kv_consumer (a decode instance) loads, waits for its prefill's store, never stores.
 
 Failures never reach vLLM as exceptions: a sidecar that is down gives no hits and skips
 stores; a load that fails is reported with `get_block_ids_with_load_errors`, so vLLM
@@ -68,6 +74,7 @@ from hicache.integrations.vllm.layout import (
 )
 from hicache.integrations.vllm.lookups import Lookups
 from hicache.integrations.vllm.plan import Scheduled, StepBook, StepMeta
+from hicache.integrations.vllm.roles import check_persisted, role_of
 from hicache.integrations.vllm.settings import ConnectorSettings
 from hicache.integrations.vllm.shared_kv import SharedKv, data_plane
 from hicache.integrations.vllm.worker import WorkerSide
@@ -116,8 +123,16 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                     "splits each request's KV across ranks by token, which hicache does not "
                     "key yet; allowed: 1"
                 )
+        self.kv_role = role_of(self._kv_transfer_config.kv_role)
         extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
         self.settings = ConnectorSettings.parse(extra)
+        self.store_wait_s = (
+            self.kv_role.default_store_wait_s
+            if self.settings.store_wait_s is None
+            else self.settings.store_wait_s
+        )
+        check_persisted(self.kv_role, self.settings.persisted_within_s)
+        self._waits_s = (self.store_wait_s, self.settings.persisted_within_s)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             raise ConfigError(
@@ -137,8 +152,17 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._requests: dict[str, Request] = {}
             self._local: dict[str, int] = {}
             self._failed_loads: set[str] = set()
-            self.lookups = Lookups(lambda: self._connect("lookup"), self.settings.retry_after_s)
-            self.book = StepBook(self.page, self.lookups.lookup, async_loads=self.async_loads)
+            self.lookups = Lookups(
+                lambda: self._connect("lookup"),
+                self.settings.retry_after_s,
+                wait_stored_s=self.store_wait_s,
+            )
+            self.book = StepBook(
+                self.page,
+                self.lookups.lookup,
+                async_loads=self.async_loads,
+                stores=self.kv_role.stores,
+            )
         else:
             self.worker: WorkerSide | None = None
             self._layer_ids: dict[str, int] = {}
@@ -192,7 +216,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             # both halves of one vLLM engine name it alike: a lookup session answers only
             # for the namespace its own engine's worker holds
             engine=f"vllm:{self._engine_id}",
-            timeout_s=max(5.0, self.settings.load_timeout_s),
+            # a reply may wait for a store in flight, or for L3: the timeout outlasts that
+            timeout_s=5.0 + max(self.settings.load_timeout_s, *self._waits_s),
             **self._client_args,
         )
 
@@ -211,6 +236,17 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         if path is None or self.layer_map.layout.tp_size == 1:
             return path
         return path.with_name(f"{path.stem}.rank{self._worker_rank()}{path.suffix}")
+
+    def _scheduler_stats(self) -> None:
+        """The scheduler half's counters to `stats_path` with `.scheduler` before its suffix."""
+        path = self.settings.stats_path
+        if path is not None:
+            self.lookups.write_stats(
+                path.with_name(f"{path.stem}.scheduler{path.suffix}"),
+                kv_role=self.kv_role.name,
+                lookups=self.book.lookups,
+                hit_tokens=self.book.hit_tokens,
+            )
 
     # ---- scheduler side ---------------------------------------------------------------------
 
@@ -278,6 +314,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                     self._kv_cache_manager.get_blocks(req_id).get_block_ids(),
                 )
             )
+        self._scheduler_stats()
         return HicacheConnectorMetadata(self.book.step(scheduled))
 
     def request_finished_all_groups(
@@ -353,6 +390,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             state_store_block=state_store_block,
             register=plane.register,
             stream=plane.stream,
+            persisted_within_s=self.settings.persisted_within_s,
         )
         self.worker.client()
 
@@ -397,6 +435,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self.worker.finish_loads()
         step = self._step()
         self.worker.store(step.stores)
+        if self.kv_role.acks_stores and step.stores:
+            self.worker.await_stores()  # the step ends with its pages in L2
         stats_path = self._stats_path()
         if stats_path is not None and (step.loads or step.stores):
             self.worker.counters.write(stats_path)

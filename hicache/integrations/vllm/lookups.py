@@ -8,8 +8,13 @@ is asked by tokens. A sidecar that is down, or refuses this engine, gives no hit
 exception into vLLM's scheduler — and is tried again at most every `retry_after_s`; an outage
 is logged once, not once per request.
 
+A decode instance (`kv_consumer`) asks with `wait_stored_s`: when the hit stops at a page a
+producer's store in flight is writing, the sidecar answers once that store ended or the bound
+passed (`service/store_waits.py`), holding vLLM's scheduler thread at most that long; how
+each wait ended is counted here (`store_waits`, in the scheduler's stats file).
+
 Lifecycle (vLLM's scheduler thread):
-    lookups = Lookups(connect, retry_after_s)
+    lookups = Lookups(connect, retry_after_s, wait_stored_s=0)
     with lookups.asking(req_id): book.matched(...)   # the StepBook calls `lookup`
     lookups.forget(req_id)                           # request finished
     lookups.close()
@@ -18,9 +23,12 @@ Lifecycle (vLLM's scheduler thread):
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 
 from hicache.channel.protocol import ErrorCode
 from hicache.client import Client, ClientError, Lookup, PromptKeys
@@ -30,10 +38,18 @@ log = logging.getLogger("hicache.vllm")
 
 
 class Lookups:
-    def __init__(self, connect: Callable[[], Client], retry_after_s: float):
-        """`connect`: a new lookup-only client (`role: "lookup"`)."""
+    def __init__(
+        self, connect: Callable[[], Client], retry_after_s: float, *, wait_stored_s: float = 0.0
+    ):
+        """`connect`: a new lookup-only client (`role: "lookup"`). `wait_stored_s`: how long
+        a lookup waits for pages a store in flight is writing (0: never)."""
         self._connect = connect
         self.retry_after_s = retry_after_s
+        self.wait_stored_s = wait_stored_s
+        # lookups that waited for a store in flight, by how the wait ended (hit, missed,
+        # timed_out, drained)
+        self.store_waits: dict[str, int] = {}
+        self.changed = False  # counts changed since the stats file was last written
         self._client: Client | None = None
         self._next_try = 0.0
         self._down = False
@@ -89,7 +105,23 @@ class Lookups:
             return None
         if self._asking is not None:
             self._keys[self._asking] = keys
-        return client.lookup_keys(keys)
+        try:
+            hit = client.lookup_keys(keys, wait_stored_s=self.wait_stored_s)
+        except ClientError as exc:
+            if not refused_field(exc, "wait_stored_s"):
+                raise
+            log.warning(
+                "kv_connector_extra_config.store_wait_s %g: the sidecar predates waits for "
+                "stores in flight; its lookups answer at once (%s)",
+                self.wait_stored_s,
+                exc,
+            )
+            self.wait_stored_s = 0.0
+            hit = client.lookup_keys(keys)
+        if hit.store_wait is not None:
+            self.store_waits[hit.store_wait] = self.store_waits.get(hit.store_wait, 0) + 1
+            self.changed = True
+        return hit
 
     def _failed(self, message: str) -> None:
         if "refused:" in message:  # a wrong token or another model: not an outage, say so
@@ -99,6 +131,21 @@ class Lookups:
             log.warning(message)
         self._down = True
 
+    def write_stats(self, path: Path, **fields: object) -> None:
+        """`fields` and the waits for stores in flight by outcome, as JSON at `path`
+        (replaced atomically), when the waits changed since the last write; a path that
+        cannot be written is logged, never raised into vLLM."""
+        if not self.changed:
+            return
+        self.changed = False
+        counts = {**fields, "store_wait_s": self.wait_stored_s, "store_waits": self.store_waits}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_text(json.dumps(counts))
+            os.replace(tmp, path)
+        except OSError as exc:
+            log.warning("kv_connector_extra_config.stats_path %s: cannot write: %s", path, exc)
+
     def forget(self, req_id: str) -> None:
         self._keys.pop(req_id, None)
 
@@ -106,3 +153,8 @@ class Lookups:
         if self._client is not None:
             self._client.close()
             self._client = None
+
+
+def refused_field(exc: ClientError, field: str) -> bool:
+    """Did a sidecar that predates `field` refuse the request for it (an unknown field)?"""
+    return exc.code == ErrorCode.BAD_REQUEST and f".{field}: Extra inputs" in str(exc)

@@ -2,7 +2,8 @@
 pages each engine step stores, and the per-step metadata the worker half executes.
 
 Lifecycle (all in vLLM's EngineCore process, on its scheduler thread):
-    book = StepBook(page_size_tokens, lookup)      # lookup(tokens) -> (tokens in L2, in all)
+    book = StepBook(page_size_tokens, lookup, stores=True)  # lookup(tokens) -> (in L2, in all);
+                                                   # stores=False: kv_consumer, loads only
     book.matched(req_id, tokens, local_tokens)     # get_num_new_matched_tokens: side-effect free
     book.allocated(req_id, tokens, local, n_ext, block_ids)   # update_state_after_alloc
     meta = book.step(scheduled)                    # build_connector_meta: loads, then stores
@@ -80,11 +81,14 @@ class StepBook:
         lookup: Callable[[Sequence[int]], tuple[int, int]],
         *,
         async_loads: bool = False,
+        stores: bool = True,
     ):
         self.page = page_size_tokens
         # asynchronous loads run between steps: vLLM schedules the request only once its load
         # ended, so a load goes out in the step after its allocation, scheduled or not
         self.async_loads = async_loads
+        # False: a decode instance (kv_consumer) never stores; its steps carry loads only
+        self.stores = stores
         self._lookup = lookup
         self._loads: dict[str, LoadJob] = {}
         self._stored_pages: dict[str, int] = {}  # per running request: pages hicache has
@@ -164,7 +168,7 @@ class StepBook:
             full = min(after, len(req.tokens)) // self.page
             self._after[req.req_id] = after
             self._stored_pages[req.req_id] = max(have, full)
-            if full > have:
+            if full > have and self.stores:
                 meta.stores.append(
                     StoreJob(
                         req.req_id,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from hicache.assembly import engine_channel
+from hicache.channel.protocol import MAX_STORE_WAIT_S
 from hicache.config import load_deployment
 from hicache.errors import ConfigError
 
@@ -22,6 +23,8 @@ EXTRA_KEYS = (
     "retry_after_s",
     "load_mode",
     "stats_path",
+    "store_wait_s",
+    "persisted_within_s",
 )
 LOAD_MODES = ("auto", "layerwise", "async", "whole")
 
@@ -36,6 +39,11 @@ class ConnectorSettings:
     retry_after_s: float
     load_mode: str
     stats_path: Path | None = None
+    # how long a lookup waits for pages a store in flight is writing (None: the kv_role's
+    # default, `roles.py`)
+    store_wait_s: float | None = None
+    # kv_producer: each store answered once L3 holds its pages, at most this long (0: at L2)
+    persisted_within_s: float = 0.0
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -66,6 +74,8 @@ class ConnectorSettings:
             _positive(extra, "retry_after_s", 1.0),
             _choice(extra, "load_mode", LOAD_MODES),
             None if extra.get("stats_path") is None else Path(str(extra["stats_path"])),
+            _store_wait(extra, "store_wait_s"),
+            _store_wait(extra, "persisted_within_s") or 0.0,
         )
 
 
@@ -86,4 +96,22 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
         number = -1.0
     if not number > 0:
         raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not a positive number")
+    return number
+
+
+def _store_wait(extra: dict[str, Any], key: str) -> float | None:
+    """`key` (`store_wait_s`, `persisted_within_s`): seconds, 0 up to the protocol's
+    `MAX_STORE_WAIT_S`; None: not given."""
+    value = extra.get(key)
+    if value is None:
+        return None
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = -1.0
+    if isinstance(value, bool) or not 0 <= number <= MAX_STORE_WAIT_S:
+        raise ConfigError(
+            f"kv_connector_extra_config.{key}: {value!r}; seconds from 0 (never wait) to "
+            f"{MAX_STORE_WAIT_S:g}"
+        )
     return number

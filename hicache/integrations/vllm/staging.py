@@ -83,7 +83,16 @@ class WorkerCounters:
     # of the loads, those served shorter than the lookup promised: vLLM kept the leading part
     loads_partial: int = 0
     pages_loaded: int = 0
-    stores: int = 0
+    stores: int = 0  # answered by the sidecar
+    # of those, the sidecar's reply said L2 holds every page the store named / only a prefix
+    # (L2 too full for the rest)
+    stores_in_l2: int = 0
+    stores_truncated: int = 0
+    # persisted_within_s: stores whose reply said L3 holds every page / did not by the bound
+    stores_persisted: int = 0
+    stores_not_persisted: int = 0
+    # kv_producer: seconds its steps waited at wait_for_save for the sidecar's replies
+    store_ack_wait_s: float = 0.0
     store_failures: int = 0
     stores_skipped_staging: int = 0
     loads_starved: int = 0  # loads recomputed because staging had too few free pages

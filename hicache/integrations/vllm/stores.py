@@ -19,7 +19,9 @@ of use (`staging_quarantined`) until its epoch is confirmed over (`Staging.recla
 Lifecycle (all calls on vLLM's worker thread):
     stores = Stores(layer_map, bindings, counters, state_store_block, staging=... | None)
     stores.submit(client, jobs, skip)   # wait_for_save: skip = requests whose load failed
-    stores.drain(client)                # handle_preemptions, before the next forward
+    stores.drain(client)                # handle_preemptions, before the next forward; and
+                                        # kv_producer: at wait_for_save (its step ends once
+                                        # the sidecar said its pages are in L2)
     stores.close()
 """
 
@@ -32,10 +34,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.client import Client, NoReplyError, SidecarUnreachableError
+from hicache.client import Client, ClientError, NoReplyError, SidecarUnreachableError
 from hicache.client.handle import Epoch
 from hicache.errors import HicacheError
 from hicache.integrations.vllm.binding import LayerBinding
+from hicache.integrations.vllm.lookups import refused_field
 from hicache.integrations.vllm.plan import NULL_BLOCK, StoreJob
 from hicache.integrations.vllm.staging import Staging, WorkerCounters
 from hicache.memory import DevicePool
@@ -66,6 +69,7 @@ class Stores:
         stream: Callable[[], Any] = lambda: None,
         settle_timeout_s: float = 60.0,
         retry_after_s: float = 1.0,
+        persisted_within_s: float = 0.0,
     ):
         self.layer_map = layer_map
         self.bindings = dict(bindings)
@@ -77,6 +81,8 @@ class Stores:
         self._state_store_block = state_store_block
         self.settle_timeout_s = settle_timeout_s
         self.retry_after_s = retry_after_s
+        # kv_producer for another host: each store answered once L3 holds its pages
+        self.persisted_within_s = persisted_within_s
         # direct: each hicache group's layers in one vLLM group (its block ids are the pages)
         self._vllm_group = {
             g.name: self.bindings[g.layer_ids[0]].vllm_group
@@ -172,12 +178,40 @@ class Stores:
         device_pages: dict[str, list[int | None]],
         snapshots: dict[str, dict[int, int]],
         fence: tuple[Any, bytes | None],
-    ) -> None:
+    ) -> dict[str, Any]:
         started = time.perf_counter()
         try:
-            client.store(tokens, device_pages, snapshots, fence=fence)
+            return self._store(client, tokens, device_pages, snapshots, fence)
         finally:
             self.counters.store_s += time.perf_counter() - started
+
+    def _store(
+        self,
+        client: Client,
+        tokens: list[int],
+        device_pages: dict[str, list[int | None]],
+        snapshots: dict[str, dict[int, int]],
+        fence: tuple[Any, bytes | None] | None = None,
+    ) -> dict[str, Any]:
+        """`client.store`, asking for L3 when configured; a sidecar that predates that is
+        said once and asked without it from then on (its stores answered at L2)."""
+        try:
+            return client.store(
+                tokens,
+                device_pages,
+                snapshots,
+                fence=fence,
+                persisted_within_s=self.persisted_within_s,
+            )
+        except ClientError as exc:
+            if not refused_field(exc, "persisted_within_s"):
+                raise
+            self.counters.error(
+                f"kv_connector_extra_config.persisted_within_s {self.persisted_within_s:g}: "
+                f"the sidecar predates it; stores are answered at L2 from now on ({exc})"
+            )
+            self.persisted_within_s = 0.0
+            return client.store(tokens, device_pages, snapshots, fence=fence)
 
     def _through_staging(self, client: Client, job: StoreJob, staging: Staging) -> None:
         plan = self.plan(job)
@@ -213,8 +247,7 @@ class Stores:
             snapshots = {g: {len(job.tokens): pages[g][0]} for g in plan.state_groups}
             # No fence: staging is shared host memory and `to_staging`'s copies are blocking,
             # so the pages are written before the request leaves (`Client.store`'s CPU rule).
-            client.store(list(job.tokens), device_pages, snapshots)
-            self.counters.stores += 1
+            self._answered(self._store(client, list(job.tokens), device_pages, snapshots))
             self.counters.pages_stored += sum(len(p) for p in plan.positions.values())
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
@@ -247,8 +280,7 @@ class Stores:
         in_flight, self._in_flight = self._in_flight, []
         for req_id, future in in_flight:
             try:
-                future.result()  # the client's socket timeout bounds it
-                self.counters.stores += 1
+                self._answered(future.result())  # the client's socket timeout bounds it
             except (HicacheError, OSError) as exc:
                 self.counters.store_failures += 1
                 self.counters.error(f"request {req_id}: store failed: {exc}")
@@ -257,6 +289,19 @@ class Stores:
         if self._unsettled and client is not None:
             self._settle(client)
         self.counters.store_on_step_s += time.perf_counter() - started
+
+    def _answered(self, reply: dict[str, Any]) -> None:
+        """A store's reply: L2 holds every page it named, or only a prefix (L2 too full)."""
+        self.counters.stores += 1
+        if reply.get("truncated_to_tokens") is None:
+            self.counters.stores_in_l2 += 1
+        else:
+            self.counters.stores_truncated += 1
+        if "persisted" in reply:  # asked for: L3 holds every page, or not by the bound
+            if reply["persisted"]:
+                self.counters.stores_persisted += 1
+            else:
+                self.counters.stores_not_persisted += 1
 
     def _settle(self, client: Client) -> None:
         """Wait until the sidecar confirmed every unsettled epoch over (`Client.confirmed`):

@@ -20,6 +20,8 @@ Lifecycle per engine step (all on vLLM's worker thread):
     worker.finish_loads()            # wait_for_save: loads ended, handles released
     worker.store(meta.stores)        # wait_for_save: direct: sent, not waited for; staging:
                                      # blocks -> staging -> sidecar (L2 ack)
+    worker.await_stores()            # kv_producer, wait_for_save: every reply in (L2 holds
+                                     # the step's pages when the step ends)
     worker.take_load_errors()        # get_block_ids_with_load_errors: vLLM recomputes these
     worker.start_async_loads(...)    # multi-group models: loads between steps, and
     worker.poll_async()              # get_transfer_results: those that ended (staging: copied)
@@ -68,6 +70,7 @@ class WorkerSide:
         state_store_block: Callable[[Sequence[int], int], int | None],
         register: Callable[[Client], None] | None = None,
         stream: Callable[[], Any] = lambda: None,
+        persisted_within_s: float = 0.0,
     ):
         """`register`: registers vLLM's own blocks with a new client (direct); None: the
         worker registers a staging pool of `staging_pages` per group instead.
@@ -98,6 +101,7 @@ class WorkerSide:
             stream=stream,
             settle_timeout_s=6 * load_timeout_s,
             retry_after_s=retry_after_s,
+            persisted_within_s=persisted_within_s,
         )
         self.loads = Loads(
             layer_map,
@@ -204,6 +208,13 @@ class WorkerSide:
         return self.loads.poll_async()
 
     # ---- stores ----------------------------------------------------------------------------
+
+    def await_stores(self) -> None:
+        """kv_producer, at the end of `wait_for_save`: every store sent so far answered, so
+        the step (and a request's response) ends with its pages in L2 (`stores_in_l2`)."""
+        started = time.perf_counter()
+        self.stores.drain(self._client)
+        self.counters.store_ack_wait_s += time.perf_counter() - started
 
     def store(self, jobs: Sequence[StoreJob]) -> None:
         """The step's stores, after `finish_loads`; then the step's failed loads are
