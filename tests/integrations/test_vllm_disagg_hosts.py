@@ -1,10 +1,11 @@
 """Prefill/decode through the cache across two hosts, with real vLLM (the CPU build): the
 prefill instance (`kv_producer`, `persisted_within_s`) on host A's sidecar, the decode
-instance (`kv_consumer`) on host B's, the two sidecars sharing one L3 — a Mooncake Store
-whose master runs in A's namespace (the test hosts are network namespaces joined by a veth,
-`hicache.testing.netns_hosts`, as tests/storage/test_two_hosts.py builds them). The engines
-run outside both namespaces and reach their sidecar by its Unix socket; each sidecar's
-Mooncake client lives in its host, so B's reads of A's pages cross the veth.
+instance (`kv_consumer`) on host B's, the two sidecars sharing one L3 in A's namespace — a
+Mooncake Store (its master), and a Redis Cluster (the test hosts are network namespaces
+joined by a veth, `hicache.testing.netns_hosts`, as tests/storage/test_two_hosts.py builds
+them, L3 servers too). The engines run outside both namespaces and reach their sidecar by its
+Unix socket; each sidecar's L3 client lives in its host, so B's reads of A's pages cross the
+veth.
 
 docs/engines.md's proxy (`disaggregated`) sends each prompt to the prefill instance with
 `max_tokens=1` — answered once L3 holds its pages — then to the decode instance. Judges: the
@@ -13,14 +14,15 @@ nothing to load (first, on an empty L3), its `num_cached_tokens` covers every co
 (loaded from L3 through B's sidecar, which never saw the prompts: its discovery asked L3),
 the prefill counted every store persisted, and the bytes crossed B's link.
 
-Needs root (namespaces), the Mooncake wheel and vLLM; skips where they are missing, fails
-under CI for the first two (CI has both) as the two-host tests do.
+Needs root (namespaces), the Mooncake wheel or redis-server, and vLLM; skips where they are
+missing, fails under CI for the first three (CI has them) as the two-host tests do.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +32,7 @@ import pytest
 import yaml
 
 from hicache.client.process import SidecarProcess
+from hicache.config.schema import CacheSection
 from hicache.testing import local_servers, netns_hosts
 from hicache.testing.netns_hosts import Host, TwoHosts
 from tests.integrations.test_vllm_disagg import (
@@ -47,12 +50,16 @@ if not os.environ.get("_HICACHE_REQUIRE_VLLM"):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (python3 dev.py setup)")
 
 PROMPTS = [prompt(21), prompt(22)]
+ABSENT_TTL_S = CacheSection().l3_absent_ttl_s  # the decode host's, by default
 
 
-def _missing() -> str | None:
+def _missing(kind: str) -> str | None:
     why_not = netns_hosts.available()
     if why_not is not None:
         return f"two test hosts need network namespaces: {why_not}"
+    if kind == "redis_cluster":
+        gone = [b for b in ("redis-server", "redis-cli") if local_servers.find_binary(b) is None]
+        return f"{' and '.join(gone)} not installed" if gone else None
     try:
         import mooncake.store  # noqa: F401
     except ImportError as exc:  # pragma: no cover - depends on the platform's wheel
@@ -60,13 +67,15 @@ def _missing() -> str | None:
     return None
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _parts() -> None:
-    missing = _missing()
+@pytest.fixture(scope="module", params=["mooncake", "redis_cluster"])
+def l3_kind(request: pytest.FixtureRequest) -> str:
+    kind = str(request.param)
+    missing = _missing(kind)
     if missing is not None:
         if os.environ.get("CI"):
             pytest.fail(missing, pytrace=False)
         pytest.skip(missing)
+    return kind
 
 
 @dataclass
@@ -84,37 +93,56 @@ class Hosts:
         return stats
 
 
-def deployment(work: Path, model: Path, master: str, local: str) -> Path:
-    """The harness's llama deployment with a Mooncake Store L3 instead of its file L3."""
+def deployment(work: Path, model: Path, storage: dict[str, Any]) -> Path:
+    """The harness's llama deployment with the shared L3 instead of its file L3."""
     path = write_deployment(work, model, KIND)
     data = yaml.safe_load(path.read_text())
-    data["storage"] = {
-        "kind": "mooncake",
-        "master_address": master,
-        "local_hostname": local,
-        "global_segment_bytes": "256MiB",
-        "local_buffer_bytes": "64MiB",
-        "base_timeout_s": 5.0,  # a busy machine's healthy get over the veth can take > 1 s
-    }
+    # 5 s: a busy machine's healthy get over the veth can take > 1 s
+    data["storage"] = {**storage, "base_timeout_s": 5.0}
     path.write_text(yaml.safe_dump(data))
     return path
 
 
+def _start_l3(kind: str, hosts: TwoHosts, work: Path) -> tuple[Any, str]:
+    """The shared L3's servers in A's namespace, bound to A's address; and the address
+    the sidecars' storage sections name."""
+    prefix = hosts.command_prefix("a")
+    if kind == "mooncake":
+        master = local_servers.MooncakeMaster(host=hosts.address["a"], command_prefix=prefix)
+        master.start()
+        return master, master.address
+    servers = local_servers.RedisClusterServers(
+        work / "redis", host=hosts.address["a"], command_prefix=prefix
+    )
+    hosts.within("a", servers.start)  # its readiness probes from A's namespace
+    return servers, servers.seed_url
+
+
+def _storage(kind: str, address: str, local: str) -> dict[str, Any]:
+    if kind == "mooncake":
+        return {
+            "kind": "mooncake",
+            "master_address": address,
+            "local_hostname": local,
+            "global_segment_bytes": "256MiB",
+            "local_buffer_bytes": "64MiB",
+        }
+    return {"kind": "redis", "url": address}
+
+
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
-    work = tmp_path_factory.mktemp("vllm_disagg_hosts")
+def pair(l3_kind: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    work = tmp_path_factory.mktemp(f"vllm_disagg_hosts_{l3_kind}")
     model = build_model(KIND, tmp_path_factory.mktemp("vllm_models"))
     hosts = TwoHosts()
-    master: local_servers.MooncakeMaster | None = None
+    servers: Any = None
     sidecars: dict[Host, SidecarProcess] = {}
     engines: list[EngineProcess] = []
     try:
-        master = local_servers.MooncakeMaster(
-            host=hosts.address["a"], command_prefix=hosts.command_prefix("a")
-        )
-        master.start()
+        servers, address = _start_l3(l3_kind, hosts, work)
         for h in ("a", "b"):
-            config = deployment(work / h, model, master.address, hosts.address[h])
+            storage = _storage(l3_kind, address, hosts.address[h])
+            config = deployment(work / h, model, storage)
             sidecars[h] = hosts.within(h, SidecarProcess(config).start)
         for name, role, host, extra in (
             # answered once L3 holds the prompt's pages: B reads them from there
@@ -130,21 +158,27 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
         prefill, decode = (engine.ready() for engine in engines)
         # the reference: the decode instance alone, nothing in L3 to load (it never stores)
         alone = [decode.round([p], max_tokens=DECODE_TOKENS)[0] for p in PROMPTS]
+        asked = time.monotonic()
         assert [r["cached"] for r in alone] == [0] * len(PROMPTS)
+        # B's sidecar remembers L3's "absent" answers of those lookups for the configured
+        # `l3_absent_ttl_s` (a lookup within it would not ask L3 again, and miss what the
+        # prefill persisted meanwhile): the test's decodes start once they lapsed, as a real
+        # decode host's first lookup of a prompt does not follow one of its own
+        time.sleep(max(0.0, asked + ABSENT_TTL_S - time.monotonic()))
         reference = {tuple(p): r for p, r in zip(PROMPTS, alone, strict=True)}
         yield Hosts(hosts, sidecars, prefill, decode, work, reference)
     finally:
         for engine in engines:
             engine.close()
-        codes = {}
+        codes: dict[Host, int | None] = {}
         for h, sidecar in sidecars.items():
             try:
                 codes[h] = sidecar.stop()
             except Exception as exc:  # the rest is still stopped
                 codes[h] = None
                 print(f"host {h}: its sidecar did not stop cleanly: {exc!r}")
-        if master is not None:
-            master.stop()
+        if servers is not None:
+            servers.stop()
         hosts.close()
     for h, code in codes.items():
         assert code == 0, sidecars[h].log_path.read_text()[-3000:]
