@@ -31,8 +31,12 @@ Per-load lifecycle:
 Per-offload: offload() queued -> stored | not stored (sidecar down, refused) -> popped.
 `reset` and `close` wait for every started load and queued offload to end first.
 
-Faults: nothing raises into SGLang's data path. A sidecar down answers no hits and stores
-nothing (one warning per outage, `LinkerSession`), and is tried again after `retry_after_s`.
+Faults: nothing raises into SGLang's data path. The session with the sidecar is the
+integration core's `SidecarLink` (as the storage backend's): a sidecar down answers no hits and
+stores nothing (one warning per outage), and is tried again after `retry_after_s`; a call the
+sidecar refuses answers no hit / not stored and leaves the session up; a load that cannot be
+confirmed stopped (`LoadHandle.done` failed or timed out) drops the session (`SidecarLink.drop`:
+the client closed, so the sidecar ends that session's loads).
 Components: FULL. A model with SWA or Mamba components attaches, but the linker answers no
 hits and stores nothing (logged once): those pools are not moved yet.
 """
@@ -60,6 +64,7 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # type: i
 )
 
 from hicache.client import Client, LoadHandle
+from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.linker_keys import keys_of_hashes, restorable_lengths
 from hicache.integrations.sglang.linker_pool import (
     KvTensors,
@@ -67,11 +72,7 @@ from hicache.integrations.sglang.linker_pool import (
     page_ids,
     share_kv,
 )
-from hicache.integrations.sglang.linker_session import (
-    LinkerSession,
-    LinkerSettings,
-    layer_map_of,
-)
+from hicache.integrations.sglang.linker_settings import LinkerSettings, layer_map_of
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
 
@@ -132,8 +133,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             self.tensors = KvTensors.of(self.kv)  # rebacked: the pool's new tensors
             log.info("hicache: SGLang's KV pool shared with the sidecar %s", how)
         rank = _tp_rank() if tp_size > 1 else 0
-        self.session = LinkerSession(
-            self.settings,
+        self.link = SidecarLink(
             lambda: Client(
                 self.settings.address,
                 self.layer_map,
@@ -146,6 +146,9 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                 timeout_s=max(5.0, self.settings.load_timeout_s),
             ),
             self._register,
+            retry_after_s=self.settings.retry_after_s,
+            name=f"sglang linker rank {rank}",
+            log=log,
         )
         self._queued: dict[str, _Load] = {}
         self._batches: queue.Queue[_Batch | None] = queue.Queue()
@@ -162,7 +165,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         ]
         for thread in self._threads:
             thread.start()
-        self.session.client()  # attach now when the sidecar is up (else at the next use)
+        self.link.client()  # attach now when the sidecar is up (else at the next use)
 
     def _register(self, client: Client) -> None:
         if self.cuda:
@@ -177,13 +180,10 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         kv = _kv_transfer(transfers)
         if self.unsupported or kv is None or not kv.keys:
             return []
-        client = self.session.client()
-        if client is None:
-            return []
-        try:
-            hit = client.lookup_keys(keys_of_hashes(client.key_spec(), kv.keys))
-        except Exception as exc:
-            self.session.failed("lookup", exc, client)
+        hit = self.link.use(
+            "lookup", lambda c: c.lookup_keys(keys_of_hashes(c.key_spec(), kv.keys)), None
+        )
+        if hit is None:
             return []
         return restorable_lengths(hit.tokens_total, self.page_size, len(kv.keys))
 
@@ -197,21 +197,20 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         if pages is None or len(pages) != len(kv.keys):
             log.warning("hicache: load %s: device slots are not whole pages; recomputing", rid)
             return False
-        client = self.session.client()
-        if client is None:
-            return False
-        try:
+
+        def start(client: Client) -> tuple[_Load, int] | None:
             keys = keys_of_hashes(client.key_spec(), kv.keys)
             handle = client.load_keys(keys, {self.group: pages}, stream=self._stream())
-        except Exception as exc:
-            self.session.failed("load", exc, client)
+            return None if handle is None else (_Load(rid, handle, client), keys.num_tokens)
+
+        started = self.link.use("load", start, None)
+        if started is None:
             return False
-        if handle is None:
+        load, tokens_asked = started
+        if load.handle.tokens < tokens_asked:  # part of the hit is gone: recompute it all
+            self._end(load)
             return False
-        if handle.tokens < keys.num_tokens:  # part of the hit is gone: recompute it all
-            self._end(_Load(rid, handle, client))
-            return False
-        self._queued[rid] = _Load(rid, handle, client)
+        self._queued[rid] = load
         return True
 
     def cancel_queued_load(self, rid: str) -> bool:
@@ -263,7 +262,9 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         try:
             load.handle.done(timeout_s=self.settings.load_timeout_s)
         except Exception as exc:  # lost or stuck: the session goes, and its loads with it
-            self.session.failed("load", exc, load.client)
+            self.link.drop(
+                load.client, f"load {load.rid} did not end ({type(exc).__name__}: {exc})"
+            )
 
     # ---- offload ----------------------------------------------------------------------------
 
@@ -290,18 +291,15 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
                 self._offload_idle.notify_all()
 
     def _store(self, hashes: list[str], pages: list[int], events: list[Any]) -> bool:
-        client = self.session.client()
-        if client is None:
-            return False
         for event in events:  # CUDA: the copies wait for the forward that wrote the pages
             self._stream().wait_event(event)
-        try:
+
+        def store(client: Client) -> bool:
             keys = keys_of_hashes(client.key_spec(), hashes)
             client.store_keys(keys, {self.group: pages}, stream=self._stream())
-        except Exception as exc:
-            self.session.failed("store", exc, client)
-            return False
-        return True
+            return True
+
+        return bool(self.link.use("store", store, False))
 
     def num_completed_offloads(self) -> int:
         return len(self._completed)
@@ -341,7 +339,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self._offloads.put(None)
         for thread in self._threads:
             thread.join(timeout=self.settings.load_timeout_s)
-        self.session.close()
+        self.link.close()
         if self.memory is not None:
             self.memory.close()
 

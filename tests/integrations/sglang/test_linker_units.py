@@ -1,7 +1,8 @@
 """The SGLang linker's pure parts, without SGLang (main venv): page hashes as keys, slots as
 page ids, SGLang's pool tensors checked against the sidecar's geometry and shared (in place or
 rebacked) with every byte kept and every offset where the sidecar will look, the settings
-and the session's states (down -> up -> down, one warning per outage, no raise)."""
+and the session: the core's `SidecarLink`, whose `drop` ends a client a load could not
+confirm stopped."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from hicache.client.keys import KeySpec
 from hicache.errors import ConfigError, PoolShapeError
 from hicache.index.keys import keys_of_ids
 from hicache.integrations.core.shared_memory import SharedMemoryError, plan_regions
+from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.linker_keys import (
     digest_of,
     keys_of_hashes,
@@ -31,7 +33,7 @@ from hicache.integrations.sglang.linker_pool import (
     reback,
     share_kv,
 )
-from hicache.integrations.sglang.linker_session import LinkerSession, LinkerSettings
+from hicache.integrations.sglang.linker_settings import LinkerSettings
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.model import LayerMap, layout_from_hf_config
 
@@ -214,38 +216,37 @@ class FakeClient:
         self.closed = True
 
 
-def test_session_states(caplog: pytest.LogCaptureFixture) -> None:
-    now = [0.0]
-    up = [False]
+def test_a_load_that_did_not_end_drops_the_links_client(caplog: pytest.LogCaptureFixture) -> None:
+    """The linker's session is the core's `SidecarLink`; a load it cannot confirm stopped
+    drops the client (`drop`): closed, the link down (one warning), then connected again; a
+    stale client is only closed, the current one kept."""
     made: list[FakeClient] = []
 
     def connect() -> Any:
-        if not up[0]:
-            raise ConnectionRefusedError("nothing listens")
         made.append(FakeClient())
         return made[-1]
 
-    settings = LinkerSettings.parse({"address": "x.sock", "retry_after_s": 2})
-    session = LinkerSession(settings, connect, lambda c: None, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, "hicache.sglang"):
-        assert session.client() is None  # down: warned once
-        up[0] = True
-        assert session.client() is None  # not yet due
-        now[0] = 2.0
-        client = session.client()
-        assert client is made[0]
-        session.failed("load", RuntimeError("reset"), client)
-        assert made[0].closed
-        assert session.client() is None
-        session.failed("store", RuntimeError("again"), None)  # still down: no second warning
-        now[0] = 5.0
-        assert session.client() is made[1]
-        session.failed("load", RuntimeError("stale"), made[0])  # an old client: ignored
-        assert session.client() is made[1]
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2, warnings
-    assert "cannot attach to the sidecar at x.sock: nothing listens" in warnings[0]
-    assert "load failed (RuntimeError: reset); no hits until it is back" in warnings[1]
-    session.close()
-    assert made[1].closed
-    assert session.client() is None
+    link = SidecarLink(
+        connect, lambda c: None, retry_after_s=0.0, name="linker", log=logging.getLogger("t.l")
+    )
+    with caplog.at_level(logging.WARNING, "t.l"):
+        first = link.client()
+        assert first is made[0]
+        link.drop(first, "load r1 did not end (TimeoutError: layer 3)")
+        assert first.closed
+        assert not link.up
+        assert link.counters.outages == 1
+        second = link.client()
+        assert second is made[1]
+        assert second is not first
+        stale = FakeClient()
+        link.drop(stale, "an old client")  # not the link's: closed, the link stays up
+        assert stale.closed
+        assert link.client() is second
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "load r1 did not end (TimeoutError: layer 3)" in messages[0]
+    assert "sidecar back" in messages[1]
+    link.close()
+    assert second.closed
+    assert link.client() is None
