@@ -14,6 +14,9 @@ Translation (pure parts in `linker_keys` and `linker_pool`):
   (`keys_of_hashes`, as the storage backend keys them) and sent as the keyed ops
   (`store_keys` / `load_keys`); SGLang's device slots become page ids;
 - `lookup` -> `lookup_keys`; every length up to the hit is restorable (full attention);
+  with an SWA component, `served_keys` of both groups and SGLang's trailing-window rule
+  (`hit_policies.restorable`): a length is restorable when the full group holds every page
+  up to it and the sliding group the window's pages before it;
 - `load` starts the sidecar's load at once, into the request's private slots: a load the
   sidecar cannot serve whole (pages gone, L3 fetch late) is refused here, so SGLang recomputes
   the request (a refused `load` is its recompute path; a load failing after its forward
@@ -37,8 +40,13 @@ stores nothing (one warning per outage), and is tried again after `retry_after_s
 sidecar refuses answers no hit / not stored and leaves the session up; a load that cannot be
 confirmed stopped (`LoadHandle.done` failed or timed out) drops the session (`SidecarLink.drop`:
 the client closed, so the sidecar ends that session's loads).
-Components: FULL. A model with SWA or Mamba components attaches, but the linker answers no
-hits and stores nothing (logged once): those pools are not moved yet.
+Components (`linker_components`): FULL (SGLang's pool "kv", the sidecar's full group) and SWA
+("swa": an `SWAKVPool`'s sliding pool, the sidecar's sliding group). Each transfer of a call
+moves on its own: a load is one sidecar load per pool in it (a load may carry only the SWA
+window, SGLang having the full pages on the device already), each pool's layers waited on by
+the load thread, and the counter completes every model layer in order; an offload stores each
+pool's pages under its keys, the other groups' pages not named. MAMBA is refused at
+construction (its state pool is not moved by the linker yet: hicache's storage backend moves it).
 """
 
 from __future__ import annotations
@@ -64,14 +72,12 @@ from sglang.srt.mem_cache.unified_cache.unified_cache_linker import (  # type: i
 )
 
 from hicache.client import Client, LoadHandle
+from hicache.errors import PoolShapeError
 from hicache.integrations.core.sidecar_link import SidecarLink
+from hicache.integrations.sglang.hit_policies import TRAILING_PAGES, PoolAsk, restorable
+from hicache.integrations.sglang.linker_components import KV, SWA, Component, LinkedPools
 from hicache.integrations.sglang.linker_keys import keys_of_hashes, restorable_lengths
-from hicache.integrations.sglang.linker_pool import (
-    KvTensors,
-    geometry_of,
-    page_ids,
-    share_kv,
-)
+from hicache.integrations.sglang.linker_pool import KvTensors, page_ids
 from hicache.integrations.sglang.linker_settings import LinkerSettings, layer_map_of
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
@@ -81,9 +87,15 @@ log = logging.getLogger("hicache.sglang")
 
 @dataclass
 class _Load:
+    """One pool's sidecar load of a request."""
+
     rid: str
     handle: LoadHandle
     client: Client
+    layer_ids: frozenset[int]
+
+
+_Offload = tuple[list[tuple[str, list[str], list[int]]], list[Any]]  # per pool; CUDA events
 
 
 @dataclass
@@ -106,32 +118,25 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self.forward_stream = forward_stream
         self.settings = LinkerSettings.parse(extra_config)
         self.kv = params.token_to_kv_pool_allocator.get_kvcache()
-        self.pools = {PoolName.KV: self.kv}
-        self.layer_done_counter = LayerWiseLoadCounter(self.kv.layer_num)
         self.page_size = int(params.page_size)
-        others = sorted(str(c) for c in set(components) - {ComponentType.FULL})
-        self.unsupported = (
-            f"components {others} are not moved by the hicache linker yet" if others else None
-        )
-        if self.unsupported:
-            log.warning("hicache: %s; it answers no hits and stores nothing", self.unsupported)
+        if ComponentType.MAMBA in set(components):
+            raise PoolShapeError(
+                f"SGLang's tree has components {sorted(str(c) for c in components)}; the "
+                "hicache linker does not move the Mamba state pool yet (hicache's storage "
+                "backend does: --hicache-storage-backend dynamic)"
+            )
         tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         self.layer_map = layer_map_of(str(server_args.model_path), tp_size)
-        self.tensors = KvTensors.of(self.kv)
-        dtype = dtype_name(self.tensors.k[0].dtype)
+        first = KvTensors.of(getattr(self.kv, "full_kv_pool", self.kv)).k[0]
+        dtype = dtype_name(first.dtype)
         geometries = group_geometries(
             self.layer_map.groups, CacheDtypes.from_names(dtype), self.page_size
         )
-        self.geometry = geometry_of(geometries)
-        self.tensors.check(self.geometry)
-        self.group = self.geometry.group.name
-        self.layer_ids = list(self.geometry.group.layer_ids)
-        self.cuda = self.tensors.k[0].device.type == "cuda"
-        self.memory = None
-        if not self.cuda:
-            self.memory, how = share_kv(self.tensors, self.kv)
-            self.tensors = KvTensors.of(self.kv)  # rebacked: the pool's new tensors
-            log.info("hicache: SGLang's KV pool shared with the sidecar %s", how)
+        self.cuda = first.device.type == "cuda"
+        self.linked = LinkedPools.of(self.kv, geometries, cuda=self.cuda)
+        self.components: dict[str, Component] = self.linked.components
+        self.pools = {PoolName(name): self.kv for name in self.components}
+        self.layer_done_counter = LayerWiseLoadCounter(self.kv.layer_num)
         rank = _tp_rank() if tp_size > 1 else 0
         self.link = SidecarLink(
             lambda: Client(
@@ -150,10 +155,10 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             name=f"sglang linker rank {rank}",
             log=log,
         )
-        self._queued: dict[str, _Load] = {}
+        self._queued: dict[str, list[_Load]] = {}
         self._batches: queue.Queue[_Batch | None] = queue.Queue()
         self._started: list[_Batch] = []
-        self._offloads: queue.Queue[tuple[list[str], list[int], list[Any]] | None] = queue.Queue()
+        self._offloads: queue.Queue[_Offload | None] = queue.Queue()
         self._completed: collections.deque[bool] = collections.deque()
         self._offloads_pending = 0
         self._offload_idle = threading.Condition()
@@ -168,62 +173,101 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self.link.client()  # attach now when the sidecar is up (else at the next use)
 
     def _register(self, client: Client) -> None:
-        if self.cuda:
-            client.register_cuda_pools(self.tensors.device_pools(self.geometry))
-        else:
-            assert self.memory is not None
-            client.register_pools(self.tensors.shared_pools(self.memory, self.geometry))
+        self.linked.register(client)
 
     # ---- lookup -----------------------------------------------------------------------------
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
-        kv = _kv_transfer(transfers)
-        if self.unsupported or kv is None or not kv.keys:
+        by_pool = _by_pool(transfers)
+        kv, swa = by_pool.get(KV), by_pool.get(SWA)
+        if kv is None or not kv.keys or set(by_pool) - set(self.components):
             return []
-        hit = self.link.use(
-            "lookup", lambda c: c.lookup_keys(keys_of_hashes(c.key_spec(), kv.keys)), None
-        )
-        if hit is None:
-            return []
-        return restorable_lengths(hit.tokens_total, self.page_size, len(kv.keys))
+        if swa is None or SWA not in self.components:
+            hit = self.link.use(
+                "lookup", lambda c: c.lookup_keys(keys_of_hashes(c.key_spec(), kv.keys)), None
+            )
+            if hit is None:
+                return []
+            return restorable_lengths(hit.tokens_total, self.page_size, len(kv.keys))
+        full, sliding = self.components[KV].group, self.components[SWA].group
+        window = PoolAsk(SWA, TRAILING_PAGES, len(swa.keys or ()))
+
+        def ask(client: Client) -> list[int]:
+            keys = keys_of_hashes(client.key_spec(), kv.keys)
+            served = client.served_keys(keys, [full, sliding])
+            run = min(served[full].run, len(kv.keys))
+            held = {SWA: set(served[sliding].lengths(run))}
+            return restorable(run, [window], held).lengths
+
+        return list(self.link.use("lookup", ask, []))
 
     # ---- load -------------------------------------------------------------------------------
 
     def load(self, rid: str, transfers: list[PoolTransfer]) -> bool:
-        kv = _kv_transfer(transfers)
-        if self.unsupported or kv is None or not kv.keys or kv.device_indices is None:
+        """One sidecar load per pool in `transfers` (SGLang may send the SWA window alone);
+        all started and whole, or none kept (SGLang recomputes)."""
+        by_pool = _by_pool(transfers)
+        if not by_pool or set(by_pool) - set(self.components) or rid in self._queued:
             return False
-        pages = page_ids(kv.device_indices, self.page_size)
-        if pages is None or len(pages) != len(kv.keys):
-            log.warning("hicache: load %s: device slots are not whole pages; recomputing", rid)
-            return False
+        planned = []
+        for name, transfer in by_pool.items():
+            pages = None
+            if transfer.keys and transfer.device_indices is not None:
+                pages = page_ids(transfer.device_indices, self.page_size)
+            if pages is None or len(pages) != len(transfer.keys):
+                log.warning(
+                    "hicache: load %s: %s slots are not whole pages; recomputing", rid, name
+                )
+                return False
+            planned.append((self.components[name], list(transfer.keys), pages))
+        loads: list[_Load] = []
+        for component, hashes, pages in planned:
+            load = self._start_load(rid, component, hashes, pages)
+            if load is None:
+                for started in loads:
+                    self._end(started)
+                return False
+            loads.append(load)
+        self._queued[rid] = loads
+        return True
+
+    def _start_load(
+        self, rid: str, component: Component, hashes: list[str], pages: list[int]
+    ) -> _Load | None:
+        """The component's pages loading, whole; None (nothing left pinned) otherwise."""
+        groups = [component.group] if len(self.components) > 1 else None
 
         def start(client: Client) -> tuple[_Load, int] | None:
-            keys = keys_of_hashes(client.key_spec(), kv.keys)
-            handle = client.load_keys(keys, {self.group: pages}, stream=self._stream())
-            return None if handle is None else (_Load(rid, handle, client), keys.num_tokens)
+            keys = keys_of_hashes(client.key_spec(), hashes)
+            handle = client.load_keys(
+                keys, {component.group: pages}, stream=self._stream(), groups=groups
+            )
+            if handle is None:
+                return None
+            return _Load(rid, handle, client, frozenset(component.layer_ids)), keys.num_tokens
 
         started = self.link.use("load", start, None)
         if started is None:
-            return False
+            return None
         load, tokens_asked = started
         if load.handle.tokens < tokens_asked:  # part of the hit is gone: recompute it all
             self._end(load)
-            return False
-        self._queued[rid] = load
-        return True
+            return None
+        return load
 
     def cancel_queued_load(self, rid: str) -> bool:
-        load = self._queued.pop(rid, None)
-        if load is None:
+        loads = self._queued.pop(rid, None)
+        if loads is None:
             return False
-        self._end(load)  # it already writes the request's slots: wait until it stopped
+        for load in loads:  # they already write the request's slots: wait until they stopped
+            self._end(load)
         return True
 
     def start_layer_wise_loading(self) -> int:
         if not self._queued:
             return -1
-        loads, self._queued = list(self._queued.values()), {}
+        loads = [load for queued in self._queued.values() for load in queued]
+        self._queued = {}
         batch = _Batch(self.layer_done_counter.update_producer(), loads)
         self._started.append(batch)
         self._batches.put(batch)
@@ -247,15 +291,16 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
 
     def _stream_batch(self, batch: _Batch) -> None:
         counter = self.layer_done_counter
-        for index, layer_id in enumerate(self.layer_ids):
+        for layer_id in range(counter.num_layers):  # every layer, from the pool holding it
             try:
                 for load in batch.loads:
-                    load.handle.wait_layer(layer_id, timeout_s=self.settings.load_timeout_s)
+                    if layer_id in load.layer_ids:
+                        load.handle.wait_layer(layer_id, timeout_s=self.settings.load_timeout_s)
             except Exception as exc:
                 log.warning("hicache: load failed at layer %d (%s)", layer_id, exc)
                 counter.fail(batch.index, exc)
                 return
-            counter.complete(batch.index, index)
+            counter.complete(batch.index, layer_id)
 
     def _end(self, load: _Load) -> None:
         """Wait for the load to stop writing, and free its sidecar slot."""
@@ -269,35 +314,43 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
     # ---- offload ----------------------------------------------------------------------------
 
     def offload(self, transfers: list[PoolTransfer], session_id: str | None = None) -> bool:
-        kv = _kv_transfer(transfers)
-        if self.unsupported or kv is None or not kv.keys or kv.device_indices is None:
+        by_pool = _by_pool(transfers)
+        if not by_pool or set(by_pool) - set(self.components):
             return False
-        pages = page_ids(kv.device_indices, self.page_size)
-        if pages is None or len(pages) != len(kv.keys):
-            return False
+        stores = []
+        for name, transfer in by_pool.items():
+            if not transfer.keys or transfer.device_indices is None:
+                return False
+            pages = page_ids(transfer.device_indices, self.page_size)
+            if pages is None or len(pages) != len(transfer.keys):
+                return False
+            stores.append((name, list(transfer.keys), pages))
         events = self.record_offload_ready() if self.cuda else []
         with self._offload_idle:
             self._offloads_pending += 1
-        self._offloads.put((list(kv.keys), pages, events))
+        self._offloads.put((stores, events))
         return True
 
     def _offload_thread(self) -> None:
         while (item := self._offloads.get()) is not None:
-            hashes, pages, events = item
-            stored = self._store(hashes, pages, events)
+            stores, events = item
+            for event in events:  # CUDA: the copies wait for the forward that wrote the pages
+                self._stream().wait_event(event)
+            stored = all([self._store(*store) for store in stores])  # each pool tried
             with self._offload_idle:
                 self._completed.append(stored)
                 self._offloads_pending -= 1
                 self._offload_idle.notify_all()
 
-    def _store(self, hashes: list[str], pages: list[int], events: list[Any]) -> bool:
-        for event in events:  # CUDA: the copies wait for the forward that wrote the pages
-            self._stream().wait_event(event)
+    def _store(self, pool: str, hashes: list[str], pages: list[int]) -> bool:
+        """The pool's pages under their keys, the other groups' pages not named."""
 
         def store(client: Client) -> bool:
             keys = keys_of_hashes(client.key_spec(), hashes)
-            client.store_keys(keys, {self.group: pages}, stream=self._stream())
-            return True
+            reply = client.store_keys(
+                keys, self.linked.pages_of(pool, pages), stream=self._stream()
+            )
+            return reply.get("truncated_to_tokens") is None
 
         return bool(self.link.use("store", store, False))
 
@@ -316,11 +369,12 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             return None
         from hicache.transfer.cuda_ipc import current_stream  # CUDA only when used
 
-        return current_stream(self.tensors.k[0].device)
+        return current_stream(self.components[KV].tensors.k[0].device)
 
     def _quiesce(self) -> None:
-        for load in list(self._queued.values()):
-            self._end(load)
+        for loads in list(self._queued.values()):
+            for load in loads:
+                self._end(load)
         self._queued.clear()
         for batch in list(self._started):
             batch.ended.wait()
@@ -340,12 +394,12 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         for thread in self._threads:
             thread.join(timeout=self.settings.load_timeout_s)
         self.link.close()
-        if self.memory is not None:
-            self.memory.close()
+        self.linked.close()
 
 
-def _kv_transfer(transfers: list[PoolTransfer]) -> PoolTransfer | None:
-    return next((t for t in transfers if t.name == PoolName.KV), None)
+def _by_pool(transfers: list[PoolTransfer]) -> dict[str, PoolTransfer]:
+    """The call's transfers by SGLang pool name ("kv", "swa", ...)."""
+    return {str(getattr(t.name, "value", t.name)): t for t in transfers}
 
 
 def _tp_rank() -> int:

@@ -2,7 +2,12 @@
 `hicache serve` (`linker_probe.py`, in the SGLang environment): a tail starting mid-prompt
 hits and loads byte-exact layer by layer; a hit shorter than asked is refused once
 what did hit has landed (SGLang then recomputes); a queued load cancels; with the sidecar
-stopped every call answers "no hit / not stored" and none raises."""
+stopped every call answers "no hit / not stored" and none raises.
+
+With an SWA component (`linker_swa_probe.py`): SGLang's real `SWAKVPool` of a tiny gpt-oss
+against a sidecar of that model: both pools offloaded, looked up with SGLang's trailing-window
+rule (a window missing a page restores nothing, a pool not moved answers no hit), loaded
+byte-exact through the layer counter, the window alone too; a short window refused."""
 
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import yaml
 
 from hicache.client.process import SidecarProcess
 from tests.integrations.sglang.engine_harness import require_sglang, tiny_model
+from tests.integrations.sglang.hybrid_harness import write_hybrid_deployment
 from tests.integrations.sglang.sglang_env import ROOT, sglang_environ
 
 
@@ -76,3 +82,45 @@ def test_the_linker_on_sglangs_pool_against_a_real_sidecar(tmp_path: Path) -> No
         "down_offload": True,
         "down_offload_completed": [False],
     }, (tmp_path / "probe.log").read_text()[-3000:]
+
+
+def test_the_linker_moves_an_swa_pool_against_a_real_sidecar(tmp_path: Path) -> None:
+    python = require_sglang()
+    deploy = write_hybrid_deployment(tmp_path, "gpt_oss")  # the model's config.json beside it
+    log = tmp_path / "probe.log"
+    with SidecarProcess(deploy):
+        probe = subprocess.run(
+            [
+                str(python),
+                "-m",
+                "tests.integrations.sglang.linker_swa_probe",
+                str(deploy),
+                str(tmp_path),
+            ],
+            cwd=ROOT,
+            env=sglang_environ(cpu_shims=False),
+            stdout=subprocess.PIPE,
+            stderr=log.open("w"),
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert probe.returncode == 0, log.read_text()[-3000:]
+    assert yaml.safe_load(probe.stdout.splitlines()[-1]) == {
+        "pools": ["kv", "swa"],
+        "offload_queued": True,
+        "offloads_completed": [True],
+        "lookup_whole": [6],
+        "lookup_longer": [6],
+        "lookup_window_short": [],
+        "lookup_unmoved_pool": [],
+        "load_queued": True,
+        "load_landed": True,
+        "full_bytes_equal": True,
+        "swa_bytes_equal": True,
+        "window_only_queued": True,
+        "window_only_landed": True,
+        "window_only_bytes_equal": True,
+        "short_window_queued": False,
+        "no_batch_after_refusal": -1,
+    }, log.read_text()[-3000:]

@@ -21,6 +21,7 @@ from hicache.errors import ConfigError, PoolShapeError
 from hicache.index.keys import keys_of_ids
 from hicache.integrations.core.shared_memory import SharedMemoryError, plan_regions
 from hicache.integrations.core.sidecar_link import SidecarLink
+from hicache.integrations.sglang.linker_components import LinkedPools
 from hicache.integrations.sglang.linker_keys import (
     digest_of,
     keys_of_hashes,
@@ -28,14 +29,15 @@ from hicache.integrations.sglang.linker_keys import (
 )
 from hicache.integrations.sglang.linker_pool import (
     KvTensors,
-    geometry_of,
     page_ids,
     reback,
     share_kv,
+    shared_pools_of,
+    token_groups,
 )
 from hicache.integrations.sglang.linker_settings import LinkerSettings
 from hicache.memory import CacheDtypes, group_geometries
-from hicache.model import LayerMap, layout_from_hf_config
+from hicache.model import CacheKind, LayerMap, layout_from_hf_config
 
 ROOT = bytes(range(16))
 
@@ -108,7 +110,7 @@ def tiny_geometry(page: int = 16, heads: int = 2, dim: int = 32) -> Any:
         "tiny",
     )
     geometries = group_geometries(LayerMap(layout).groups, CacheDtypes.from_names("bfloat16"), page)
-    return geometry_of(geometries)
+    return token_groups(geometries)[0]
 
 
 def sglang_pool(page: int = 16, slots: int = 4096, heads: int = 2, dim: int = 32) -> Any:
@@ -250,3 +252,87 @@ def test_a_load_that_did_not_end_drops_the_links_client(caplog: pytest.LogCaptur
     link.close()
     assert second.closed
     assert link.client() is None
+
+
+def gpt_oss_geometries(page: int = 16) -> Any:
+    """A tiny gpt-oss's groups: sliding layers 0 and 2, full layers 1 and 3 (2 heads x 64)."""
+    layout = layout_from_hf_config(
+        {
+            "model_type": "gpt_oss",
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "sliding_window": 64,
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+        },
+        "tiny-gpt-oss",
+    )
+    return group_geometries(LayerMap(layout).groups, CacheDtypes.from_names("bfloat16"), page)
+
+
+def swa_pool(layer_ids: tuple[list[int], list[int]] = ([1, 3], [0, 2])) -> Any:
+    """What SGLang's SWAKVPool holds: a full and an SWA MHA pool, each with its model layers."""
+    full, swa = sglang_pool(dim=64, slots=256), sglang_pool(dim=64, slots=128)
+    full.model_layer_ids, swa.model_layer_ids = tuple(layer_ids[0]), tuple(layer_ids[1])
+    return types.SimpleNamespace(full_kv_pool=full, swa_kv_pool=swa, layer_num=4)
+
+
+def test_the_components_are_the_sidecars_full_and_sliding_groups() -> None:
+    geometries = gpt_oss_geometries()
+    full, sliding = token_groups(geometries)
+    assert (full.group.kind.value, sliding.group.kind.value) == ("full", "sliding")
+    kv = swa_pool()
+    linked = LinkedPools.of(kv, geometries, cuda=False)
+    assert {n: c.layer_ids for n, c in linked.components.items()} == {
+        "kv": (1, 3),
+        "swa": (0, 2),
+    }
+    # a store names every token group: the pool's own pages, None for the other's
+    assert linked.pages_of("swa", [4, 5]) == {
+        full.group.name: [None, None],
+        sliding.group.name: [4, 5],
+    }
+    shared = shared_pools_of(
+        linked.memory, [(c.tensors, c.geometry) for c in linked.components.values()]
+    )
+    assert sorted(shared.offsets) == sorted(geometries)
+    assert shared.num_pages == {full.group.name: 17, sliding.group.name: 9}  # (slots + 1 page) / 16
+    # both pools under one memfd: the SWA pool's layer 1 V rows where the manifest says
+    view = torch.frombuffer(mmap.mmap(linked.memory.fd, linked.memory.nbytes), dtype=torch.uint8)
+    v = kv.swa_kv_pool.v_buffer[1]
+    v[16:32].fill_(2.0)
+    offset = (
+        shared.offsets[sliding.group.name][1][1] + shared.page_strides[sliding.group.name][1][1]
+    )  # type: ignore[index]
+    assert torch.equal(
+        view[offset : offset + 16 * 2 * 64 * 2], v[16:32].contiguous().view(torch.uint8).reshape(-1)
+    )
+    shared.close()
+    linked.close()
+
+
+def test_pools_that_are_not_the_sidecars_groups_are_refused_by_name() -> None:
+    geometries = gpt_oss_geometries()
+    with pytest.raises(
+        PoolShapeError, match=r"SGLang's 'kv' pool holds layers \[0, 2\]; the sidecar's group"
+    ):
+        LinkedPools.of(swa_pool(([0, 2], [1, 3])), geometries, cuda=False)
+    with pytest.raises(
+        PoolShapeError, match=r"\(no sliding-window pool\); the sidecar's model has sliding group"
+    ):
+        LinkedPools.of(sglang_pool(dim=64), geometries, cuda=False)
+    no_layers = swa_pool()
+    no_layers.layer_num = 6
+    with pytest.raises(
+        PoolShapeError,
+        match=r"SGLang's KV pool counts 6 layers; the sidecar's groups hold layers \[0, 1, 2, 3\]",
+    ):
+        LinkedPools.of(no_layers, geometries, cuda=False)
+    state = {
+        "full": tiny_geometry(),
+        "linear": types.SimpleNamespace(group=types.SimpleNamespace(kind=CacheKind.LINEAR)),
+    }
+    with pytest.raises(PoolShapeError, match=r"not moved yet: linear \(linear\)"):
+        token_groups(state)
