@@ -75,7 +75,7 @@ from hicache.client import Client, LoadHandle
 from hicache.errors import PoolShapeError
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.hit_policies import TRAILING_PAGES, PoolAsk, restorable
-from hicache.integrations.sglang.linker_components import KV, SWA, Component, LinkedPools
+from hicache.integrations.sglang.linker_components import KV, MAMBA, Component, LinkedPools
 from hicache.integrations.sglang.linker_keys import keys_of_hashes, restorable_lengths
 from hicache.integrations.sglang.linker_pool import KvTensors, page_ids
 from hicache.integrations.sglang.linker_settings import LinkerSettings, layer_map_of
@@ -119,30 +119,47 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         self.settings = LinkerSettings.parse(extra_config)
         self.kv = params.token_to_kv_pool_allocator.get_kvcache()
         self.page_size = int(params.page_size)
+        mamba_pool = None
         if ComponentType.MAMBA in set(components):
-            raise PoolShapeError(
-                f"SGLang's tree has components {sorted(str(c) for c in components)}; the "
-                "hicache linker does not move the Mamba state pool yet (hicache's storage "
-                "backend does: --hicache-storage-backend dynamic)"
-            )
+            mamba_pool = getattr(params.req_to_token_pool, "mamba_pool", None)
+            if mamba_pool is None:
+                raise PoolShapeError(
+                    f"SGLang's tree has a MAMBA component but its req_to_token_pool "
+                    f"({type(params.req_to_token_pool).__name__}) has no mamba_pool"
+                )
         tp_size = int(getattr(server_args, "tp_size", 1) or 1)
         self.layer_map = layer_map_of(str(server_args.model_path), tp_size)
         first = KvTensors.of(getattr(self.kv, "full_kv_pool", self.kv)).k[0]
         dtype = dtype_name(first.dtype)
+        state_dtype = ssm_dtype = None  # a Mamba pool's: conv, temporal (as SGLang keeps them)
+        if mamba_pool is not None:
+            cache = mamba_pool.mamba_cache
+            state_dtype, ssm_dtype = (
+                dtype_name(cache.conv[0].dtype),
+                dtype_name(cache.temporal.dtype),
+            )
         geometries = group_geometries(
-            self.layer_map.groups, CacheDtypes.from_names(dtype), self.page_size
+            self.layer_map.groups,
+            CacheDtypes.from_names(dtype, state_dtype, ssm_dtype),
+            self.page_size,
         )
         self.cuda = first.device.type == "cuda"
-        self.linked = LinkedPools.of(self.kv, geometries, cuda=self.cuda)
+        self.linked = LinkedPools.of(self.kv, geometries, cuda=self.cuda, mamba_pool=mamba_pool)
         self.components: dict[str, Component] = self.linked.components
-        self.pools = {PoolName(name): self.kv for name in self.components}
-        self.layer_done_counter = LayerWiseLoadCounter(self.kv.layer_num)
+        self.pools = {PoolName(name): c.sglang_pool for name, c in self.components.items()}
+        self.layer_done_counter = LayerWiseLoadCounter(self.linked.num_layers)
+        if (
+            mamba_pool is not None
+        ):  # the Mamba layers wait on it there (SGLang registers the KV pool's)
+            params.req_to_token_pool.register_layer_transfer_counter(self.layer_done_counter)
         rank = _tp_rank() if tp_size > 1 else 0
         self.link = SidecarLink(
             lambda: Client(
                 self.settings.address,
                 self.layer_map,
                 dtype=dtype,
+                state_dtype=state_dtype,
+                ssm_state_dtype=ssm_dtype,
                 page_size_tokens=self.page_size,
                 tp_rank=rank,
                 tenant=self.settings.tenant,
@@ -179,25 +196,27 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
 
     def lookup(self, rid: str, transfers: list[PoolTransfer]) -> list[int]:
         by_pool = _by_pool(transfers)
-        kv, swa = by_pool.get(KV), by_pool.get(SWA)
+        kv = by_pool.pop(KV, None)
         if kv is None or not kv.keys or set(by_pool) - set(self.components):
             return []
-        if swa is None or SWA not in self.components:
+        if not by_pool:  # full attention alone: the hit's leading run
             hit = self.link.use(
                 "lookup", lambda c: c.lookup_keys(keys_of_hashes(c.key_spec(), kv.keys)), None
             )
             if hit is None:
                 return []
             return restorable_lengths(hit.tokens_total, self.page_size, len(kv.keys))
-        full, sliding = self.components[KV].group, self.components[SWA].group
-        window = PoolAsk(SWA, TRAILING_PAGES, len(swa.keys or ()))
+        # side pools: SGLang's trailing rule over what each group serves (the SWA window is
+        # its transfer's keys; a Mamba state is one key: the state after that page)
+        asks = [PoolAsk(name, TRAILING_PAGES, len(t.keys or ())) for name, t in by_pool.items()]
+        groups = {name: self.components[name].group for name in (KV, *by_pool)}
 
         def ask(client: Client) -> list[int]:
             keys = keys_of_hashes(client.key_spec(), kv.keys)
-            served = client.served_keys(keys, [full, sliding])
-            run = min(served[full].run, len(kv.keys))
-            held = {SWA: set(served[sliding].lengths(run))}
-            return restorable(run, [window], held).lengths
+            served = client.served_keys(keys, list(groups.values()))
+            run = min(served[groups[KV]].run, len(kv.keys))
+            held = {name: set(served[groups[name]].lengths(run)) for name in by_pool}
+            return restorable(run, asks, held).lengths
 
         return list(self.link.use("lookup", ask, []))
 
@@ -213,7 +232,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         for name, transfer in by_pool.items():
             pages = None
             if transfer.keys and transfer.device_indices is not None:
-                pages = page_ids(transfer.device_indices, self.page_size)
+                pages = self._pages(name, transfer.device_indices)
             if pages is None or len(pages) != len(transfer.keys):
                 log.warning(
                     "hicache: load %s: %s slots are not whole pages; recomputing", rid, name
@@ -230,6 +249,14 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             loads.append(load)
         self._queued[rid] = loads
         return True
+
+    def _pages(self, pool: str, device_indices: Any) -> list[int] | None:
+        """A transfer's device slots as the group's pages: token slots of whole pages, or
+        (MAMBA) the state's one slot."""
+        if pool != MAMBA:
+            return page_ids(device_indices, self.page_size)
+        slots = [int(i) for i in device_indices]
+        return slots if len(slots) == 1 else None
 
     def _start_load(
         self, rid: str, component: Component, hashes: list[str], pages: list[int]
@@ -321,7 +348,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         for name, transfer in by_pool.items():
             if not transfer.keys or transfer.device_indices is None:
                 return False
-            pages = page_ids(transfer.device_indices, self.page_size)
+            pages = self._pages(name, transfer.device_indices)
             if pages is None or len(pages) != len(transfer.keys):
                 return False
             stores.append((name, list(transfer.keys), pages))
@@ -345,10 +372,14 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
     def _store(self, pool: str, hashes: list[str], pages: list[int]) -> bool:
         """The pool's pages under their keys, the other groups' pages not named."""
 
+        snapshots = None
+        if pool == MAMBA:  # the state after the key's page, filed under that key
+            snapshots = {self.components[MAMBA].group: {self.page_size: pages[0]}}
+
         def store(client: Client) -> bool:
             keys = keys_of_hashes(client.key_spec(), hashes)
-            reply = client.store_keys(
-                keys, self.linked.pages_of(pool, pages), stream=self._stream()
+            reply = client.store_keys(  # a state names no token group's page
+                keys, self.linked.pages_of(pool, pages), snapshots, stream=self._stream()
             )
             return reply.get("truncated_to_tokens") is None
 
@@ -369,7 +400,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
             return None
         from hicache.transfer.cuda_ipc import current_stream  # CUDA only when used
 
-        return current_stream(self.components[KV].tensors.k[0].device)
+        return current_stream(self.components[KV].tensors.all_tensors()[0].device)
 
     def _quiesce(self) -> None:
         for loads in list(self._queued.values()):

@@ -34,7 +34,7 @@ import mmap
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -132,6 +132,15 @@ class KvTensors:
     def storages(self) -> list[torch.UntypedStorage]:
         return [t.untyped_storage() for t in self.k + self.v]
 
+    def all_tensors(self) -> list[torch.Tensor]:
+        return list(self.k + self.v)
+
+    def rebind(self, kv_pool: Any, moved: list[torch.Tensor]) -> None:
+        """The pool's `k_buffer` / `v_buffer` replaced by `moved` (`all_tensors`' order)."""
+        kv_pool.k_buffer = moved[: len(self.k)]
+        kv_pool.v_buffer = moved[len(self.k) :]
+        refresh(kv_pool)
+
     def shared_pools(self, memory: SharedRegions, geometry: GroupGeometry) -> SharedPools:
         """The pool as a `SharedPools` over `memory` (`shared_pools_of`, this pool alone)."""
         return shared_pools_of(memory, [(self, geometry)])
@@ -152,8 +161,24 @@ class KvTensors:
         return {geometry.group.name: DevicePool(geometry, layers)}
 
 
+class PoolTensors(Protocol):
+    """What `share_pools` / `reback_pools` need of a pool's view: its tensors, and how to
+    put new ones in the SGLang pool (`KvTensors`; the linker's Mamba state view too)."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    def all_tensors(self) -> list[torch.Tensor]: ...
+
+    def rebind(self, sglang_pool: Any, moved: list[torch.Tensor]) -> None: ...
+
+    def rows(self, memory: SharedRegions) -> tuple[list[list[int]], list[list[int]]]: ...
+
+    def device_pools(self, geometry: GroupGeometry) -> dict[str, DevicePool]: ...
+
+
 def shared_pools_of(
-    memory: SharedRegions, parts: Sequence[tuple[KvTensors, GroupGeometry]]
+    memory: SharedRegions, parts: Sequence[tuple[PoolTensors, GroupGeometry]]
 ) -> SharedPools:
     """SGLang's pools over one memfd as one `SharedPools`, a group per pool (the full pool's
     and, for an SWA model, the SWA pool's). It holds a dup of the memfd (a client closes its
@@ -175,10 +200,10 @@ def share_kv(tensors: KvTensors, kv_pool: Any) -> tuple[SharedRegions, str]:
     return share_pools([(tensors, kv_pool)])
 
 
-def share_pools(pools: Sequence[tuple[KvTensors, Any]]) -> tuple[SharedRegions, str]:
+def share_pools(pools: Sequence[tuple[PoolTensors, Any]]) -> tuple[SharedRegions, str]:
     """Shared backing for the pools' tensors, one memfd under all: in place, else rebacked
     (`reback_pools`); and which."""
-    storages = [storage for tensors, _ in pools for storage in tensors.storages()]
+    storages = [t.untyped_storage() for tensors, _ in pools for t in tensors.all_tensors()]
     try:
         return share_in_place(storages, "SGLang's KV pool", "hicache-sglang-kv"), "in place"
     except SharedMemoryError as exc:
@@ -191,15 +216,15 @@ def reback(tensors: KvTensors, kv_pool: Any) -> SharedRegions:
     return reback_pools([(tensors, kv_pool)])
 
 
-def reback_pools(pools: Sequence[tuple[KvTensors, Any]]) -> SharedRegions:
+def reback_pools(pools: Sequence[tuple[PoolTensors, Any]]) -> SharedRegions:
     """Give the pools' tensors new backing in one sealed memfd: every allocation's bytes copied
     to its place there, and each pool's `k_buffer` / `v_buffer` replaced by tensors of the same
     shapes, strides and offsets over it. Only before the engine computes: anything holding the
     old tensors keeps the old memory (SGLang's pointer tables are rebuilt here)."""
     storages: dict[int, torch.UntypedStorage] = {}
     for tensors, _ in pools:
-        for storage in tensors.storages():
-            storages.setdefault(storage.data_ptr(), storage)
+        for t in tensors.all_tensors():
+            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
     regions, offset = [], 0
     page = mmap.PAGESIZE
     for ptr, storage in storages.items():
@@ -225,10 +250,8 @@ def reback_pools(pools: Sequence[tuple[KvTensors, Any]]) -> SharedRegions:
         # as_strided's offset counts from the mapping's start, not the view's
         return base.as_strided(t.shape, t.stride(), base.storage_offset() + t.storage_offset())
 
-    for tensors, kv_pool in pools:
-        kv_pool.k_buffer = [moved(t) for t in tensors.k]
-        kv_pool.v_buffer = [moved(t) for t in tensors.v]
-        refresh(kv_pool)
+    for tensors, sglang_pool in pools:
+        tensors.rebind(sglang_pool, [moved(t) for t in tensors.all_tensors()])
     memory = SharedRegions(fd, offset, tuple(placed.values()))
     memory.keep = whole  # type: ignore[attr-defined]  # the mapping lives while the pool does
     return memory
@@ -261,21 +284,29 @@ def page_ids(device_indices: Sequence[int] | torch.Tensor, page_size: int) -> li
 
 def token_groups(
     geometries: Mapping[str, GroupGeometry],
-) -> tuple[GroupGeometry, GroupGeometry | None]:
-    """The deployment's full-attention group (the linker's FULL component) and its
-    sliding-window group (SWA), if any; any other group (a state group: MAMBA, chunked,
-    sparse) is refused by name."""
-    full = [g for g in geometries.values() if g.group.kind == CacheKind.FULL]
-    sliding = [g for g in geometries.values() if g.group.kind == CacheKind.SLIDING]
-    others = sorted(
-        f"{name} ({g.group.kind.value})"
-        for name, g in geometries.items()
-        if g.group.kind not in (CacheKind.FULL, CacheKind.SLIDING)
-    )
-    if len(full) != 1 or len(sliding) > 1 or others:
+) -> tuple[GroupGeometry, GroupGeometry | None, GroupGeometry | None]:
+    """The deployment's full-attention group (the linker's FULL component), its sliding-window
+    group (SWA) and its state group (MAMBA: linear attention, Mamba, short conv), each but
+    the first optional; any other group (chunked, sparse) or a second of a kind is refused by
+    name."""
+    by_kind: dict[str, list[GroupGeometry]] = {"full": [], "sliding": [], "state": []}
+    others = []
+    for name, geometry in geometries.items():
+        kind = geometry.group.kind
+        if kind == CacheKind.FULL:
+            by_kind["full"].append(geometry)
+        elif kind == CacheKind.SLIDING:
+            by_kind["sliding"].append(geometry)
+        elif not kind.is_token_cache:
+            by_kind["state"].append(geometry)
+        else:
+            others.append(f"{name} ({kind.value})")
+    if len(by_kind["full"]) != 1 or max(len(g) for g in by_kind.values()) > 1 or others:
+        unmoved = f"; not moved: {', '.join(sorted(others))}" if others else ""
         raise PoolShapeError(
             f"the sidecar's model has cache groups {sorted(geometries)}; the SGLang linker "
-            "moves one full-attention group and at most one sliding-window group (FULL and "
-            f"SWA components){'; not moved yet: ' + ', '.join(others) if others else ''}"
+            "moves one full-attention group, at most one sliding-window group and one state "
+            f"group (FULL, SWA, MAMBA){unmoved}"
         )
-    return full[0], (sliding[0] if sliding else None)
+    sliding, state = by_kind["sliding"], by_kind["state"]
+    return by_kind["full"][0], sliding[0] if sliding else None, state[0] if state else None

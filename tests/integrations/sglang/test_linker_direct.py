@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -84,19 +85,16 @@ def test_the_linker_on_sglangs_pool_against_a_real_sidecar(tmp_path: Path) -> No
     }, (tmp_path / "probe.log").read_text()[-3000:]
 
 
-def test_the_linker_moves_an_swa_pool_against_a_real_sidecar(tmp_path: Path) -> None:
+def run_probe(tmp_path: Path, model: str, probe: str) -> dict[str, Any]:
+    """A probe module run in the SGLang environment against a real sidecar of `model`
+    (`write_hybrid_deployment`: the model's config.json beside the deployment): its one
+    JSON line."""
     python = require_sglang()
-    deploy = write_hybrid_deployment(tmp_path, "gpt_oss")  # the model's config.json beside it
+    deploy = write_hybrid_deployment(tmp_path, model)
     log = tmp_path / "probe.log"
     with SidecarProcess(deploy):
-        probe = subprocess.run(
-            [
-                str(python),
-                "-m",
-                "tests.integrations.sglang.linker_swa_probe",
-                str(deploy),
-                str(tmp_path),
-            ],
+        run = subprocess.run(
+            [str(python), "-m", f"tests.integrations.sglang.{probe}", str(deploy), str(tmp_path)],
             cwd=ROOT,
             env=sglang_environ(cpu_shims=False),
             stdout=subprocess.PIPE,
@@ -105,8 +103,16 @@ def test_the_linker_moves_an_swa_pool_against_a_real_sidecar(tmp_path: Path) -> 
             timeout=300,
             check=False,
         )
-    assert probe.returncode == 0, log.read_text()[-3000:]
-    assert yaml.safe_load(probe.stdout.splitlines()[-1]) == {
+    assert run.returncode == 0, log.read_text()[-3000:]
+    result: dict[str, Any] = yaml.safe_load(run.stdout.splitlines()[-1])
+    result["log"] = log.read_text()[-3000:]
+    return result
+
+
+def test_the_linker_moves_an_swa_pool_against_a_real_sidecar(tmp_path: Path) -> None:
+    result = run_probe(tmp_path, "gpt_oss", "linker_swa_probe")
+    log = result.pop("log")
+    assert result == {
         "pools": ["kv", "swa"],
         "offload_queued": True,
         "offloads_completed": [True],
@@ -123,4 +129,27 @@ def test_the_linker_moves_an_swa_pool_against_a_real_sidecar(tmp_path: Path) -> 
         "window_only_bytes_equal": True,
         "short_window_queued": False,
         "no_batch_after_refusal": -1,
-    }, log.read_text()[-3000:]
+    }, log
+
+
+def test_the_linker_moves_a_mamba_pool_against_a_real_sidecar(tmp_path: Path) -> None:
+    result = run_probe(tmp_path, "qwen3_next", "linker_mamba_probe")
+    log = result.pop("log")
+    assert result == {
+        "pools": ["kv", "mamba"],
+        "counter_registered": True,
+        "offloads_queued": [True, True],
+        "offloads_completed": [True, True],
+        "lookup_whole": [4, 6],
+        "lookup_longer": [4, 6],
+        "lookup_no_state_at_end": [4],
+        "load_queued": True,
+        "load_landed": True,
+        "kv_bytes_equal": True,
+        "state_bytes_equal": True,
+        "state_only_queued": True,
+        "state_only_landed": True,
+        "state_only_bytes_equal": True,
+        "missing_state_queued": False,
+        "no_batch_after_refusal": -1,
+    }, log

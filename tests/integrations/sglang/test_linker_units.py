@@ -6,6 +6,7 @@ confirm stopped."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import mmap
@@ -31,11 +32,13 @@ from hicache.integrations.sglang.linker_pool import (
     KvTensors,
     page_ids,
     reback,
+    reback_pools,
     share_kv,
     shared_pools_of,
     token_groups,
 )
 from hicache.integrations.sglang.linker_settings import LinkerSettings
+from hicache.integrations.sglang.linker_state import StateTensors
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.model import CacheKind, LayerMap, layout_from_hf_config
 
@@ -281,7 +284,8 @@ def swa_pool(layer_ids: tuple[list[int], list[int]] = ([1, 3], [0, 2])) -> Any:
 
 def test_the_components_are_the_sidecars_full_and_sliding_groups() -> None:
     geometries = gpt_oss_geometries()
-    full, sliding = token_groups(geometries)
+    full, sliding, state = token_groups(geometries)
+    assert state is None
     assert (full.group.kind.value, sliding.group.kind.value) == ("full", "sliding")
     kv = swa_pool()
     linked = LinkedPools.of(kv, geometries, cuda=False)
@@ -330,9 +334,89 @@ def test_pools_that_are_not_the_sidecars_groups_are_refused_by_name() -> None:
         match=r"SGLang's KV pool counts 6 layers; the sidecar's groups hold layers \[0, 1, 2, 3\]",
     ):
         LinkedPools.of(no_layers, geometries, cuda=False)
-    state = {
+    with pytest.raises(
+        PoolShapeError, match=r"SGLang has no Mamba pool; the sidecar's model has state group"
+    ):
+        LinkedPools.of(sglang_pool(dim=64), qwen3_next_geometries(), cuda=False)
+    chunked = {
         "full": tiny_geometry(),
-        "linear": types.SimpleNamespace(group=types.SimpleNamespace(kind=CacheKind.LINEAR)),
+        "chunked": types.SimpleNamespace(group=types.SimpleNamespace(kind=CacheKind.CHUNKED)),
     }
-    with pytest.raises(PoolShapeError, match=r"not moved yet: linear \(linear\)"):
-        token_groups(state)
+    with pytest.raises(PoolShapeError, match=r"not moved: chunked \(chunked\)"):
+        token_groups(chunked)
+
+
+def qwen3_next_geometries() -> Any:
+    """A tiny Qwen3-Next's groups: linear-attention state (layers 0, 2) and full (1, 3)."""
+    layout = layout_from_hf_config(
+        {
+            "model_type": "qwen3_next",
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+        },
+        "tiny-qwen3-next",
+    )
+    dtypes = CacheDtypes.from_names("bfloat16", ssm_state="float32")
+    return group_geometries(LayerMap(layout).groups, dtypes, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaState:
+    """What SGLang's `MambaPool.State` holds (its ReplaySSM rings off)."""
+
+    conv: list[torch.Tensor]
+    temporal: torch.Tensor
+    replayssm_d: torch.Tensor | None = None
+
+
+def mamba_pool(slots: int = 8, ssm: torch.dtype = torch.float32) -> Any:
+    conv = torch.zeros((2, slots + 1, 256, 3), dtype=torch.bfloat16)
+    temporal = torch.zeros((2, slots + 1, 4, 32, 32), dtype=ssm)
+    return types.SimpleNamespace(mamba_cache=MambaState([conv], temporal), mamba_layer_ids=[0, 2])
+
+
+def test_the_mamba_pool_is_the_state_groups_slots_and_refused_by_name() -> None:
+    geometries = qwen3_next_geometries()
+    state = token_groups(geometries)[2]
+    assert state is not None
+    pool = mamba_pool()
+    view = StateTensors.of(pool, state)
+    assert view.layer_ids == (0, 2)
+    assert view.num_pages == 9
+    memory = reback_pools([(view, pool)])
+    view = StateTensors.of(pool, state)  # the pool's new cache, over the memfd
+    offsets, strides = view.rows(memory)
+    mapped = torch.frombuffer(mmap.mmap(memory.fd, memory.nbytes), dtype=torch.uint8)
+    pool.mamba_cache.temporal[1, 5].fill_(1.5)  # layer 2's state in slot 5
+    names = [name for name, _ in state.tensors]
+    at = names.index(next(n for n in names if n != "conv"))
+    start = offsets[1][at] + 5 * strides[1][at]
+    row = pool.mamba_cache.temporal[1, 5].contiguous().view(torch.uint8).reshape(-1)
+    assert torch.equal(mapped[start : start + row.numel()], row)
+    memory.close()
+    with pytest.raises(
+        PoolShapeError,
+        match=r"SGLang's Mamba temporal state \(the sidecar's 'recurrent'\) is \(2, 9, 4, 32, 32\) "
+        r"torch.bfloat16 .*: 8192 bytes a slot and layer; the sidecar's state group 'linear' keeps "
+        r"2 layers of 16384 bytes",
+    ):
+        StateTensors.of(mamba_pool(ssm=torch.bfloat16), state)
+    swapped = mamba_pool()
+    swapped.mamba_layer_ids = [1, 3]
+    with pytest.raises(
+        PoolShapeError, match=r"SGLang's Mamba pool holds layers \[1, 3\]; the sidecar's state"
+    ):
+        StateTensors.of(swapped, state)
+    rings = mamba_pool()
+    rings.mamba_cache = dataclasses.replace(rings.mamba_cache, replayssm_d=torch.zeros(1))
+    with pytest.raises(PoolShapeError, match=r"ReplaySSM rings"):
+        StateTensors.of(rings, state)
