@@ -9,14 +9,14 @@ any of them stored.
         "linker_module_path": "hicache.integrations.sglang.linker",
         "linker_extra_config": {"config": "deploy.yaml"}}'
 
-Translation (pure parts in `linker_keys` and `linker_pool`):
+Translation (pure parts in `linker_keys`, `linker_pool`, `linker_components`, `linker_state`):
 - pages are named by SGLang's page hashes, keyed in the sidecar's namespace
   (`keys_of_hashes`, as the storage backend keys them) and sent as the keyed ops
   (`store_keys` / `load_keys`); SGLang's device slots become page ids;
 - `lookup` -> `lookup_keys`; every length up to the hit is restorable (full attention);
-  with an SWA component, `served_keys` of both groups and SGLang's trailing-window rule
+  with side pools in the call, `served_keys` of every group and SGLang's trailing rule
   (`hit_policies.restorable`): a length is restorable when the full group holds every page
-  up to it and the sliding group the window's pages before it;
+  up to it, the sliding group the window's pages before it, the state group a state after it;
 - `load` starts the sidecar's load at once, into the request's private slots: a load the
   sidecar cannot serve whole (pages gone, L3 fetch late) is refused here, so SGLang recomputes
   the request (a refused `load` is its recompute path; a load failing after its forward
@@ -26,10 +26,12 @@ Translation (pure parts in `linker_keys` and `linker_pool`):
 - `offload` is queued to the store thread, one completion per offload, in order.
 
 Per-load lifecycle:
-    load(): sidecar load started -> queued        (refused: nothing started, SGLang recomputes)
-    queued --cancel_queued_load--> waited to its end, dropped (SGLang frees the slots)
+    load(): a sidecar load per pool started -> queued   (refused: every one it started ended
+                                                          and released, SGLang recomputes)
+    queued --cancel_queued_load--> each waited to its end, dropped (SGLang frees the slots)
     queued --start_layer_wise_loading--> streaming (counter index i; layers complete in order)
-    streaming --every layer landed--> landed; --a layer failed or timed out--> failed
+    streaming --every layer landed (each from its pool's load)--> landed;
+              --a layer failed or timed out--> failed
     landed | failed --> its sidecar slot released; finish_layer_wise_loading(i) reports which
 Per-offload: offload() queued -> stored | not stored (sidecar down, refused) -> popped.
 `reset` and `close` wait for every started load and queued offload to end first.
@@ -40,13 +42,16 @@ stores nothing (one warning per outage), and is tried again after `retry_after_s
 sidecar refuses answers no hit / not stored and leaves the session up; a load that cannot be
 confirmed stopped (`LoadHandle.done` failed or timed out) drops the session (`SidecarLink.drop`:
 the client closed, so the sidecar ends that session's loads).
-Components (`linker_components`): FULL (SGLang's pool "kv", the sidecar's full group) and SWA
-("swa": an `SWAKVPool`'s sliding pool, the sidecar's sliding group). Each transfer of a call
-moves on its own: a load is one sidecar load per pool in it (a load may carry only the SWA
-window, SGLang having the full pages on the device already), each pool's layers waited on by
+Components (`linker_components`): FULL (SGLang's pool "kv", the sidecar's full group), SWA
+("swa": an `SWAKVPool`'s sliding pool, the sidecar's sliding group) and MAMBA ("mamba":
+`req_to_token_pool.mamba_pool`, the sidecar's state group; the linker's counter is registered
+with `req_to_token_pool`, where the Mamba layers wait). Each transfer of a call moves on its
+own: a load is one sidecar load per pool in it (a load may carry only the SWA window or the
+state, SGLang having the full pages on the device already), each pool's layers waited on by
 the load thread, and the counter completes every model layer in order; an offload stores each
-pool's pages under its keys, the other groups' pages not named. MAMBA is refused at
-construction (its state pool is not moved by the linker yet: hicache's storage backend moves it).
+pool's pages under its keys (a state as the snapshot after its page, under that page's key),
+the other groups' pages not named. A pool that does not fit the sidecar's group is refused
+by name at construction (`PoolShapeError`).
 """
 
 from __future__ import annotations
