@@ -84,6 +84,7 @@ from hicache.integrations.sglang.linker_components import KV, MAMBA, Component, 
 from hicache.integrations.sglang.linker_keys import keys_of_hashes, restorable_lengths
 from hicache.integrations.sglang.linker_pool import KvTensors, page_ids
 from hicache.integrations.sglang.linker_settings import LinkerSettings, layer_map_of
+from hicache.integrations.sglang.linker_state import state_slot
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
 
@@ -260,8 +261,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
         (MAMBA) the state's one slot."""
         if pool != MAMBA:
             return page_ids(device_indices, self.page_size)
-        slots = [int(i) for i in device_indices]
-        return slots if len(slots) == 1 else None
+        return state_slot(device_indices)
 
     def _start_load(
         self, rid: str, component: Component, hashes: list[str], pages: list[int]

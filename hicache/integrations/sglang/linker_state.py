@@ -114,3 +114,10 @@ class StateTensors:
             for layer in range(len(self.layer_ids))
         ]
         return {geometry.group.name: DevicePool(geometry, layers)}
+
+
+def state_slot(device_indices: Any) -> list[int] | None:
+    """A MAMBA transfer's device indices (a tensor of one Mamba-pool slot, or a 0-d one) as
+    the state group's one page; None unless exactly one slot."""
+    slots = torch.as_tensor(device_indices, dtype=torch.int64).reshape(-1).tolist()
+    return [int(slots[0])] if len(slots) == 1 else None

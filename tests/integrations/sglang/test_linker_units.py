@@ -38,7 +38,7 @@ from hicache.integrations.sglang.linker_pool import (
     token_groups,
 )
 from hicache.integrations.sglang.linker_settings import LinkerSettings
-from hicache.integrations.sglang.linker_state import StateTensors
+from hicache.integrations.sglang.linker_state import StateTensors, state_slot
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.model import CacheKind, LayerMap, layout_from_hf_config
 
@@ -420,3 +420,10 @@ def test_the_mamba_pool_is_the_state_groups_slots_and_refused_by_name() -> None:
     rings.mamba_cache = dataclasses.replace(rings.mamba_cache, replayssm_d=torch.zeros(1))
     with pytest.raises(PoolShapeError, match=r"ReplaySSM rings"):
         StateTensors.of(rings, state)
+
+
+def test_a_state_transfer_names_one_slot() -> None:
+    assert state_slot(torch.tensor([5])) == [5]
+    assert state_slot(torch.tensor(5)) == [5]  # a 0-d index
+    assert state_slot(torch.tensor([5, 6])) is None
+    assert state_slot(torch.tensor([], dtype=torch.int64)) is None
