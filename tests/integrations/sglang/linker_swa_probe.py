@@ -11,7 +11,8 @@ pool). Checks, in order: offload of 6 pages with their window -> lookups (the wh
 longer one; a window SGLang asks one page earlier, whose first page the sidecar never got; a
 pool the linker does not move) -> load of both pools into other slots, layer by layer through
 the counter -> bytes equal in both pools; a load of the SWA window alone (SGLang holds the
-full pages) -> bytes equal; a load whose window misses a page -> refused, nothing queued.
+full pages) -> bytes equal; a load whose window misses a page -> refused, nothing queued;
+a queued load of both pools cancelled -> nothing queued.
 """
 
 from __future__ import annotations
@@ -124,6 +125,12 @@ def main(deploy: str, model: str) -> dict[str, Any]:
         "r7", [kv_t(keys[:5], [30, 31, 32, 33, 34]), swa_t(keys[1:5], [20, 21, 22, 23])]
     )
     out["no_batch_after_refusal"] = linker.start_layer_wise_loading()
+    # a queued load of both pools cancelled: each of its sidecar loads waited out, none left
+    out["cancel_queued"] = linker.load(
+        "r8", [kv_t(keys[:6], [40, 41, 42, 43, 44, 45]), swa_t(keys[2:6], [24, 25, 26, 27])]
+    )
+    out["cancelled"] = linker.cancel_queued_load("r8")
+    out["no_batch_after_cancel"] = linker.start_layer_wise_loading()
     linker.close()
     return out
 

@@ -7,7 +7,14 @@ stopped every call answers "no hit / not stored" and none raises.
 With an SWA component (`linker_swa_probe.py`): SGLang's real `SWAKVPool` of a tiny gpt-oss
 against a sidecar of that model: both pools offloaded, looked up with SGLang's trailing-window
 rule (a window missing a page restores nothing, a pool not moved answers no hit), loaded
-byte-exact through the layer counter, the window alone too; a short window refused."""
+byte-exact through the layer counter, the window alone too; a short window refused; a queued
+load of both pools cancelled.
+
+With a MAMBA component (`linker_mamba_probe.py`): SGLang's real `MambaPool` and
+`HybridLinearKVPool` of a tiny Qwen3-Next against a sidecar of that model: the linker's counter
+registered with `req_to_token_pool`, states stored after 4 and 6 pages answer [4, 6] (a missing
+state removes its length), KV and state loaded byte-exact through the counter, the state alone
+too; a load whose state was never stored refused."""
 
 from __future__ import annotations
 
@@ -129,6 +136,9 @@ def test_the_linker_moves_an_swa_pool_against_a_real_sidecar(tmp_path: Path) -> 
         "window_only_bytes_equal": True,
         "short_window_queued": False,
         "no_batch_after_refusal": -1,
+        "cancel_queued": True,
+        "cancelled": True,
+        "no_batch_after_cancel": -1,
     }, log
 
 
