@@ -18,11 +18,21 @@ that are anonymous, the `/dev/zero` of a shared anonymous mmap, or a memfd — n
 never hugetlb (its pages cannot be replaced by 4 KiB ones). Anything else (a heap allocation
 sharing its edge pages, another allocator preloaded, a file mapping, GPU memory) raises
 `SharedMemoryError` naming the buffer (`what`) and the reason, and nothing is remapped.
-The vLLM connector's `vllm.shared_kv.share_in_place` does the same for one glibc heap chunk;
-it should move here when the connectors are merged into `integrations/vllm/`.
+The vLLM connector's `vllm/shared_kv.py` duplicates this for one allocation; it should become
+`share_in_place([blocks.untyped_storage()], "vLLM's KV cache", "hicache-vllm-kv")` plus
+`offset_of(rows.data_ptr())` for its manifest offsets. What differs there today: one allocation
+only (several are refused); only the span the bindings' rows reach is remapped (here each
+allocation's own pages); an aligned allocation must also have a page-multiple size (here the
+last page is rounded up, the mapping check deciding); only private anonymous `rw-p` memory is
+accepted (here also shared anonymous, `/dev/zero` and memfd memory, hugetlb refused by name);
+its `/proc/self/maps` parsing splits on every space (harmless there, any path being refused;
+here `maxsplit=5`, paths kept whole); its result is `SharedKv(fd, base, nbytes)` (offsets =
+address - base), here `SharedRegions` (offsets per region); errors are `SharedKvError` without
+the buffer's name.
 
-Users: the SGLang storage backend (its host pool, one allocation) and the SGLang linker (one
-allocation per layer and K/V; it rebacks the tensors instead when this refuses).
+Users: the SGLang storage backend (its host pool, one allocation) and the SGLang linker (its
+device pools' allocations, per layer and K/V, and the Mamba pool's, all under one memfd; it
+rebacks them together instead when this refuses).
 
 Lifecycle (once per buffer, before the engine computes; again on an already shared one is
 fine: its memfd is replaced):

@@ -14,7 +14,10 @@ once) ... -> closed (`close()`: terminal; every use answers its default). A refu
 sidecar answered an error to one call) or any other error inside a call answers the default
 and leaves the link up; each is logged, at most once per `retry_after_s` per op. The client
 itself reconnects once inside a call (a restarted sidecar) and replays the pool registration
-on its own.
+on its own. An adapter that finds a client unusable outside a `use` (a load it cannot confirm
+stopped: the SGLang linker's) calls `drop(client, why)`: up -> down as a failed connection does
+(the client closed, so the sidecar ends what it still did for it); a client that is no longer
+the link's current one is only closed.
 
 Thread safety: connecting and closing hold the link's lock; calls run on the client, which
 sends one request at a time (its own lock), so the engine's threads may use one link at once.
@@ -117,7 +120,7 @@ class SidecarLink:
         try:
             return call(client)
         except (ConnectionError, OSError) as exc:
-            self._drop(client, f"{op} failed on the connection: {exc}")
+            self.drop(client, f"{op} failed on the connection: {exc}")
         except ClientError as exc:
             self.counters.refusals += 1
             self._rate_limited(op, f"hicache {self.name}: the sidecar refused {op}: {exc}")
@@ -133,7 +136,8 @@ class SidecarLink:
         if client is not None:
             client.close()
 
-    def _drop(self, client: Client, why: str) -> None:
+    def drop(self, client: Client, why: str) -> None:
+        """`client` is unusable (`why`): closed; the link goes down if it was its client."""
         with self._lock:
             if self._client is client:
                 self._client = None

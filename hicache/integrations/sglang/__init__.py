@@ -4,7 +4,7 @@
 as the host tier (`linker.py`). Both name pages by SGLang's page hashes through the same keyed
 ops (`KeySpec.of_ids`, `store_keys` / `load_keys`). This package is the only one that imports
 sglang, and only when the backend or the linker is asked for: `settings`, `host_pools`,
-`linker_keys`, `linker_pool` and `linker_session` import without it."""
+`linker_keys`, `linker_pool` and `linker_settings` import without it."""
 
 from typing import Any
 

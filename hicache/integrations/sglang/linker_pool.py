@@ -16,6 +16,11 @@ over a memfd of its own, the same shapes and strides, the bytes copied: done onc
 engine computes, and SGLang's cached pointer tables are rebuilt (`refresh`). CUDA: the tensors
 are registered by IPC handle (`device_pools`).
 
+An SWA model's pool (`SWAKVPool`) is two MHA pools: `full_kv_pool` (the full-attention layers)
+and `swa_kv_pool` (the sliding ones, token slots of their own). Each is the sidecar's group of
+that kind (`token_groups`), and both are shared under one memfd (`share_pools`, `reback_pools`)
+and registered as one `SharedPools` of two groups (`shared_pools_of`).
+
 Lifecycle (the linker, once, at construction):
     pool_view = KvTensors.of(kv_pool)                        # checked against the geometry
     shared = share_kv(pool_view, kv_pool)                    # in place, else reback
@@ -29,7 +34,7 @@ import mmap
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -42,6 +47,7 @@ from hicache.integrations.core.shared_memory import (
     share_in_place,
 )
 from hicache.memory import DevicePool, GroupGeometry
+from hicache.model import CacheKind
 
 log = logging.getLogger("hicache.sglang")
 
@@ -126,24 +132,27 @@ class KvTensors:
     def storages(self) -> list[torch.UntypedStorage]:
         return [t.untyped_storage() for t in self.k + self.v]
 
+    def all_tensors(self) -> list[torch.Tensor]:
+        return list(self.k + self.v)
+
+    def rebind(self, kv_pool: Any, moved: list[torch.Tensor]) -> None:
+        """The pool's `k_buffer` / `v_buffer` replaced by `moved` (`all_tensors`' order)."""
+        kv_pool.k_buffer = moved[: len(self.k)]
+        kv_pool.v_buffer = moved[len(self.k) :]
+        refresh(kv_pool)
+
     def shared_pools(self, memory: SharedRegions, geometry: GroupGeometry) -> SharedPools:
-        """The pool as a `SharedPools` over `memory`: page p of the group is SGLang's page p
-        (slots p * page_size ...). It holds a dup of the memfd (a client closes its pool)."""
+        """The pool as a `SharedPools` over `memory` (`shared_pools_of`, this pool alone)."""
+        return shared_pools_of(memory, [(self, geometry)])
+
+    def rows(self, memory: SharedRegions) -> tuple[list[list[int]], list[list[int]]]:
+        """Per layer, K's and V's memfd offsets and page strides: page p of the group is
+        SGLang's page p (slots p * page_size ...)."""
         offsets, strides = [], []
         for k, v in zip(self.k, self.v, strict=True):
             offsets.append([memory.offset_of(k.data_ptr()), memory.offset_of(v.data_ptr())])
             strides.append([self.page_size * t.stride(0) * t.element_size() for t in (k, v)])
-        name = geometry.group.name
-        buffer = torch.empty(0, dtype=torch.uint8)  # the engine computes on SGLang's tensors
-        return SharedPools(
-            os.dup(memory.fd),
-            memory.nbytes,
-            {name: geometry},
-            {name: self.num_pages},
-            {name: offsets},
-            buffer,
-            {name: strides},
-        )
+        return offsets, strides
 
     def device_pools(self, geometry: GroupGeometry) -> dict[str, DevicePool]:
         """CUDA: the tensors as hicache pools, for `register_cuda_pools` (IPC handles)."""
@@ -152,25 +161,70 @@ class KvTensors:
         return {geometry.group.name: DevicePool(geometry, layers)}
 
 
+class PoolTensors(Protocol):
+    """What `share_pools` / `reback_pools` need of a pool's view: its tensors, and how to
+    put new ones in the SGLang pool (`KvTensors`; the linker's Mamba state view too)."""
+
+    @property
+    def num_pages(self) -> int: ...
+
+    def all_tensors(self) -> list[torch.Tensor]: ...
+
+    def rebind(self, sglang_pool: Any, moved: list[torch.Tensor]) -> None: ...
+
+    def rows(self, memory: SharedRegions) -> tuple[list[list[int]], list[list[int]]]: ...
+
+    def device_pools(self, geometry: GroupGeometry) -> dict[str, DevicePool]: ...
+
+
+def shared_pools_of(
+    memory: SharedRegions, parts: Sequence[tuple[PoolTensors, GroupGeometry]]
+) -> SharedPools:
+    """SGLang's pools over one memfd as one `SharedPools`, a group per pool (the full pool's
+    and, for an SWA model, the SWA pool's). It holds a dup of the memfd (a client closes its
+    pool)."""
+    geometries, pages, offsets, strides = {}, {}, {}, {}
+    for tensors, geometry in parts:
+        name = geometry.group.name
+        geometries[name] = geometry
+        pages[name] = tensors.num_pages
+        offsets[name], strides[name] = tensors.rows(memory)
+    buffer = torch.empty(0, dtype=torch.uint8)  # the engine computes on SGLang's tensors
+    return SharedPools(
+        os.dup(memory.fd), memory.nbytes, geometries, pages, offsets, buffer, strides
+    )
+
+
 def share_kv(tensors: KvTensors, kv_pool: Any) -> tuple[SharedRegions, str]:
-    """Shared backing for the pool's tensors: in place, else rebacked (`reback`); and which."""
+    """Shared backing for one pool's tensors (`share_pools`)."""
+    return share_pools([(tensors, kv_pool)])
+
+
+def share_pools(pools: Sequence[tuple[PoolTensors, Any]]) -> tuple[SharedRegions, str]:
+    """Shared backing for the pools' tensors, one memfd under all: in place, else rebacked
+    (`reback_pools`); and which."""
+    storages = [t.untyped_storage() for tensors, _ in pools for t in tensors.all_tensors()]
     try:
-        return share_in_place(
-            tensors.storages(), "SGLang's KV pool", "hicache-sglang-kv"
-        ), "in place"
+        return share_in_place(storages, "SGLang's KV pool", "hicache-sglang-kv"), "in place"
     except SharedMemoryError as exc:
         log.info("hicache: SGLang's KV memory not shareable in place (%s); rebacking it", exc)
-    return reback(tensors, kv_pool), "rebacked"
+    return reback_pools(pools), "rebacked"
 
 
 def reback(tensors: KvTensors, kv_pool: Any) -> SharedRegions:
-    """Give the pool's tensors new backing in one sealed memfd: every allocation's bytes copied
-    to its place there, and the pool's `k_buffer` / `v_buffer` replaced by tensors of the same
+    """`reback_pools` of one pool."""
+    return reback_pools([(tensors, kv_pool)])
+
+
+def reback_pools(pools: Sequence[tuple[PoolTensors, Any]]) -> SharedRegions:
+    """Give the pools' tensors new backing in one sealed memfd: every allocation's bytes copied
+    to its place there, and each pool's `k_buffer` / `v_buffer` replaced by tensors of the same
     shapes, strides and offsets over it. Only before the engine computes: anything holding the
     old tensors keeps the old memory (SGLang's pointer tables are rebuilt here)."""
     storages: dict[int, torch.UntypedStorage] = {}
-    for storage in tensors.storages():
-        storages.setdefault(storage.data_ptr(), storage)
+    for tensors, _ in pools:
+        for t in tensors.all_tensors():
+            storages.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage())
     regions, offset = [], 0
     page = mmap.PAGESIZE
     for ptr, storage in storages.items():
@@ -196,9 +250,8 @@ def reback(tensors: KvTensors, kv_pool: Any) -> SharedRegions:
         # as_strided's offset counts from the mapping's start, not the view's
         return base.as_strided(t.shape, t.stride(), base.storage_offset() + t.storage_offset())
 
-    kv_pool.k_buffer = [moved(t) for t in tensors.k]
-    kv_pool.v_buffer = [moved(t) for t in tensors.v]
-    refresh(kv_pool)
+    for tensors, sglang_pool in pools:
+        tensors.rebind(sglang_pool, [moved(t) for t in tensors.all_tensors()])
     memory = SharedRegions(fd, offset, tuple(placed.values()))
     memory.keep = whole  # type: ignore[attr-defined]  # the mapping lives while the pool does
     return memory
@@ -229,17 +282,31 @@ def page_ids(device_indices: Sequence[int] | torch.Tensor, page_size: int) -> li
     return (first // page_size).tolist()
 
 
-def geometry_of(geometries: Mapping[str, GroupGeometry]) -> GroupGeometry:
-    """The deployment's one full-attention group (the linker's FULL component)."""
-    if len(geometries) != 1:
+def token_groups(
+    geometries: Mapping[str, GroupGeometry],
+) -> tuple[GroupGeometry, GroupGeometry | None, GroupGeometry | None]:
+    """The deployment's full-attention group (the linker's FULL component), its sliding-window
+    group (SWA) and its state group (MAMBA: linear attention, Mamba, short conv), each but
+    the first optional; any other group (chunked, sparse) or a second of a kind is refused by
+    name."""
+    by_kind: dict[str, list[GroupGeometry]] = {"full": [], "sliding": [], "state": []}
+    others = []
+    for name, geometry in geometries.items():
+        kind = geometry.group.kind
+        if kind == CacheKind.FULL:
+            by_kind["full"].append(geometry)
+        elif kind == CacheKind.SLIDING:
+            by_kind["sliding"].append(geometry)
+        elif not kind.is_token_cache:
+            by_kind["state"].append(geometry)
+        else:
+            others.append(f"{name} ({kind.value})")
+    if len(by_kind["full"]) != 1 or max(len(g) for g in by_kind.values()) > 1 or others:
+        unmoved = f"; not moved: {', '.join(sorted(others))}" if others else ""
         raise PoolShapeError(
             f"the sidecar's model has cache groups {sorted(geometries)}; the SGLang linker "
-            "moves one full-attention group (SWA and Mamba components are not moved yet)"
+            "moves one full-attention group, at most one sliding-window group and one state "
+            f"group (FULL, SWA, MAMBA){unmoved}"
         )
-    geometry = next(iter(geometries.values()))
-    if not geometry.group.kind.is_token_cache:
-        raise PoolShapeError(
-            f"the sidecar's group {geometry.group.name!r} is a state cache; the SGLang linker "
-            "moves full attention only"
-        )
-    return geometry
+    sliding, state = by_kind["sliding"], by_kind["state"]
+    return by_kind["full"][0], sliding[0] if sliding else None, state[0] if state else None

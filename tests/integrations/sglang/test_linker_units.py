@@ -1,10 +1,12 @@
 """The SGLang linker's pure parts, without SGLang (main venv): page hashes as keys, slots as
 page ids, SGLang's pool tensors checked against the sidecar's geometry and shared (in place or
 rebacked) with every byte kept and every offset where the sidecar will look, the settings
-and the session's states (down -> up -> down, one warning per outage, no raise)."""
+and the session: the core's `SidecarLink`, whose `drop` ends a client a load could not
+confirm stopped."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import mmap
@@ -19,6 +21,8 @@ from hicache.client.keys import KeySpec
 from hicache.errors import ConfigError, PoolShapeError
 from hicache.index.keys import keys_of_ids
 from hicache.integrations.core.shared_memory import SharedMemoryError, plan_regions
+from hicache.integrations.core.sidecar_link import SidecarLink
+from hicache.integrations.sglang.linker_components import LinkedPools
 from hicache.integrations.sglang.linker_keys import (
     digest_of,
     keys_of_hashes,
@@ -26,14 +30,17 @@ from hicache.integrations.sglang.linker_keys import (
 )
 from hicache.integrations.sglang.linker_pool import (
     KvTensors,
-    geometry_of,
     page_ids,
     reback,
+    reback_pools,
     share_kv,
+    shared_pools_of,
+    token_groups,
 )
-from hicache.integrations.sglang.linker_session import LinkerSession, LinkerSettings
+from hicache.integrations.sglang.linker_settings import LinkerSettings
+from hicache.integrations.sglang.linker_state import StateTensors, state_slot
 from hicache.memory import CacheDtypes, group_geometries
-from hicache.model import LayerMap, layout_from_hf_config
+from hicache.model import CacheKind, LayerMap, layout_from_hf_config
 
 ROOT = bytes(range(16))
 
@@ -106,7 +113,7 @@ def tiny_geometry(page: int = 16, heads: int = 2, dim: int = 32) -> Any:
         "tiny",
     )
     geometries = group_geometries(LayerMap(layout).groups, CacheDtypes.from_names("bfloat16"), page)
-    return geometry_of(geometries)
+    return token_groups(geometries)[0]
 
 
 def sglang_pool(page: int = 16, slots: int = 4096, heads: int = 2, dim: int = 32) -> Any:
@@ -214,38 +221,209 @@ class FakeClient:
         self.closed = True
 
 
-def test_session_states(caplog: pytest.LogCaptureFixture) -> None:
-    now = [0.0]
-    up = [False]
+def test_a_load_that_did_not_end_drops_the_links_client(caplog: pytest.LogCaptureFixture) -> None:
+    """The linker's session is the core's `SidecarLink`; a load it cannot confirm stopped
+    drops the client (`drop`): closed, the link down (one warning), then connected again; a
+    stale client is only closed, the current one kept."""
     made: list[FakeClient] = []
 
     def connect() -> Any:
-        if not up[0]:
-            raise ConnectionRefusedError("nothing listens")
         made.append(FakeClient())
         return made[-1]
 
-    settings = LinkerSettings.parse({"address": "x.sock", "retry_after_s": 2})
-    session = LinkerSession(settings, connect, lambda c: None, clock=lambda: now[0])
-    with caplog.at_level(logging.WARNING, "hicache.sglang"):
-        assert session.client() is None  # down: warned once
-        up[0] = True
-        assert session.client() is None  # not yet due
-        now[0] = 2.0
-        client = session.client()
-        assert client is made[0]
-        session.failed("load", RuntimeError("reset"), client)
-        assert made[0].closed
-        assert session.client() is None
-        session.failed("store", RuntimeError("again"), None)  # still down: no second warning
-        now[0] = 5.0
-        assert session.client() is made[1]
-        session.failed("load", RuntimeError("stale"), made[0])  # an old client: ignored
-        assert session.client() is made[1]
-    warnings = [r.getMessage() for r in caplog.records]
-    assert len(warnings) == 2, warnings
-    assert "cannot attach to the sidecar at x.sock: nothing listens" in warnings[0]
-    assert "load failed (RuntimeError: reset); no hits until it is back" in warnings[1]
-    session.close()
-    assert made[1].closed
-    assert session.client() is None
+    link = SidecarLink(
+        connect, lambda c: None, retry_after_s=0.0, name="linker", log=logging.getLogger("t.l")
+    )
+    with caplog.at_level(logging.WARNING, "t.l"):
+        first = link.client()
+        assert first is made[0]
+        link.drop(first, "load r1 did not end (TimeoutError: layer 3)")
+        assert first.closed
+        assert not link.up
+        assert link.counters.outages == 1
+        second = link.client()
+        assert second is made[1]
+        assert second is not first
+        stale = FakeClient()
+        link.drop(stale, "an old client")  # not the link's: closed, the link stays up
+        assert stale.closed
+        assert link.client() is second
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 2, messages
+    assert "load r1 did not end (TimeoutError: layer 3)" in messages[0]
+    assert "sidecar back" in messages[1]
+    link.close()
+    assert second.closed
+    assert link.client() is None
+
+
+def gpt_oss_geometries(page: int = 16) -> Any:
+    """A tiny gpt-oss's groups: sliding layers 0 and 2, full layers 1 and 3 (2 heads x 64)."""
+    layout = layout_from_hf_config(
+        {
+            "model_type": "gpt_oss",
+            "num_hidden_layers": 4,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "sliding_window": 64,
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+        },
+        "tiny-gpt-oss",
+    )
+    return group_geometries(LayerMap(layout).groups, CacheDtypes.from_names("bfloat16"), page)
+
+
+def swa_pool(layer_ids: tuple[list[int], list[int]] = ([1, 3], [0, 2])) -> Any:
+    """What SGLang's SWAKVPool holds: a full and an SWA MHA pool, each with its model layers."""
+    full, swa = sglang_pool(dim=64, slots=256), sglang_pool(dim=64, slots=128)
+    full.model_layer_ids, swa.model_layer_ids = tuple(layer_ids[0]), tuple(layer_ids[1])
+    return types.SimpleNamespace(full_kv_pool=full, swa_kv_pool=swa, layer_num=4)
+
+
+def test_the_components_are_the_sidecars_full_and_sliding_groups() -> None:
+    geometries = gpt_oss_geometries()
+    full, sliding, state = token_groups(geometries)
+    assert state is None
+    assert (full.group.kind.value, sliding.group.kind.value) == ("full", "sliding")
+    kv = swa_pool()
+    linked = LinkedPools.of(kv, geometries, cuda=False)
+    assert {n: c.layer_ids for n, c in linked.components.items()} == {
+        "kv": (1, 3),
+        "swa": (0, 2),
+    }
+    # a store names every token group: the pool's own pages, None for the other's
+    assert linked.pages_of("swa", [4, 5]) == {
+        full.group.name: [None, None],
+        sliding.group.name: [4, 5],
+    }
+    shared = shared_pools_of(
+        linked.memory, [(c.tensors, c.geometry) for c in linked.components.values()]
+    )
+    assert sorted(shared.offsets) == sorted(geometries)
+    assert shared.num_pages == {full.group.name: 17, sliding.group.name: 9}  # (slots + 1 page) / 16
+    # both pools under one memfd: the SWA pool's layer 1 V rows where the manifest says
+    view = torch.frombuffer(mmap.mmap(linked.memory.fd, linked.memory.nbytes), dtype=torch.uint8)
+    v = kv.swa_kv_pool.v_buffer[1]
+    v[16:32].fill_(2.0)
+    offset = (
+        shared.offsets[sliding.group.name][1][1] + shared.page_strides[sliding.group.name][1][1]
+    )  # type: ignore[index]
+    assert torch.equal(
+        view[offset : offset + 16 * 2 * 64 * 2], v[16:32].contiguous().view(torch.uint8).reshape(-1)
+    )
+    shared.close()
+    linked.close()
+
+
+def test_pools_that_are_not_the_sidecars_groups_are_refused_by_name() -> None:
+    geometries = gpt_oss_geometries()
+    with pytest.raises(
+        PoolShapeError, match=r"SGLang's 'kv' pool holds layers \[0, 2\]; the sidecar's group"
+    ):
+        LinkedPools.of(swa_pool(([0, 2], [1, 3])), geometries, cuda=False)
+    with pytest.raises(
+        PoolShapeError, match=r"\(no sliding-window pool\); the sidecar's model has sliding group"
+    ):
+        LinkedPools.of(sglang_pool(dim=64), geometries, cuda=False)
+    no_layers = swa_pool()
+    no_layers.layer_num = 6
+    with pytest.raises(
+        PoolShapeError,
+        match=r"SGLang's KV pool counts 6 layers; the sidecar's groups hold layers \[0, 1, 2, 3\]",
+    ):
+        LinkedPools.of(no_layers, geometries, cuda=False)
+    with pytest.raises(
+        PoolShapeError, match=r"SGLang has no Mamba pool; the sidecar's model has state group"
+    ):
+        LinkedPools.of(sglang_pool(dim=64), qwen3_next_geometries(), cuda=False)
+    chunked = {
+        "full": tiny_geometry(),
+        "chunked": types.SimpleNamespace(group=types.SimpleNamespace(kind=CacheKind.CHUNKED)),
+    }
+    with pytest.raises(PoolShapeError, match=r"not moved: chunked \(chunked\)"):
+        token_groups(chunked)
+
+
+def qwen3_next_geometries() -> Any:
+    """A tiny Qwen3-Next's groups: linear-attention state (layers 0, 2) and full (1, 3)."""
+    layout = layout_from_hf_config(
+        {
+            "model_type": "qwen3_next",
+            "num_hidden_layers": 4,
+            "full_attention_interval": 2,
+            "hidden_size": 128,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "linear_key_head_dim": 32,
+            "linear_value_head_dim": 32,
+            "linear_conv_kernel_dim": 4,
+        },
+        "tiny-qwen3-next",
+    )
+    dtypes = CacheDtypes.from_names("bfloat16", ssm_state="float32")
+    return group_geometries(LayerMap(layout).groups, dtypes, 16)
+
+
+@dataclasses.dataclass(frozen=True)
+class MambaState:
+    """What SGLang's `MambaPool.State` holds (its ReplaySSM rings off)."""
+
+    conv: list[torch.Tensor]
+    temporal: torch.Tensor
+    replayssm_d: torch.Tensor | None = None
+
+
+def mamba_pool(slots: int = 8, ssm: torch.dtype = torch.float32) -> Any:
+    conv = torch.zeros((2, slots + 1, 256, 3), dtype=torch.bfloat16)
+    temporal = torch.zeros((2, slots + 1, 4, 32, 32), dtype=ssm)
+    return types.SimpleNamespace(mamba_cache=MambaState([conv], temporal), mamba_layer_ids=[0, 2])
+
+
+def test_the_mamba_pool_is_the_state_groups_slots_and_refused_by_name() -> None:
+    geometries = qwen3_next_geometries()
+    state = token_groups(geometries)[2]
+    assert state is not None
+    pool = mamba_pool()
+    view = StateTensors.of(pool, state)
+    assert view.layer_ids == (0, 2)
+    assert view.num_pages == 9
+    memory = reback_pools([(view, pool)])
+    view = StateTensors.of(pool, state)  # the pool's new cache, over the memfd
+    offsets, strides = view.rows(memory)
+    mapped = torch.frombuffer(mmap.mmap(memory.fd, memory.nbytes), dtype=torch.uint8)
+    pool.mamba_cache.temporal[1, 5].fill_(1.5)  # layer 2's state in slot 5
+    names = [name for name, _ in state.tensors]
+    at = names.index(next(n for n in names if n != "conv"))
+    start = offsets[1][at] + 5 * strides[1][at]
+    row = pool.mamba_cache.temporal[1, 5].contiguous().view(torch.uint8).reshape(-1)
+    assert torch.equal(mapped[start : start + row.numel()], row)
+    memory.close()
+    with pytest.raises(
+        PoolShapeError,
+        match=r"SGLang's Mamba temporal state \(the sidecar's 'recurrent'\) is \(2, 9, 4, 32, 32\) "
+        r"torch.bfloat16 .*: 8192 bytes a slot and layer; the sidecar's state group 'linear' keeps "
+        r"2 layers of 16384 bytes",
+    ):
+        StateTensors.of(mamba_pool(ssm=torch.bfloat16), state)
+    swapped = mamba_pool()
+    swapped.mamba_layer_ids = [1, 3]
+    with pytest.raises(
+        PoolShapeError, match=r"SGLang's Mamba pool holds layers \[1, 3\]; the sidecar's state"
+    ):
+        StateTensors.of(swapped, state)
+    rings = mamba_pool()
+    rings.mamba_cache = dataclasses.replace(rings.mamba_cache, replayssm_d=torch.zeros(1))
+    with pytest.raises(PoolShapeError, match=r"ReplaySSM rings"):
+        StateTensors.of(rings, state)
+
+
+def test_a_state_transfer_names_one_slot() -> None:
+    assert state_slot(torch.tensor([5])) == [5]
+    assert state_slot(torch.tensor(5)) == [5]  # a 0-d index
+    assert state_slot(torch.tensor([5, 6])) is None
+    assert state_slot(torch.tensor([], dtype=torch.int64)) is None
