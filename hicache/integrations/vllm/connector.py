@@ -65,6 +65,11 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from hicache.client import Client
 from hicache.errors import ConfigError
 from hicache.integrations.vllm.binding import StateSpec, bind_layers
+from hicache.integrations.vllm.kv_events import (
+    SchedulerEvents,
+    WorkerEvents,
+    events_enabled,
+)
 from hicache.integrations.vllm.layout import (
     default_tenant,
     layer_map_of,
@@ -82,7 +87,10 @@ from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -148,7 +156,10 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._engine_id = str(self._kv_transfer_config.engine_id or "")
         self._max_model_len = int(vllm_config.model_config.max_model_len)
         self._max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        # vLLM publishes KV events: hicache's stores go out on its channel (`vllm/kv_events.py`)
+        self.kv_events = events_enabled(vllm_config, len(kv_cache_config.kv_cache_groups))
         if role == KVConnectorRole.SCHEDULER:
+            self.events = SchedulerEvents(self.layer_map.layout.tp_size)
             self._requests: dict[str, Request] = {}
             self._local: dict[str, int] = {}
             self._failed_loads: set[str] = set()
@@ -167,6 +178,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker: WorkerSide | None = None
             self._layer_ids: dict[str, int] = {}
             self._shared_kv: SharedKv | None = None
+            self.worker_events = WorkerEvents(self.page) if self.kv_events else None
 
     @staticmethod
     def _async_loads(mode: str, kv_cache_config: KVCacheConfig) -> bool:
@@ -312,6 +324,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                     int(computed),
                     int(counts.get(req_id, 0)),
                     self._kv_cache_manager.get_blocks(req_id).get_block_ids(),
+                    request.block_hashes if self.kv_events else (),
                 )
             )
         self._scheduler_stats()
@@ -333,6 +346,12 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         """Asynchronous loads that failed: vLLM asks for those requests' hits again at once;
         they get none, so a load that fails every time cannot hold a request forever."""
         self._failed_loads.update(connector_output.failed_recving or ())
+        if connector_output.kv_cache_events is not None:
+            self.events.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """hicache's stores the workers reported (every rank's), for vLLM's publisher."""
+        return self.events.take()
 
     def _forget(self, req_id: str) -> None:
         self._failed_loads.discard(req_id)
@@ -391,6 +410,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             register=plane.register,
             stream=plane.stream,
             persisted_within_s=self.settings.persisted_within_s,
+            on_answered=None if self.worker_events is None else self.worker_events.answered,
         )
         self.worker.client()
 
@@ -452,6 +472,13 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         done, failed = self.worker.poll_async()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """This step's answered stores as events (`vllm/kv_events.py`); never waits."""
+        if self.worker is None or self.worker_events is None:
+            return None
+        self.worker.harvest_stores()
+        return self.worker_events.take()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:
