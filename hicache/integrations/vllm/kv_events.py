@@ -24,7 +24,8 @@ Lifecycle, per engine:
 - scheduler (EngineCore): `SchedulerEvents.add(container)` splits them per block and counts
   the reports of each (medium, hash): a block is published once there are as many as
   tensor-parallel ranks (a rank that reports a block twice before another reports it — a
-  store repeated after vLLM rolled the request back — counts twice) (at most `limit` blocks waiting; the oldest dropped, counted)
+  store repeated after vLLM rolled the request back — counts twice); at most `limit` blocks
+  wait (the oldest dropped, counted)
   -> `take()` in `take_events` returns the ready blocks coalesced (consecutive blocks of one
   chain in one `BlockStored`) and starts empty again."""
 
