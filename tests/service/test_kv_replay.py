@@ -4,12 +4,11 @@
 dropped past the high-water marks), asks the replay socket for everything from seq 0 (its
 first missing one), gets what it holds byte for byte and the rest, and ends with exactly
 the view a live router built up to the same batch; a malformed request is
-counted and ignored. The publisher's bounded buffer and the config's refusals are
+counted and ignored. The replay is docs/engines.md's `replay`, run as written. The publisher's bounded buffer and the config's refusals are
 `test_kv_events_unit.py`'s."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import pytest
 
 from hicache.client.process import SidecarProcess
+from tests.conftest import REPO
 from tests.service.test_kv_events import (
     DEADLINE_S,
     Router,
@@ -24,6 +24,7 @@ from tests.service.test_kv_events import (
     prompts,
     serve,
     store,
+    wait_until,
     write_deploy,
 )
 
@@ -31,7 +32,6 @@ zmq = pytest.importorskip("zmq", reason="pyzmq (the events extra) is not install
 msgspec = pytest.importorskip("msgspec", reason="msgspec (the events extra) is not installed")
 
 __all__ = ["serve"]  # the fixture, shared with test_kv_events.py
-END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
 class View(Router):
@@ -44,23 +44,15 @@ class View(Router):
         self.seqs = []
 
 
-def replay(dealer: Any, start: int) -> dict[int, bytes]:
-    """Ask for every kept batch from `start`; the batches up to the end marker."""
-    dealer.send_multipart([b"", start.to_bytes(8, "big")])
-    got: dict[int, bytes] = {}
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        left_ms = int((deadline - time.monotonic()) * 1000)
-        assert left_ms > 0, f"no end marker after {sorted(got)[-3:]}"
-        if not dealer.poll(left_ms):
-            continue
-        empty, topic, seq, payload = dealer.recv_multipart()
-        assert empty == b""
-        if seq == END_SEQ:
-            assert (topic, payload) == (b"", b"")
-            return got
-        assert topic == b""
-        got[int.from_bytes(seq, "big")] = payload
+def docs_replay() -> Callable[..., dict[int, bytes]]:
+    """docs/engines.md's `replay` (`replay.py`), its code as written."""
+    text = (REPO / "docs" / "engines.md").read_text()
+    start = text.index("`replay.py`, its `replay` function")
+    code = text[text.index("```python\n", start) + len("```python\n") :]
+    namespace: dict[str, Any] = {"__name__": "replay"}
+    exec(compile(code[: code.index("```")], "docs/engines.md (replay.py)", "exec"), namespace)
+    replay: Callable[..., dict[int, bytes]] = namespace["replay"]
+    return replay
 
 
 def test_a_stalled_subscriber_fills_its_gaps_through_replay_into_the_live_view(
@@ -77,8 +69,8 @@ def test_a_stalled_subscriber_fills_its_gaps_through_replay_into_the_live_view(
     stalled.setsockopt(zmq.RCVBUF, 4096)
     stalled.setsockopt(zmq.SUBSCRIBE, b"")
     stalled.connect(section["endpoint"])
-    dealer = context.socket(zmq.DEALER)
-    dealer.connect(section["replay_endpoint"])
+    replay_endpoint = section["replay_endpoint"]
+    replay = docs_replay()
     router = Router(sidecar, subscribers=2)  # live, once the stalled one is counted too
     client = engine(sidecar, deploy)
     try:
@@ -89,7 +81,9 @@ def test_a_stalled_subscriber_fills_its_gaps_through_replay_into_the_live_view(
         while stalled.poll(0):
             _topic, seq, payload = stalled.recv_multipart()
             received[int.from_bytes(seq, "big")] = payload
-        replayed = replay(dealer, 0)  # every batch the sidecar sent so far (buffer_steps)
+        replayed = replay(
+            context, replay_endpoint, 0, int(DEADLINE_S * 1000)
+        )  # every batch the sidecar sent so far (buffer_steps)
         last = max(replayed)
         assert sorted(replayed) == list(range(last + 1))
         missing = sorted(set(replayed) - set(received))
@@ -107,8 +101,15 @@ def test_a_stalled_subscriber_fills_its_gaps_through_replay_into_the_live_view(
         assert view.held == router.held  # the stalled subscriber's view is whole again
         assert (view.stored, view.removed) == ({"CPU": 64, "STORAGE": 0}, router.removed)
         # a malformed request (no 8-byte seq) is counted and ignored; the next one answered
-        dealer.send_multipart([b"", b"seq"])
-        assert sorted(replay(dealer, last)) == list(range(last, last + 1))
+        malformed = context.socket(zmq.DEALER)
+        malformed.connect(replay_endpoint)
+        malformed.send_multipart([b"", b"seq"])
+        wait_until(
+            lambda: sidecar.get_json("/v1/stats")["kv_events"]["replays_malformed"] == 1,
+            "the malformed request counted",
+        )
+        malformed.close(linger=0)
+        assert sorted(replay(context, replay_endpoint, last)) == [last]
         stats = sidecar.get_json("/v1/stats")["kv_events"]
         assert (stats["replays"], stats["replays_malformed"]) == (2, 1), stats
         print(f"stalled subscriber: {len(received)} of {last + 1} batches, {len(missing)} replayed")
@@ -116,5 +117,4 @@ def test_a_stalled_subscriber_fills_its_gaps_through_replay_into_the_live_view(
         client.close()
         router.close()
         stalled.close(linger=0)
-        dealer.close(linger=0)
         context.term()
