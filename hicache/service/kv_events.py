@@ -3,7 +3,8 @@
 KV-aware router learns of pages hicache holds for all of them.
 
 What is published, for one cache group (the first whole-prefix token group: a plain model's
-only one; a hicache page is one vLLM block, `kv_hashes.py`):
+only one, a hybrid's full-attention group — no real config has two; windows and states are
+not published, docs/design.md says why; a hicache page is one vLLM block, `kv_hashes.py`):
 - `BlockStored` medium `CPU` when a page enters L2 (a store's backup acknowledged, or an L3
   fetch brings it back), `STORAGE` when L3 newly holds it (a persist);
 - `BlockRemoved` with the medium when it leaves that tier (eviction, the admin clear of L2

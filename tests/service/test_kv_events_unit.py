@@ -337,3 +337,25 @@ def test_bad_replay_settings_are_refused_in_the_deployment(
     path.write_text(yaml.safe_dump({"service": {"kv_events": kv_events}}))
     with pytest.raises(ConfigError, match=message):
         load_deployment(path, env={})
+
+
+@pytest.mark.parametrize(
+    "model", ["gemma3_27b.json", "nemotron_h_8b.json", "qwen3_next_80b.json", "lfm2_350m.json"]
+)
+def test_a_hybrids_full_group_is_the_one_published_with_vllms_hashes(model: str) -> None:
+    """Every hybrid among the real configs has one whole-prefix group (full attention) beside
+    windows or states: its pages are published; the other group's changes publish nothing."""
+    index = make_index(model, capacity=8, page=PAGE, l3_only=64)
+    assert [g for g, r in index.rules.items() if r.needs_whole_prefix] == ["full"]
+    [other] = [g for g in index.rules if g != "full"]
+    events, rec = setup(index)
+    tokens = list(range(200, 200 + 2 * PAGE))
+    keys = index.keys(tokens)
+    with index.watcher.storing(tokens):  # type: ignore[attr-defined]
+        index.insert_l2(other, keys[other][-1], 0)  # the window's / state's page
+        for i, key in enumerate(keys["full"]):
+            index.insert_l2("full", key, 10 + i)
+    assert rec.take() == [stored("CPU", tokens[: (i + 1) * PAGE], i) for i in range(2)]
+    index.drop_l2(other, keys[other][-1])
+    assert rec.take() == []
+    assert events.pages_unhashed == 0
