@@ -146,3 +146,46 @@ def test_events_are_on_only_when_vllm_publishes_them_for_a_one_group_model() -> 
     assert not events_enabled(_Config(False), 1)
     assert not events_enabled(_Config(None), 1)
     assert not events_enabled(_Config(True), 2)  # a hybrid's groups: not reported
+
+
+def test_a_worker_harvests_answered_stores_without_waiting_for_the_others() -> None:
+    """`get_kv_connector_kv_cache_events` takes the stores already answered; one still in
+    flight is reported once its reply is in, never waited for."""
+    import threading
+
+    from tests.integrations.test_vllm_units import _worker
+
+    worker, client = _worker(staging_pages=4, direct=True)
+    events = WorkerEvents(16)
+    worker.stores._on_answered = events.answered  # as the connector wires it
+    hashes = tuple(bytes([i]) * 32 for i in range(4))
+    worker.store([StoreJob("a", tuple(range(64)), 3, ((5, 6, 7, 2),), 64, hashes[3:], hashes[2])])
+    worker.before_forward()  # its reply taken
+    client.store_gate = threading.Event()  # the next store's reply is held
+    worker.store([StoreJob("b", tuple(range(32)), 0, ((1, 2),), 32, hashes[:2], None)])
+    assert client.store_entered.wait(30)
+    worker.harvest_stores()  # returns at once: "b" still in flight
+    taken = events.take()
+    assert taken is not None
+    assert stored(taken.get_all_events()) == [
+        (
+            "CPU",
+            [maybe_convert_block_hash(BlockHash(hashes[3]))],
+            maybe_convert_block_hash(BlockHash(hashes[2])),
+            list(range(48, 64)),
+        ),
+    ]
+    client.store_gate.set()
+    [(_job, reply)] = worker.stores._in_flight
+    reply.result(timeout=30)  # its reply is in: the next harvest takes it, no drain needed
+    worker.harvest_stores()
+    assert worker.stores._in_flight == []
+    later = events.take()
+    assert later is not None
+    assert (
+        [e.block_hashes for e in later.get_all_events()]
+        == [  # type: ignore[attr-defined]
+            [maybe_convert_block_hash(BlockHash(h)) for h in hashes[:2]]
+        ]
+    )
+    worker.close()
