@@ -41,6 +41,9 @@ Extra config keys (`kv_connector_extra_config`):
 every complete page of each prompt and ends each step once the sidecar acknowledged its
 stores; kv_consumer (a decode instance) loads, waits for its prefill's store, never stores.
 
+With vLLM's `kv_events_config` on, what hicache stored goes out on vLLM's own KV-event
+channel too (`vllm/kv_events.py`).
+
 Failures never reach vLLM as exceptions: a sidecar that is down gives no hits and skips
 stores; a load that fails is reported with `get_block_ids_with_load_errors`, so vLLM
 recomputes those blocks instead of serving them.
@@ -71,6 +74,8 @@ from hicache.integrations.vllm.kv_events import (
     events_enabled,
 )
 from hicache.integrations.vllm.layout import (
+    async_loads_of,
+    cacheable,
     default_tenant,
     layer_map_of,
     state_load_block,
@@ -148,7 +153,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                 "fails (sidecar restarted, an L3 object corrupt) would fail the request; set "
                 "kv_load_failure_policy='recompute' so vLLM recomputes those tokens instead"
             )
-        self.async_loads = self._async_loads(self.settings.load_mode, kv_cache_config)
+        self.async_loads = async_loads_of(self.settings.load_mode, kv_cache_config)
         self.layer_map = layer_map_of(vllm_config)
         self.page = token_block_size(kv_cache_config)
         self.tenant = self.settings.tenant or default_tenant(kv_cache_config)
@@ -179,20 +184,6 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._layer_ids: dict[str, int] = {}
             self._shared_kv: SharedKv | None = None
             self.worker_events = WorkerEvents(self.page) if self.kv_events else None
-
-    @staticmethod
-    def _async_loads(mode: str, kv_cache_config: KVCacheConfig) -> bool:
-        """Layer-wise loads (the forward waits per layer: the overlap) report failures as
-        block ids, which vLLM maps back to requests only with one KV-cache group; with more
-        (sliding + full, hybrids) a load must be asynchronous and fail by request."""
-        groups = len(kv_cache_config.kv_cache_groups)
-        if mode in ("layerwise", "whole") and groups > 1:
-            raise ConfigError(
-                f"kv_connector_extra_config.load_mode: {mode!r} needs one KV-cache group; "
-                f"this model has {groups} (vLLM reports a failed load of a multi-group model "
-                "only per request, so its loads are 'async')"
-            )
-        return mode == "async" or (mode == "auto" and groups > 1)
 
     def _client_kwargs(
         self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
@@ -262,26 +253,14 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ---------------------------------------------------------------------
 
-    @staticmethod
-    def _cacheable(request: Request) -> bool:
-        """Pages are keyed by token ids alone: requests whose KV depends on more (LoRA,
-        multimodal inputs, a cache salt) are neither looked up nor stored."""
-        return not (
-            getattr(request, "lora_request", None)
-            or getattr(request, "mm_features", None)
-            or getattr(request, "cache_salt", None)
-            # prompt embeddings: vLLM's token ids are placeholders (zeros) then
-            or getattr(request, "prompt_embeds", None) is not None
-        )
-
     def on_new_request(self, request: Request) -> None:
-        if self._cacheable(request):
+        if cacheable(request):
             self._requests[request.request_id] = request
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self._cacheable(request):
+        if not cacheable(request):
             return 0, False
         self._requests[request.request_id] = request
         self._local[request.request_id] = num_computed_tokens
