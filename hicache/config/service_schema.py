@@ -56,9 +56,10 @@ class KvEventsSection(Section):
         "it, else vLLM's fixed default",
     )
     int_hashes: bool = Field(
-        default=False,
-        description="publish the hashes' low 64 bits as integers, as vLLM does with "
-        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1",
+        default=True,
+        description="publish the hashes' low 64 bits as integers, as vLLM 0.32 does by "
+        "default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1); false: the 32-byte hashes, for "
+        "engines run with that variable set to 0",
     )
 
     @field_validator("endpoint", "replay_endpoint")

@@ -4,6 +4,9 @@ and the hicache connector (`kv_producer`, each store answered once L3 holds its 
 plain ZMQ SUB — filling what it missed through vLLM's replay socket, as a router does —
 receives for one prompt vLLM's own `GPU` events and hicache's `CPU` and `STORAGE` events for
 the same blocks, with equal hashes (vLLM's `Request.block_hashes`, `vllm/kv_events.py`).
+The sidecar's own publisher (`service.kv_events`, its defaults) names the same blocks with
+the same hashes as vLLM publishes them by default (64-bit integers: vLLM 0.32's
+`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1`), so a router mixing both channels matches them.
 
 vLLM is required here as in test_vllm.py; without it, outside CI, the module skips.
 """
@@ -99,13 +102,32 @@ class Subscriber:
         self.context.term()
 
 
+def sidecar_stored(sub: Any, want: int, timeout_s: float) -> dict[str, list[Any]]:
+    """The sidecar's BlockStored hashes per medium, until each medium has `want`."""
+    held: dict[str, list[Any]] = {"CPU": [], "STORAGE": []}
+    deadline = time.monotonic() + timeout_s
+    while min(len(v) for v in held.values()) < want:
+        left_ms = int((deadline - time.monotonic()) * 1000)
+        assert left_ms > 0, f"the sidecar's events never covered {want} blocks: {held}"
+        if not sub.poll(left_ms):
+            continue
+        _topic, _seq, payload = sub.recv_multipart()
+        for event in msgspec.msgpack.decode(payload)[1]:
+            if event["type"] == "BlockStored":
+                held[event["medium"]].extend(event["block_hashes"])
+    return held
+
+
 @pytest.fixture(scope="module")
 def engine(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[EngineProcess, Subscriber, SidecarProcess]]:
     work = tmp_path_factory.mktemp("vllm_kv_events")
     model = build_model(KIND, tmp_path_factory.mktemp("vllm_models"))
-    sidecar = SidecarProcess(write_deployment(work / "sidecar", model, KIND)).start()
+    deploy = write_deployment(work / "sidecar", model, KIND)
+    # the sidecar publishes too, with its defaults (the service section is the file's last)
+    deploy.write_text(deploy.read_text() + "  kv_events:\n    endpoint: tcp://127.0.0.1:0\n")
+    sidecar = SidecarProcess(deploy).start()
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     replay = f"tcp://127.0.0.1:{free_port()}"
     connector = {
@@ -134,7 +156,15 @@ def engine(
 def test_one_subscriber_sees_vllms_gpu_and_hicaches_cpu_and_storage_blocks(
     engine: tuple[EngineProcess, Subscriber, SidecarProcess],
 ) -> None:
-    proc, sub, _sidecar = engine
+    proc, sub, sidecar = engine
+    context = zmq.Context()
+    sidecar_sub = context.socket(zmq.SUB)
+    sidecar_sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sidecar_sub.connect(sidecar.get_json("/v1/stats")["kv_events"]["endpoint"])
+    deadline = time.monotonic() + 60
+    while sidecar.get_json("/v1/stats")["kv_events"]["subscriptions"] < 1:  # no slow joiner
+        assert time.monotonic() < deadline, "the sidecar never saw the subscription"
+        time.sleep(0.05)  # polling the sidecar's reported state; not a synchronisation
     [result] = proc.round([PROMPT], max_tokens=1)
     assert result["cached"] == 0  # nothing to load: every page computed, then stored
     full = len(PROMPT) // P
@@ -152,3 +182,9 @@ def test_one_subscriber_sees_vllms_gpu_and_hicaches_cpu_and_storage_blocks(
     # hicache's tiers name exactly vLLM's blocks of the prompt, once each, in chain order
     assert held["CPU"] == gpu, held
     assert held["STORAGE"] == gpu, held
+    try:  # the sidecar's own channel names the same blocks as vLLM does
+        from_sidecar = sidecar_stored(sidecar_sub, full, timeout_s=60)
+    finally:
+        sidecar_sub.close(linger=0)
+        context.term()
+    assert from_sidecar == {"CPU": gpu, "STORAGE": gpu}, (from_sidecar, gpu)
