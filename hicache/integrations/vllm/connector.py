@@ -457,7 +457,11 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None or self.worker_events is None:
             return None
         self.worker.harvest_stores()
-        return self.worker_events.take()
+        taken = self.worker_events.take()
+        counters = self.worker.counters
+        counters.kv_events_reported += 0 if taken is None else len(taken.get_all_events())
+        counters.kv_events_dropped = self.worker_events.dropped
+        return taken
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:

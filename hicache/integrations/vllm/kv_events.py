@@ -19,18 +19,20 @@ models with more than one KV-cache group (a hybrid's groups hash at another gran
 Lifecycle, per engine:
 - worker (vLLM's worker thread): `WorkerEvents.answered(job, reply)` per store answered (at
   the drain, or harvested when its reply is there: never waiting) -> events pending, at most
-  `limit` (past it dropped and counted) -> `take()` in `get_kv_connector_kv_cache_events`
-  hands them over (None when there are none) and starts empty again;
+  `limit` (past it dropped and counted: `kv_events_dropped` in the worker's `stats_path`)
+  -> `take()` in `get_kv_connector_kv_cache_events` hands them over (None when there are
+  none) and starts empty again;
 - scheduler (EngineCore): `SchedulerEvents.add(container)` splits them per block and counts
   the reports of each (medium, hash): a block is published once there are as many as
   tensor-parallel ranks (a rank that reports a block twice before another reports it — a
   store repeated after vLLM rolled the request back — counts twice); at most `limit` blocks
-  wait (the oldest dropped, counted)
-  -> `take()` in `take_events` returns the ready blocks coalesced (consecutive blocks of one
-  chain in one `BlockStored`) and starts empty again."""
+  wait (the oldest dropped, counted, said once in the log) -> `take()` in `take_events`
+  returns the ready blocks coalesced (consecutive blocks of one
+chain in one `BlockStored`) and starts empty again."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +42,7 @@ from vllm.v1.core.kv_cache_utils import BlockHash, maybe_convert_block_hash
 
 from hicache.integrations.vllm.plan import StoreJob
 
+log = logging.getLogger("hicache.vllm")
 CPU, STORAGE = "CPU", "STORAGE"
 DEFAULT_LIMIT = 65536  # pending events on a worker, waiting blocks on the scheduler
 
@@ -170,6 +173,12 @@ class SchedulerEvents:
             parent = block_hash
         while len(self._waiting) > self.limit:
             del self._waiting[next(iter(self._waiting))]
+            if not self.dropped:
+                log.warning(
+                    "kv events: more than %d blocks waited for their other tensor-parallel "
+                    "ranks; the oldest are dropped (counted), not published",
+                    self.limit,
+                )
             self.dropped += 1
 
     def take(self) -> list[KVCacheEvent]:
