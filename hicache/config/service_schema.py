@@ -25,6 +25,18 @@ class KvEventsSection(Section):
         "routers subscribe to it. Events carry prompt token ids: bind beyond loopback only "
         "on a trusted network",
     )
+    replay_endpoint: str | None = Field(
+        default=None,
+        description="ZMQ ROUTER address the sidecar binds for replays, as vLLM's publisher "
+        "offers: a subscriber that saw a gap in seq sends the first seq it lacks (8 bytes, "
+        "big-endian) and gets the kept batches from there, then seq -1 (null: no replay)",
+    )
+    buffer_steps: int = Field(
+        default=10_000,
+        ge=1,
+        le=1_000_000,
+        description="batches kept for replay (the latest ones; with replay_endpoint)",
+    )
     topic: str = Field(default="", description="the topic frame of every message")
     queue_depth: int = Field(
         default=10_000,
@@ -44,20 +56,33 @@ class KvEventsSection(Section):
         "it, else vLLM's fixed default",
     )
     int_hashes: bool = Field(
-        default=False,
-        description="publish the hashes' low 64 bits as integers, as vLLM does with "
-        "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1",
+        default=True,
+        description="publish the hashes' low 64 bits as integers, as vLLM 0.32 does by "
+        "default (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1); false: the 32-byte hashes, for "
+        "engines run with that variable set to 0",
     )
 
-    @field_validator("endpoint")
+    @field_validator("endpoint", "replay_endpoint")
     @classmethod
-    def _endpoint_form(cls, value: str) -> str:
+    def _endpoint_form(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
         if not value.startswith(("tcp://", "ipc://")) or value in ("tcp://", "ipc://"):
             raise ValueError(
                 f"{value!r} is no ZMQ endpoint the sidecar can bind; allowed: "
                 "tcp://host:port (port 0: any free one) or ipc://path"
             )
         return value
+
+    @model_validator(mode="after")
+    def _replay_apart(self) -> KvEventsSection:
+        same = self.replay_endpoint == self.endpoint
+        if same and not self.endpoint.endswith(":0"):  # port 0: two free ports
+            raise ValueError(
+                f"replay_endpoint {self.replay_endpoint!r} is the endpoint too; allowed: "
+                "another address (the replay socket is a ROUTER beside the PUB), or null"
+            )
+        return self
 
 
 class ServiceSection(Section):

@@ -3,7 +3,8 @@
 KV-aware router learns of pages hicache holds for all of them.
 
 What is published, for one cache group (the first whole-prefix token group: a plain model's
-only one; a hicache page is one vLLM block, `kv_hashes.py`):
+only one, a hybrid's full-attention group — no real config has two; windows and states are
+not published, docs/design.md says why; a hicache page is one vLLM block, `kv_hashes.py`):
 - `BlockStored` medium `CPU` when a page enters L2 (a store's backup acknowledged, or an L3
   fetch brings it back), `STORAGE` when L3 newly holds it (a persist);
 - `BlockRemoved` with the medium when it leaves that tier (eviction, the admin clear of L2
@@ -169,6 +170,9 @@ class KvEvents:
         s = self.publisher.stats()
         return {
             "endpoint": self.publisher.endpoint,
+            "replay_endpoint": self.publisher.replay_endpoint,
+            "replays": s.replays,
+            "replays_malformed": s.replays_malformed,
             "batches_sent": s.batches_sent,
             "events_sent": s.events_sent,
             "batches_dropped": s.batches_dropped,
@@ -303,6 +307,13 @@ def storing_tokens(
 def start_kv_events(section: KvEventsSection, page_size_tokens: int) -> KvEvents:
     """The publisher `service.kv_events` describes, bound (a ConfigError naming the key when
     it cannot be, or when pyzmq / msgspec are missing)."""
-    publisher = ZmqEventPublisher(section.endpoint, section.topic, section.queue_depth, section.hwm)
+    publisher = ZmqEventPublisher(
+        section.endpoint,
+        section.topic,
+        section.queue_depth,
+        section.hwm,
+        replay_endpoint=section.replay_endpoint,
+        buffer_steps=section.buffer_steps,
+    )
     hasher = BlockHasher(section.hash_algo, section.hash_seed, int_hashes=section.int_hashes)
     return KvEvents(publisher, hasher, page_size_tokens)

@@ -79,6 +79,12 @@ def _llm(plan: dict[str, Any]) -> Any:
             kv_connector_extra_config=plan["connector"],
             kv_load_failure_policy="recompute",
         )
+    if plan.get("kv_events") is not None:  # vLLM's own KV-event publisher (ZMQ)
+        from vllm.config import KVEventsConfig
+
+        kwargs["kv_events_config"] = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", **plan["kv_events"]
+        )
     model_type = json.loads((Path(plan["model"]) / "config.json").read_text())["model_type"]
     kwargs.update(VLLM_ARGS.get(model_type, {}))
     started = time.perf_counter()

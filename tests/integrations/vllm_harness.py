@@ -279,7 +279,10 @@ class EngineProcess:
         name: str = "engine",
         max_model_len: int = 2048,
         kv_role: str = "kv_both",
+        kv_events: dict[str, Any] | None = None,
     ):
+        """`kv_events`: vLLM's `KVEventsConfig` fields (endpoint, replay_endpoint, ...):
+        the engine publishes its KV events on ZMQ."""
         work.mkdir(parents=True, exist_ok=True)
         self.name = name
         self.log = work / f"{name}.log"
@@ -288,6 +291,7 @@ class EngineProcess:
             "connector": connector,
             "max_model_len": max_model_len,
             "kv_role": kv_role,
+            "kv_events": kv_events,
         }
         plan_path = work / f"{name}.plan.json"
         plan_path.write_text(json.dumps(plan))

@@ -57,7 +57,8 @@ def write_deploy(tmp_path: Path, storage: dict[str, Any], **kv_events: Any) -> P
             "socket_path": str(tmp_path / "e.sock"),
             "http_port": 0,
             "admin_without_token": True,
-            "kv_events": {"endpoint": "tcp://127.0.0.1:0", **kv_events},
+            # the 32-byte hashes, as `blocks` computes them (vLLM's default is the integers)
+            "kv_events": {"endpoint": "tcp://127.0.0.1:0", "int_hashes": False, **kv_events},
         },
     }
     path = tmp_path / "deploy.yaml"

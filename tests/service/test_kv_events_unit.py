@@ -2,13 +2,15 @@
 tier change of a page in every order (stored, persisted, evicted, fetched back, forgotten,
 cleared), two namespaces holding one block, two stores naming one page, coalescing into
 vLLM-style chains; and the real `ZmqEventPublisher`'s bounded queue (a full one drops and
-counts), its refusals by name (missing packages, an endpoint it cannot bind, a bad one)."""
+counts), its replay buffer (the last `buffer_steps` batches, then the end marker) and its
+refusals by name (missing packages, an endpoint or replay endpoint it cannot bind, bad ones)."""
 
 from __future__ import annotations
 
 import asyncio
 import builtins
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -30,6 +32,7 @@ class Recorder:
     """Takes batches as the ZMQ publisher would, and keeps them."""
 
     endpoint = "tcp://recorder"
+    replay_endpoint = None
 
     def __init__(self) -> None:
         self.batches: list[list[Event]] = []
@@ -252,3 +255,107 @@ def test_a_bad_endpoint_is_refused_in_the_deployment(tmp_path: Any) -> None:
     path.write_text(yaml.safe_dump({"service": {"kv_events": {"endpoint": "udp://x:1"}}}))
     with pytest.raises(ConfigError, match=r"service\.kv_events\.endpoint.*'udp://x:1' is no ZMQ"):
         load_deployment(path, env={})
+
+
+def test_replay_keeps_the_last_buffer_steps_batches_and_ends_with_the_marker() -> None:
+    zmq = pytest.importorskip("zmq", reason="pyzmq (the events extra) is not installed")
+    pytest.importorskip("msgspec", reason="msgspec (the events extra) is not installed")
+    from hicache.service.kv_publisher import END_SEQ, ZmqEventPublisher
+
+    publisher = ZmqEventPublisher(
+        "tcp://127.0.0.1:0", "t", 8, 8, replay_endpoint="tcp://127.0.0.1:0", buffer_steps=2
+    )
+    context = zmq.Context()
+    dealer = context.socket(zmq.DEALER)
+    try:
+        assert publisher.replay_endpoint is not None
+        dealer.connect(publisher.replay_endpoint)
+        for _ in range(4):  # nobody subscribed: the PUB drops them, the buffer keeps 2
+            assert publisher.submit([("cleared",)])
+        deadline = time.monotonic() + 30
+        while publisher.stats().batches_sent < 4:
+            assert time.monotonic() < deadline, publisher.stats()
+            time.sleep(0.01)  # polling the publisher's own count; not a synchronisation
+        dealer.send_multipart([b"", (1).to_bytes(8, "big")])
+        frames = []
+        while not frames or frames[-1][2] != END_SEQ:
+            assert dealer.poll(30_000), frames
+            frames.append(dealer.recv_multipart())
+        assert [(f[1], int.from_bytes(f[2], "big", signed=True)) for f in frames] == [
+            (b"t", 2),
+            (b"t", 3),
+            (b"", -1),
+        ]
+        assert frames[-1][3] == b""
+        assert publisher.stats().replays == 1
+    finally:
+        dealer.close(linger=0)
+        context.term()
+        publisher.close()
+
+
+def test_a_replay_endpoint_in_use_is_refused_by_name() -> None:
+    pytest.importorskip("zmq", reason="pyzmq (the events extra) is not installed")
+    pytest.importorskip("msgspec", reason="msgspec (the events extra) is not installed")
+    from hicache.service.kv_publisher import ZmqEventPublisher
+
+    first = ZmqEventPublisher("tcp://127.0.0.1:0", "", queue_depth=1, hwm=1)
+    try:
+        with pytest.raises(
+            ConfigError,
+            match=rf"^service.kv_events.replay_endpoint '{first.endpoint}': cannot bind "
+            r"\(Address already in use.*\); allowed: a free tcp://host:port or ipc:// path "
+            r"other than service.kv_events.endpoint$",
+        ):
+            ZmqEventPublisher(
+                "tcp://127.0.0.1:0", "", queue_depth=1, hwm=1, replay_endpoint=first.endpoint
+            )
+    finally:
+        first.close()
+
+
+@pytest.mark.parametrize(
+    ("kv_events", "message"),
+    [
+        (
+            {"endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": "tcp://127.0.0.1:5557"},
+            r"service\.kv_events.*replay_endpoint 'tcp://127\.0\.0\.1:5557' is the endpoint "
+            r"too; allowed: another address",
+        ),
+        (
+            {"replay_endpoint": "udp://x:2"},
+            r"service\.kv_events\.replay_endpoint.*'udp://x:2' is no ZMQ endpoint",
+        ),
+        ({"buffer_steps": 0}, r"service\.kv_events\.buffer_steps"),
+    ],
+    ids=["same-as-endpoint", "not-zmq", "no-buffer"],
+)
+def test_bad_replay_settings_are_refused_in_the_deployment(
+    tmp_path: Any, kv_events: dict[str, Any], message: str
+) -> None:
+    path = tmp_path / "d.yaml"
+    path.write_text(yaml.safe_dump({"service": {"kv_events": kv_events}}))
+    with pytest.raises(ConfigError, match=message):
+        load_deployment(path, env={})
+
+
+@pytest.mark.parametrize(
+    "model", ["gemma3_27b.json", "nemotron_h_8b.json", "qwen3_next_80b.json", "lfm2_350m.json"]
+)
+def test_a_hybrids_full_group_is_the_one_published_with_vllms_hashes(model: str) -> None:
+    """Every hybrid among the real configs has one whole-prefix group (full attention) beside
+    windows or states: its pages are published; the other group's changes publish nothing."""
+    index = make_index(model, capacity=8, page=PAGE, l3_only=64)
+    assert [g for g, r in index.rules.items() if r.needs_whole_prefix] == ["full"]
+    [other] = [g for g in index.rules if g != "full"]
+    events, rec = setup(index)
+    tokens = list(range(200, 200 + 2 * PAGE))
+    keys = index.keys(tokens)
+    with index.watcher.storing(tokens):  # type: ignore[attr-defined]
+        index.insert_l2(other, keys[other][-1], 0)  # the window's / state's page
+        for i, key in enumerate(keys["full"]):
+            index.insert_l2("full", key, 10 + i)
+    assert rec.take() == [stored("CPU", tokens[: (i + 1) * PAGE], i) for i in range(2)]
+    index.drop_l2(other, keys[other][-1])
+    assert rec.take() == []
+    assert events.pages_unhashed == 0

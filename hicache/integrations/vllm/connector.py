@@ -41,6 +41,9 @@ Extra config keys (`kv_connector_extra_config`):
 every complete page of each prompt and ends each step once the sidecar acknowledged its
 stores; kv_consumer (a decode instance) loads, waits for its prefill's store, never stores.
 
+With vLLM's `kv_events_config` on, what hicache stored goes out on vLLM's own KV-event
+channel too (`vllm/kv_events.py`).
+
 Failures never reach vLLM as exceptions: a sidecar that is down gives no hits and skips
 stores; a load that fails is reported with `get_block_ids_with_load_errors`, so vLLM
 recomputes those blocks instead of serving them.
@@ -65,7 +68,14 @@ from vllm.v1.kv_cache_interface import MambaSpec
 from hicache.client import Client
 from hicache.errors import ConfigError
 from hicache.integrations.vllm.binding import StateSpec, bind_layers
+from hicache.integrations.vllm.kv_events import (
+    SchedulerEvents,
+    WorkerEvents,
+    events_enabled,
+)
 from hicache.integrations.vllm.layout import (
+    async_loads_of,
+    cacheable,
     default_tenant,
     layer_map_of,
     state_load_block,
@@ -82,7 +92,10 @@ from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
 
 if TYPE_CHECKING:
+    from collections.abc import Iterable
+
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -140,7 +153,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                 "fails (sidecar restarted, an L3 object corrupt) would fail the request; set "
                 "kv_load_failure_policy='recompute' so vLLM recomputes those tokens instead"
             )
-        self.async_loads = self._async_loads(self.settings.load_mode, kv_cache_config)
+        self.async_loads = async_loads_of(self.settings.load_mode, kv_cache_config)
         self.layer_map = layer_map_of(vllm_config)
         self.page = token_block_size(kv_cache_config)
         self.tenant = self.settings.tenant or default_tenant(kv_cache_config)
@@ -148,7 +161,10 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         self._engine_id = str(self._kv_transfer_config.engine_id or "")
         self._max_model_len = int(vllm_config.model_config.max_model_len)
         self._max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        # vLLM publishes KV events: hicache's stores go out on its channel (`vllm/kv_events.py`)
+        self.kv_events = events_enabled(vllm_config, len(kv_cache_config.kv_cache_groups))
         if role == KVConnectorRole.SCHEDULER:
+            self.events = SchedulerEvents(self.layer_map.layout.tp_size)
             self._requests: dict[str, Request] = {}
             self._local: dict[str, int] = {}
             self._failed_loads: set[str] = set()
@@ -167,20 +183,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             self.worker: WorkerSide | None = None
             self._layer_ids: dict[str, int] = {}
             self._shared_kv: SharedKv | None = None
-
-    @staticmethod
-    def _async_loads(mode: str, kv_cache_config: KVCacheConfig) -> bool:
-        """Layer-wise loads (the forward waits per layer: the overlap) report failures as
-        block ids, which vLLM maps back to requests only with one KV-cache group; with more
-        (sliding + full, hybrids) a load must be asynchronous and fail by request."""
-        groups = len(kv_cache_config.kv_cache_groups)
-        if mode in ("layerwise", "whole") and groups > 1:
-            raise ConfigError(
-                f"kv_connector_extra_config.load_mode: {mode!r} needs one KV-cache group; "
-                f"this model has {groups} (vLLM reports a failed load of a multi-group model "
-                "only per request, so its loads are 'async')"
-            )
-        return mode == "async" or (mode == "auto" and groups > 1)
+            self.worker_events = WorkerEvents(self.page) if self.kv_events else None
 
     def _client_kwargs(
         self, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig
@@ -250,26 +253,14 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ---- scheduler side ---------------------------------------------------------------------
 
-    @staticmethod
-    def _cacheable(request: Request) -> bool:
-        """Pages are keyed by token ids alone: requests whose KV depends on more (LoRA,
-        multimodal inputs, a cache salt) are neither looked up nor stored."""
-        return not (
-            getattr(request, "lora_request", None)
-            or getattr(request, "mm_features", None)
-            or getattr(request, "cache_salt", None)
-            # prompt embeddings: vLLM's token ids are placeholders (zeros) then
-            or getattr(request, "prompt_embeds", None) is not None
-        )
-
     def on_new_request(self, request: Request) -> None:
-        if self._cacheable(request):
+        if cacheable(request):
             self._requests[request.request_id] = request
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        if not self._cacheable(request):
+        if not cacheable(request):
             return 0, False
         self._requests[request.request_id] = request
         self._local[request.request_id] = num_computed_tokens
@@ -312,6 +303,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                     int(computed),
                     int(counts.get(req_id, 0)),
                     self._kv_cache_manager.get_blocks(req_id).get_block_ids(),
+                    request.block_hashes if self.kv_events else (),
                 )
             )
         self._scheduler_stats()
@@ -333,6 +325,12 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         """Asynchronous loads that failed: vLLM asks for those requests' hits again at once;
         they get none, so a load that fails every time cannot hold a request forever."""
         self._failed_loads.update(connector_output.failed_recving or ())
+        if connector_output.kv_cache_events is not None:
+            self.events.add(connector_output.kv_cache_events)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """hicache's stores the workers reported (every rank's), for vLLM's publisher."""
+        return self.events.take()
 
     def _forget(self, req_id: str) -> None:
         self._failed_loads.discard(req_id)
@@ -391,6 +389,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             register=plane.register,
             stream=plane.stream,
             persisted_within_s=self.settings.persisted_within_s,
+            on_answered=None if self.worker_events is None else self.worker_events.answered,
         )
         self.worker.client()
 
@@ -452,6 +451,17 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             return KVConnectorTransferResults()
         done, failed = self.worker.poll_async()
         return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        """This step's answered stores as events (`vllm/kv_events.py`); never waits."""
+        if self.worker is None or self.worker_events is None:
+            return None
+        self.worker.harvest_stores()
+        taken = self.worker_events.take()
+        counters = self.worker.counters
+        counters.kv_events_reported += 0 if taken is None else len(taken.get_all_events())
+        counters.kv_events_dropped = self.worker_events.dropped
+        return taken
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         if self.worker is None:

@@ -1,7 +1,8 @@
 """What the vLLM connector derives from vLLM's configuration, both roles alike: hicache's
 layout of the model (from vLLM's own config.json), the page size (vLLM's attention block),
-the default tenant (pages hold vLLM's block bytes as its backend packs them), and which block
-of a state group holds a snapshot. Pure functions of vLLM's config objects; vLLM is imported
+the default tenant (pages hold vLLM's block bytes as its backend packs them), which block
+of a state group holds a snapshot, whether loads are asynchronous, and which requests are
+cacheable. Pure functions of vLLM's config objects; vLLM is imported
 inside the functions that read its objects, so the state-block rules load without it (the
 unit tests run where vLLM's CPU build is not installed)."""
 
@@ -20,6 +21,7 @@ from hicache.model import LayerMap, layout_from_hf_config, load_layout, shard_la
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 
 def layer_map_of(vllm_config: VllmConfig) -> LayerMap:
@@ -92,3 +94,29 @@ def _state_block(block_ids: Sequence[int], pages: int) -> int:
     if not block_ids:
         return NULL_BLOCK
     return block_ids[min(pages, len(block_ids)) - 1]
+
+
+def async_loads_of(mode: str, kv_cache_config: KVCacheConfig) -> bool:
+    """Layer-wise loads (the forward waits per layer: the overlap) report failures as
+    block ids, which vLLM maps back to requests only with one KV-cache group; with more
+    (sliding + full, hybrids) a load must be asynchronous and fail by request."""
+    groups = len(kv_cache_config.kv_cache_groups)
+    if mode in ("layerwise", "whole") and groups > 1:
+        raise ConfigError(
+            f"kv_connector_extra_config.load_mode: {mode!r} needs one KV-cache group; "
+            f"this model has {groups} (vLLM reports a failed load of a multi-group model "
+            "only per request, so its loads are 'async')"
+        )
+    return mode == "async" or (mode == "auto" and groups > 1)
+
+
+def cacheable(request: Request) -> bool:
+    """Pages are keyed by token ids alone: requests whose KV depends on more (LoRA,
+    multimodal inputs, a cache salt) are neither looked up nor stored."""
+    return not (
+        getattr(request, "lora_request", None)
+        or getattr(request, "mm_features", None)
+        or getattr(request, "cache_salt", None)
+        # prompt embeddings: vLLM's token ids are placeholders (zeros) then
+        or getattr(request, "prompt_embeds", None) is not None
+    )

@@ -52,6 +52,10 @@ class StoreJob:
     # equals len(tokens) (the step ended on a page boundary), since its block holds the
     # state after exactly that many tokens then
     computed_after: int = 0
+    # KV events on (`vllm/kv_events.py`): vLLM's own block hashes of the pages this job
+    # stores ([first_page, len(tokens) // page)) and of the page before them; else empty
+    block_hashes: tuple[bytes, ...] = ()
+    parent_hash: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -72,6 +76,8 @@ class Scheduled:
     computed_before: int
     num_scheduled: int
     block_ids: Sequence[Sequence[int]]
+    # vLLM's block hashes of the request (`Request.block_hashes`) when KV events are on
+    block_hashes: Sequence[bytes] = ()
 
 
 class StepBook:
@@ -169,6 +175,8 @@ class StepBook:
             self._after[req.req_id] = after
             self._stored_pages[req.req_id] = max(have, full)
             if full > have and self.stores:
+                hashes = req.block_hashes
+                named = len(hashes) >= full  # vLLM hashed every page stored (one per block)
                 meta.stores.append(
                     StoreJob(
                         req.req_id,
@@ -176,6 +184,8 @@ class StepBook:
                         have,
                         tuple(tuple(ids) for ids in req.block_ids),
                         after,
+                        tuple(hashes[have:full]) if named else (),
+                        hashes[have - 1] if named and have else None,
                     )
                 )
         return meta

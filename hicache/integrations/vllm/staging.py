@@ -104,6 +104,10 @@ class WorkerCounters:
     # registrations the sidecar refused `busy`: this process's earlier session still holds
     # the memory (service/claims.py); retried every retry_after_s
     registrations_busy: int = 0
+    # kv_events_config on: hicache's stores handed to vLLM's event channel as events, and
+    # those dropped past the worker's bound (vLLM took none for that long)
+    kv_events_reported: int = 0
+    kv_events_dropped: int = 0
     loads_unconfirmed: int = 0  # did not end in time, and had not ended before the next step
     # seconds: asking the sidecar to start loads (prefetch from L3 included), copying staging
     # into vLLM's blocks (0 when direct), the forward blocked in wait_layer, stores from start

@@ -70,6 +70,7 @@ class Stores:
         settle_timeout_s: float = 60.0,
         retry_after_s: float = 1.0,
         persisted_within_s: float = 0.0,
+        on_answered: Callable[[StoreJob, dict[str, Any]], None] | None = None,
     ):
         self.layer_map = layer_map
         self.bindings = dict(bindings)
@@ -83,6 +84,8 @@ class Stores:
         self.retry_after_s = retry_after_s
         # kv_producer for another host: each store answered once L3 holds its pages
         self.persisted_within_s = persisted_within_s
+        # KV events (`vllm/kv_events.py`): told each answered store with its job
+        self._on_answered = on_answered
         # direct: each hicache group's layers in one vLLM group (its block ids are the pages)
         self._vllm_group = {
             g.name: self.bindings[g.layer_ids[0]].vllm_group
@@ -90,7 +93,7 @@ class Stores:
             if g.layer_ids[0] in self.bindings
         }
         self._thread: ThreadPoolExecutor | None = None
-        self._in_flight: list[tuple[str, Future[Any]]] = []
+        self._in_flight: list[tuple[StoreJob, Future[Any]]] = []
         # epochs of ops that got no reply: the sidecar may still copy there until confirmed
         self._unsettled: set[Epoch] = set()
 
@@ -168,7 +171,7 @@ class Stores:
         future = self._thread.submit(
             self._timed, client, list(job.tokens), device_pages, snapshots, fence
         )
-        self._in_flight.append((job.req_id, future))
+        self._in_flight.append((job, future))
         self.counters.pages_stored += pages
 
     def _timed(
@@ -247,7 +250,7 @@ class Stores:
             snapshots = {g: {len(job.tokens): pages[g][0]} for g in plan.state_groups}
             # No fence: staging is shared host memory and `to_staging`'s copies are blocking,
             # so the pages are written before the request leaves (`Client.store`'s CPU rule).
-            self._answered(self._store(client, list(job.tokens), device_pages, snapshots))
+            self._answered(job, self._store(client, list(job.tokens), device_pages, snapshots))
             self.counters.pages_stored += sum(len(p) for p in plan.positions.values())
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
@@ -278,20 +281,38 @@ class Stores:
             return
         started = time.perf_counter()
         in_flight, self._in_flight = self._in_flight, []
-        for req_id, future in in_flight:
-            try:
-                self._answered(future.result())  # the client's socket timeout bounds it
-            except (HicacheError, OSError) as exc:
-                self.counters.store_failures += 1
-                self.counters.error(f"request {req_id}: store failed: {exc}")
-                if unanswered(exc) and client is not None:  # it may still read vLLM's blocks
-                    self._unsettled.add(epoch_of(exc, client))
+        for job, future in in_flight:
+            self._reply_of(job, future, client)  # the client's socket timeout bounds it
         if self._unsettled and client is not None:
             self._settle(client)
         self.counters.store_on_step_s += time.perf_counter() - started
 
-    def _answered(self, reply: dict[str, Any]) -> None:
+    def harvest(self, client: Client | None) -> None:
+        """The stores answered by now, taken without waiting for the others (KV events
+        report them in this step's output rather than after the next step's drain)."""
+        if not any(future.done() for _, future in self._in_flight):
+            return
+        pending: list[tuple[StoreJob, Future[Any]]] = []
+        for job, future in self._in_flight:
+            if future.done():
+                self._reply_of(job, future, client)
+            else:
+                pending.append((job, future))
+        self._in_flight = pending
+
+    def _reply_of(self, job: StoreJob, future: Future[Any], client: Client | None) -> None:
+        try:
+            self._answered(job, future.result())
+        except (HicacheError, OSError) as exc:
+            self.counters.store_failures += 1
+            self.counters.error(f"request {job.req_id}: store failed: {exc}")
+            if unanswered(exc) and client is not None:  # it may still read vLLM's blocks
+                self._unsettled.add(epoch_of(exc, client))
+
+    def _answered(self, job: StoreJob, reply: dict[str, Any]) -> None:
         """A store's reply: L2 holds every page it named, or only a prefix (L2 too full)."""
+        if self._on_answered is not None:
+            self._on_answered(job, reply)
         self.counters.stores += 1
         if reply.get("truncated_to_tokens") is None:
             self.counters.stores_in_l2 += 1

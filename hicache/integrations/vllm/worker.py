@@ -71,6 +71,7 @@ class WorkerSide:
         register: Callable[[Client], None] | None = None,
         stream: Callable[[], Any] = lambda: None,
         persisted_within_s: float = 0.0,
+        on_answered: Callable[[StoreJob, dict[str, Any]], None] | None = None,
     ):
         """`register`: registers vLLM's own blocks with a new client (direct); None: the
         worker registers a staging pool of `staging_pages` per group instead.
@@ -102,6 +103,7 @@ class WorkerSide:
             settle_timeout_s=6 * load_timeout_s,
             retry_after_s=retry_after_s,
             persisted_within_s=persisted_within_s,
+            on_answered=on_answered,
         )
         self.loads = Loads(
             layer_map,
@@ -215,6 +217,10 @@ class WorkerSide:
         started = time.perf_counter()
         self.stores.drain(self._client)
         self.counters.store_ack_wait_s += time.perf_counter() - started
+
+    def harvest_stores(self) -> None:
+        """The stores answered by now, without waiting (KV events report them this step)."""
+        self.stores.harvest(self._client)
 
     def store(self, jobs: Sequence[StoreJob]) -> None:
         """The step's stores, after `finish_loads`; then the step's failed loads are
