@@ -126,6 +126,11 @@ class SidecarLink:
             self._rate_limited(op, f"hicache {self.name}: {op} failed: {type(exc).__name__}: {exc}")
         return default
 
+    def note(self, topic: str, message: str) -> None:
+        """A warning the adapter has about the engine's use of the sidecar (not a failure of
+        a call), logged at most once per `retry_after_s` per topic."""
+        self._rate_limited(topic, message)
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import HicacheError
+from hicache.index import GroupRule
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.memory import GroupGeometry
 from hicache.model import CacheKind
@@ -124,6 +125,17 @@ def sliding_group(geometries: Mapping[str, GroupGeometry]) -> str:
             "maps to a layout of exactly one"
         )
     return windows[0]
+
+
+def window_fits(geometry: GroupGeometry, pages: int, page_size_tokens: int) -> bool:
+    """Whether the sidecar's sliding group moves every page of an SWA window of `pages`
+    trailing pages. Its rule keeps only the pages its `window_tokens` needs
+    (`GroupRule.needed`): a window SGLang sizes wider (its `swa_retain_window`, widened for
+    speculative decoding, or a layout whose window is shorter than the model's) would have its
+    leading pages neither stored nor loaded, so such a window is never served (SGLang
+    recomputes), never reported loaded over slots the sidecar did not write."""
+    rule = GroupRule.of(geometry.group)
+    return len(rule.needed(pages, page_size_tokens)) >= pages
 
 
 def check_state(state: HostState, group: str, geometry: GroupGeometry) -> None:

@@ -4,9 +4,11 @@ alone), the Mamba state by `batch_*_v2` with its one trailing key: stored under 
 group's key of that page id (per TP rank: every rank holds its own heads of the state, as
 SGLang keys Mamba per rank), loaded alone into the host slot SGLang gives; an SWA window by
 `batch_*_v2` with its trailing keys: its pages stored under the sliding group's keys, loaded
-whole into SGLang's SWA host slots (a window short of a page is a miss). `batch_exists_v2`
-asks the sidecar which pages each group holds and answers SGLang's hit policies and
-`restorable_prefix_pages` from them (`hit_policies`). A side pool that is not mapped (DSA
+whole into SGLang's SWA host slots (a window short of a page is a miss, and so is a window
+wider than the sidecar's sliding group keeps: its leading pages would never be written,
+`side_pools.window_fits`). `batch_exists_v2` asks the sidecar which pages each group holds
+and answers SGLang's hit policies and `restorable_prefix_pages` from them (`hit_policies`; a
+window too wide for the sidecar: no length). A side pool that is not mapped (DSA
 indexer, DeepSeek-V4 pools, ...) or a transfer that does not fit (a Mamba transfer of several
 keys, slots that do not match the keys) answers no hit / not stored: SGLang recomputes. Like
 the v1 calls, these never raise (`SidecarLink.use`), are bounded by the backend's timeouts,
@@ -30,7 +32,7 @@ from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
 from hicache.integrations.sglang.host_pools import HostKv, host_pages
 from hicache.integrations.sglang.settings import BackendSettings
-from hicache.integrations.sglang.side_pools import HostState, host_slots
+from hicache.integrations.sglang.side_pools import HostState, host_slots, window_fits
 
 
 def pool_name(name: Any) -> str:
@@ -122,10 +124,36 @@ class SidePoolOps:
             served = client.served_keys(self._keys(client, keys), list(groups.values()))
             kv_pages = served[attached.group].run  # a whole-prefix group: its run
             held = {name: set(served[group].lengths(kv_pages)) for name, group in groups.items()}
+            for wide in self._wide_windows(client, asks):
+                held[wide] = set()  # a window the sidecar does not keep whole: no length
             got = restorable(kv_pages, asks, held)
             return PoolTransferResult(got.kv_hit_pages, got.pool_hits, got.lengths)
 
         return self.link.use("batch_exists_v2", ask, PoolTransferResult(0, {}, []))
+
+    def _wide_windows(self, client: Client, asks: Sequence[PoolAsk]) -> list[str]:
+        """The SWA asks whose window is wider than the sidecar's sliding group keeps
+        (`side_pools.window_fits`): never restorable (logged, at most once per
+        `retry_after_s`)."""
+        attached = self.attached
+        if attached is None or attached.swa_group is None or attached.swa is None:
+            return []
+        geometry = client.geometries[attached.swa_group]
+        size = attached.swa.page_size
+        wide = [a for a in asks if a.name == "swa" and not window_fits(geometry, a.window, size)]
+        if wide:
+            self._window_too_wide(wide[0].window)
+        return [a.name for a in wide]
+
+    def _window_too_wide(self, pages: int) -> None:
+        attached = self.attached
+        group = None if attached is None else attached.swa_group
+        self.link.note(
+            "swa window",
+            f"hicache {self.link.name}: SGLang's SWA window of {pages} pages is wider than the "
+            f"sidecar's sliding group {group!r} keeps (its window_tokens): such windows are "
+            "not served (SGLang recomputes them); give the deployment the model's window",
+        )
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
@@ -231,10 +259,13 @@ class SidePoolOps:
         found = self._window_pages(keys, host_indices)
         if found is None:
             return False
-        _, group, pages = found
-        size = self.attached.host.page_size if self.attached is not None else 0
+        attached, group, pages = found
+        size = attached.host.page_size
 
         def load(client: Client) -> bool:
+            if not window_fits(client.geometries[group], len(keys), size):
+                self._window_too_wide(len(keys))  # its leading pages would not be written
+                return False
             handle = client.load_keys(self._keys(client, keys), {group: pages}, groups=[group])
             if handle is None or handle.tokens != len(keys) * size:
                 if handle is not None:

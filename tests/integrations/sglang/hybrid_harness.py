@@ -161,8 +161,18 @@ class HybridControllers(DriverProcess):
             }
         )
 
-    def fetch_window(self, name: str, seed: int, pages: int) -> dict[str, Any]:
-        return self.request({"op": "fetch_window", "name": name, "seed": seed, "pages": pages})
+    def fetch_window(
+        self, name: str, seed: int, pages: int, window: int | None = None
+    ) -> dict[str, Any]:
+        extra = {} if window is None else {"window": window}
+        return self.request(
+            {"op": "fetch_window", "name": name, "seed": seed, "pages": pages, **extra}
+        )
+
+    def get_window(self, name: str, seed: int, pages: int, window: int) -> dict[str, Any]:
+        return self.request(
+            {"op": "get_window", "name": name, "seed": seed, "pages": pages, "window": window}
+        )
 
     def malformed(self, name: str) -> dict[str, Any]:
         return self.request({"op": "malformed", "name": name})

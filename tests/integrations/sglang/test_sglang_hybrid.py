@@ -205,6 +205,23 @@ def test_an_swa_window_short_of_a_page_shortens_the_prefix(setup: Setup) -> None
     assert got == whole_window(4) | {"restorable": [1, 2, 3, 4]}
 
 
+def test_an_swa_window_wider_than_the_sidecar_s_is_a_miss_never_unwritten_slots(
+    setup: Setup,
+) -> None:
+    """SGLang's window one page wider than the layout's 4 (its `swa_retain_window`, widened
+    under speculative decoding): the sidecar's sliding rule keeps only the last 4 of its 5
+    pages, so the window is a miss — no restorable length, and a get of it answers False,
+    writing nothing — never True over a host slot the sidecar did not write (review F1)."""
+    assert setup.a.fill_window("w", 62, 4, 4)["window_stored"] == 4
+    assert setup.a.fill_window("w", 62, 8, 4)["window_stored"] == 4
+    served = setup.b.fetch_window("w", 62, 8)  # the layout's window: served, every length
+    assert served == whole_window(8) | {"restorable": list(range(1, 9))}
+    wide = setup.b.fetch_window("w", 62, 8, window=5)
+    assert (wide["hit_pages"], wide["restorable"], wide["window_fetched"]) == (0, [], 0), wide
+    assert setup.b.get_window("w", 62, 8, 5) == {"result": [False] * 5, "unwritten_pages": 5}
+    assert setup.b.get_window("w", 62, 8, 4) == {"result": [True] * 4, "unwritten_pages": 0}
+
+
 @pytest.mark.parametrize("name", ["c", "w"])
 def test_transfers_sglang_should_not_send_are_misses_never_exceptions(
     setup: Setup, name: str

@@ -33,6 +33,7 @@ from hicache.integrations.sglang.side_pools import (
     sliding_group,
     state_group,
     state_rows,
+    window_fits,
 )
 from hicache.memory import CacheDtypes, GroupGeometry, group_geometries
 from tests.integrations.sglang.hybrid_harness import PAGE, write_hybrid_deployment
@@ -220,3 +221,17 @@ def test_an_swa_pool_maps_to_the_sliding_group_beside_the_full_group(tmp_path: P
     assert sliding_group(swa) == "sliding"
     with pytest.raises(SidePoolError, match=r"has sliding-window groups \[\]; SGLang's SWA"):
         sliding_group({"full": swa["full"]})
+
+
+def test_an_swa_window_fits_only_within_the_sliding_group_s_window(tmp_path: Path) -> None:
+    """gpt-oss's sliding window is 64 tokens: 4 pages of 16; a window of 5 would have its
+    leading page neither stored nor loaded by the sidecar (review F1)."""
+    loaded = load_deployment(write_hybrid_deployment(tmp_path, "gpt_oss"))
+    swa = group_geometries(loaded.layer_map().groups, CacheDtypes.uniform(torch.bfloat16), PAGE)
+    assert [window_fits(swa["sliding"], pages, PAGE) for pages in (1, 4, 5, 8)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert window_fits(swa["sliding"], 8, PAGE // 2)  # 8 pages of 8 tokens: 64 tokens
