@@ -95,8 +95,8 @@ def test_a_hybrid_model_without_its_mamba_pool_mapped_is_not_attached(setup: Set
     assert wrong["attached"] is False
     assert wrong["side_pools"] == {
         "mamba": "SGLang's Mamba host pool does not match the sidecar's group 'linear': "
-        "recurrent state: SGLang 8192 bytes per layer ((4, 32, 32) x torch.bfloat16), sidecar "
-        "16384"
+        "recurrent state: SGLang (4, 32, 32) x torch.bfloat16 (8192 bytes per layer), sidecar "
+        "(4, 32, 32) x torch.float32 (16384 bytes)"
     }
     assert "no SGLang host pool hicache maps was registered for ({'mamba': " in wrong["refused"]
     # an unattached backend answers "absent" / "not stored": nothing raises into SGLang
