@@ -320,7 +320,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
             )
             if handle is None:
                 return 0
-            state = handle.done(timeout_s=self.settings.load_timeout_s)
+            state = self._end_load(client, handle, "batch_get_v1")  # storage_v2
             return handle.tokens // attached.host.page_size if state == "done" else 0
 
         loaded = int(self.link.use("batch_get_v1", load, 0))

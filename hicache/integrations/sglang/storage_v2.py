@@ -17,6 +17,7 @@ and a repeated set stores nothing new (the sidecar holds those pages: True).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,13 +27,16 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from hicache.client import Client, PromptKeys
+from hicache.client import Client, LoadHandle, PromptKeys
+from hicache.integrations.core.load_end import UNENDED, end_load
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
 from hicache.integrations.sglang.host_pools import HostKv, host_pages
 from hicache.integrations.sglang.settings import BackendSettings
 from hicache.integrations.sglang.side_pools import HostState, host_slots, window_fits
+
+log = logging.getLogger("hicache.sglang")
 
 
 def pool_name(name: Any) -> str:
@@ -131,6 +135,32 @@ class SidePoolOps:
 
         return self.link.use("batch_exists_v2", ask, PoolTransferResult(0, {}, []))
 
+    def _end_load(self, client: Client, handle: LoadHandle, op: str) -> str:
+        """A load's final state, waited for up to `load_timeout_s`, then cancelled and waited
+        for as long again (`core.load_end`). SGLang frees the host slots of a load that
+        answered False and reuses them at once, so a load that still did not end has its
+        session detached (`SidecarLink.detach`: the sidecar registers this memory again only
+        once that session's copies are over). Not confirmed over (the sidecar stuck in a copy
+        for longer than that): logged as an error, the one case where a late write can still
+        land in a reused slot."""
+        timeout_s = self.settings.load_timeout_s
+        state = end_load(handle, timeout_s, timeout_s)
+        if state != UNENDED:
+            return state
+        why = (
+            f"{op}: load {handle.load_id} did not end in {timeout_s:g} s, nor {timeout_s:g} s "
+            "after it was cancelled; its session is detached so that none of its copies lands "
+            "in host slots SGLang reuses"
+        )
+        if not self.link.detach(client, why):
+            log.error(
+                "hicache %s: %s, and the sidecar has not confirmed that session over: a late "
+                "copy may still land in SGLang's host slots",
+                self.link.name,
+                why,
+            )
+        return state
+
     def _wide_windows(self, client: Client, asks: Sequence[PoolAsk]) -> list[str]:
         """The SWA asks whose window is wider than the sidecar's sliding group keeps
         (`side_pools.window_fits`): never restorable (logged, at most once per
@@ -224,7 +254,7 @@ class SidePoolOps:
             handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
             if handle is None:
                 return False
-            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+            return self._end_load(client, handle, "batch_get_v2") == "done"
 
         return bool(self.link.use("batch_get_v2", load, False))
 
@@ -267,10 +297,9 @@ class SidePoolOps:
                 self._window_too_wide(len(keys))  # its leading pages would not be written
                 return False
             handle = client.load_keys(self._keys(client, keys), {group: pages}, groups=[group])
-            if handle is None or handle.tokens != len(keys) * size:
-                if handle is not None:
-                    handle.done(timeout_s=self.settings.load_timeout_s)  # its pins go
+            if handle is None:
                 return False
-            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+            ended = self._end_load(client, handle, "batch_get_v2")  # its pins go
+            return ended == "done" and handle.tokens == len(keys) * size
 
         return bool(self.link.use("batch_get_v2", load, False))
