@@ -39,8 +39,14 @@ Lifecycle (SGLang's scheduler process):
     -> on_host_pools_registered (a layout with a state group and no Mamba pool mapped stays
        unattached, logged; else first attach: hello + pools registered; a sidecar that is
        down is attached later, on the first call after `retry_after_s`)
-    -> serving (the data path) -> close() (runtime detach, or shutdown: the session ends, the
-       sidecar drops its mapping; nothing of the host pool is kept)
+    -> ready (set at the end of on_host_pools_registered: SGLang starts its storage threads
+       before it registers the v2 pools, and every data-path call answers "absent" / "not
+       stored" until then, so no call attaches with a partial manifest)
+    -> serving (the data path; a side pool SGLang registers now, at run time, is not mapped
+       and a pool of a name already mapped is no longer served: sharing it would move the
+       pools onto a new memfd under the live session)
+    -> close() (runtime detach, or shutdown: not ready; the session ends, the sidecar drops
+       its mapping; nothing of the host pool is kept)
 `clear()` leaves the shared cache alone: it is every engine's (clear it through the sidecar).
 
 v2 (hybrid models): SGLang's Mamba side pool is mapped as the layout's state group
@@ -128,6 +134,9 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         self.tp_size = int(storage_config.tp_size)
         self.stats = BackendStats()
         self.attached: Attached | None = None
+        # the data path's gate: set once SGLang registered every host pool (it starts its
+        # storage threads before that, `on_host_pools_registered`), cleared by close()
+        self.ready = False
         self.refused: str | None = None  # why SGLang's pools could not be mapped
         self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang, not mapped: why
         self._lock = threading.Lock()
@@ -170,7 +179,16 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             attached = self.attached
             why = "SGLang's KV host pool is not attached"
-            if name in maps and attached is not None:
+            if self.ready and attached is not None:
+                # at run time (SGLang's `register_host_pool_entry`): sharing it would move the
+                # pools onto a new memfd under the live session, so it is not mapped; a pool
+                # of a name already mapped is SGLang's no longer, so it is not served either
+                attached.replaced.add(name)
+                why = (
+                    "registered after the host pools were attached (at run time); hicache "
+                    "maps side pools at attach only"
+                )
+            elif name in maps and attached is not None:
                 try:
                     maps[name](attached, host_pool)
                     return
@@ -235,6 +253,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
                 self.attached = None
             attached.region.close()
             return
+        self.ready = True  # the data path may run from now on
         self.link.client()  # attach now; a sidecar that is down is tried again later
 
     def _geometries(self) -> dict[str, GroupGeometry]:
@@ -287,11 +306,11 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        if self.attached is None or not keys:
+        attached = self.live()
+        if attached is None or not keys:
             return 0
-        size = self.attached.host.page_size
-
-        group = self.attached.group
+        size = attached.host.page_size
+        group = attached.group
 
         def ask(client: Client) -> int:
             return client.lookup_keys(self._keys(client, keys), [group]).tokens_total // size
@@ -304,7 +323,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        attached = self.attached
+        attached = self.live()
         pages = (
             None
             if attached is None
@@ -333,7 +352,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        attached = self.attached
+        attached = self.live()
         pages = (
             None
             if attached is None
@@ -354,7 +373,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         return [i < stored for i in range(len(keys))]
 
     def _page_bytes(self) -> int:
-        attached = self.attached
+        attached = self.live()
         return 0 if attached is None else attached.host.row_bytes * attached.host.layers
 
     # ---- the legacy interface: never called with interface_v1 (settings require it) ------
@@ -397,6 +416,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
 
     def close(self) -> None:
         """Detach: the session ends (the sidecar drops its mapping of the host pool)."""
+        self.ready = False
         self.link.close()
         with self._lock:
             attached, self.attached = self.attached, None

@@ -63,6 +63,8 @@ class Attached:
         self.swa: HostKv | None = None
         self.swa_buffer: Any = None
         self.swa_group: str | None = None
+        # pools SGLang registered again after the attach: no longer the memory mapped here
+        self.replaced: set[str] = set()
 
     def groups(self) -> dict[str, str]:
         """SGLang's pool names mapped, and the sidecar group each moves."""
@@ -72,6 +74,10 @@ class Attached:
         if self.swa_group is not None:
             out["swa"] = self.swa_group
         return out
+
+    def served(self) -> dict[str, str]:
+        """`groups()` less the pools SGLang replaced after the attach (`replaced`)."""
+        return {name: g for name, g in self.groups().items() if name not in self.replaced}
 
     def pages_of(self, group: str | None, pages: list[int | None]) -> dict[str, list[int | None]]:
         """A store's device pages: `pages` for `group`, none (None) for the other token
@@ -94,8 +100,14 @@ class SidePoolOps:
     """`HicacheStorage`'s v2 calls (see the module doc); the backend gives what they use."""
 
     attached: Attached | None
+    ready: bool
     link: SidecarLink
     settings: BackendSettings
+
+    def live(self) -> Attached | None:
+        """The attach the data path may use: None until SGLang registered every host pool
+        (`on_host_pools_registered`) and after close()."""
+        return self.attached if self.ready else None
 
     def _keys(self, client: Client, keys: Sequence[str]) -> PromptKeys:
         raise NotImplementedError
@@ -116,11 +128,11 @@ class SidePoolOps:
         side = [t for t in pool_transfers or [] if pool_name(t.name) != "kv"]
         if not side:
             return PoolTransferResult(self.batch_exists(keys, extra_info), {})
-        attached = self.attached
+        attached = self.live()
         if attached is None or not keys:
             return PoolTransferResult(0, {}, [])
         asks = [PoolAsk(pool_name(t.name), str(policy_name(t)), len(t.keys or ())) for t in side]
-        groups = attached.groups()
+        groups = attached.served()
         if any(ask.name not in groups for ask in asks):  # a pool not mapped: no prefix whole
             return PoolTransferResult(0, {}, [])
 
@@ -165,7 +177,7 @@ class SidePoolOps:
         """The SWA asks whose window is wider than the sidecar's sliding group keeps
         (`side_pools.window_fits`): never restorable (logged, at most once per
         `retry_after_s`)."""
-        attached = self.attached
+        attached = self.live()
         if attached is None or attached.swa_group is None or attached.swa is None:
             return []
         geometry = client.geometries[attached.swa_group]
@@ -220,9 +232,11 @@ class SidePoolOps:
         return out
 
     def _state_slot(self, host_indices: Any) -> tuple[Attached, str, int] | None:
-        attached = self.attached
+        attached = self.live()
         slots = host_slots(host_indices, 1)
         if attached is None or attached.state_group is None or slots is None:
+            return None
+        if "mamba" in attached.replaced:
             return None
         return attached, attached.state_group, slots[0]
 
@@ -261,8 +275,10 @@ class SidePoolOps:
     def _window_pages(
         self, keys: Sequence[str], host_indices: Any
     ) -> tuple[Attached, str, list[int]] | None:
-        attached = self.attached
+        attached = self.live()
         if attached is None or attached.swa_group is None or attached.swa is None:
+            return None
+        if "swa" in attached.replaced:
             return None
         if host_indices is None:
             return None

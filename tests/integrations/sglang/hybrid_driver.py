@@ -22,6 +22,8 @@ stdin, one JSON reply a line on stdout) -> stopped (EOF). Commands:
         page transfer, acks, then host -> device load of both pools -> {"hit_pages",
         "restorable", "fetched_tokens", "state_fetched", "kv_match", "state_from"}: state_from
         is the length whose stored state the device holds byte-exact (None: none matches)
+    {"op": "attach_order", "name"}  a fresh backend over that controller's pools, the data
+        path tried at each step of SGLang's attach order -> per step the calls' results
     {"op": "stop", "name"}  the backend detaches (`close()`)
 Any exception answers {"error": ...}; the process serves on.
 """
@@ -365,6 +367,61 @@ class Harness:
             if eq(mdev.temporal[:, slot], temporal) and eq(mdev.conv[:, slot], conv):
                 out["state_from"] = length
         self._clear(c, host_idx, dev_idx, side.host_indices)
+        return out
+
+    def attach_order(self, name: str) -> dict[str, Any]:
+        """A fresh backend over controller `name`'s pools (its own backend closed first),
+        called in the order SGLang's controller calls it, the data path tried at each step:
+        before `on_host_pools_registered` (SGLang's storage threads already run then), after
+        it, after a side pool registered again at run time, after close()."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        from hicache.integrations.sglang import HicacheStorage
+
+        torch = self.torch
+        c = self.controllers.pop(name)
+        c["backend"].close()
+        backend = HicacheStorage(c["ctl"].storage_config)
+        keys = [f"{i:064x}" for i in range(2)]
+        kv_slots = torch.arange(2 * P)
+        state = PoolTransfer(
+            name=PoolName.MAMBA,
+            keys=keys[-1:],
+            host_indices=torch.tensor([0]),
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        )
+
+        def exists_v2() -> list[Any]:
+            exists = backend.batch_exists_v2(keys, [state])
+            return [exists.kv_hit_pages, exists.restorable_prefix_pages]
+
+        def calls() -> dict[str, Any]:  # in this order: stores first
+            return {
+                "set": backend.batch_set_v1(keys, kv_slots),
+                "get": backend.batch_get_v1(keys, kv_slots),
+                "exists": backend.batch_exists(keys),
+                "set_v2": backend.batch_set_v2([state]),
+                "get_v2": backend.batch_get_v2([state]),
+                "exists_v2": exists_v2(),
+                "connects": backend.link.counters.connects,
+                "outages": backend.link.counters.outages,
+            }
+
+        out: dict[str, Any] = {}
+        backend.register_mem_pool_host(c["kv_host"])
+        out["kv_registered"] = calls()
+        backend.register_mem_host_pool_v2(c["mamba_host"], PoolName.MAMBA)
+        out["mamba_registered"] = calls()
+        backend.on_host_pools_registered()
+        out["ready"] = calls()
+        region = backend.attached.region
+        backend.register_mem_host_pool_v2(c["mamba_host"], PoolName.MAMBA)  # at run time
+        out["registered_again"] = calls() | {
+            "same_memfd": backend.attached.region is region,
+            "side_pools": backend.side_pools,
+        }
+        backend.close()
+        out["closed"] = calls()
         return out
 
     def stop(self, name: str) -> dict[str, Any]:

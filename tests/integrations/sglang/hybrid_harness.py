@@ -144,6 +144,9 @@ class HybridControllers(DriverProcess):
     def fetch(self, name: str, seed: int, pages: int) -> dict[str, Any]:
         return self.request({"op": "fetch", "name": name, "seed": seed, "pages": pages})
 
+    def attach_order(self, name: str) -> dict[str, Any]:
+        return self.request({"op": "attach_order", "name": name})
+
     def stop(self, name: str) -> dict[str, Any]:
         return self.request({"op": "stop", "name": name})
 

@@ -104,6 +104,44 @@ def test_a_hybrid_model_without_its_mamba_pool_mapped_is_not_attached(setup: Set
     assert setup.a.fetch("bf16", 50, 2)["hit_pages"] == 0
 
 
+def test_the_data_path_waits_for_every_host_pool_and_never_remaps_a_live_session(
+    setup: Setup,
+) -> None:
+    """SGLang starts its storage threads before it registers the v2 pools: until
+    `on_host_pools_registered` every call answers "absent" / "not stored" without attaching
+    (a KV-only manifest would be refused and count an outage). A side pool registered again at
+    run time is not shared anew (that would move the pools onto a new memfd under the live
+    session) and is no longer served. After close(), nothing is (review F9)."""
+    extra = {"config": str(setup.deploy), "retry_after_s": 0.2, "load_timeout_s": 30}
+    assert setup.a.start("gate", "default", extra)["attached"] is True
+    got = setup.a.attach_order("gate")
+    nothing = {
+        "set": [False, False],
+        "get": [False, False],
+        "exists": 0,
+        "set_v2": {"mamba": [False]},
+        "get_v2": {"mamba": [False]},
+        "exists_v2": [0, []],
+    }
+    for step in ("kv_registered", "mamba_registered"):
+        assert got[step] == nothing | {"connects": 0, "outages": 0}, step
+    assert got["ready"]["set"] == [True, True]  # attached on registration, then stored
+    assert got["ready"]["get"] == [True, True]
+    assert got["ready"]["set_v2"] == {"mamba": [True]}
+    assert got["ready"]["exists_v2"] == [2, [2]]
+    assert (got["ready"]["connects"], got["ready"]["outages"]) == (1, 0)
+    again = got["registered_again"]
+    assert again["same_memfd"] is True
+    assert again["side_pools"] == {
+        "mamba": "registered after the host pools were attached (at run time); hicache maps "
+        "side pools at attach only"
+    }
+    assert again["set"] == [True, True]  # the KV pool is still SGLang's: served
+    assert (again["set_v2"], again["get_v2"]) == ({"mamba": [False]}, {"mamba": [False]})
+    assert again["exists_v2"] == [0, []]
+    assert got["closed"] == nothing | {"connects": 1, "outages": 0}
+
+
 def whole(pages: int) -> dict[str, object]:
     """A fetch of `pages` pages, KV and the state after them, restored byte-exact."""
     return {
