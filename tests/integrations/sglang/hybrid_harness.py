@@ -144,6 +144,11 @@ class HybridControllers(DriverProcess):
     def fetch(self, name: str, seed: int, pages: int) -> dict[str, Any]:
         return self.request({"op": "fetch", "name": name, "seed": seed, "pages": pages})
 
+    def three_threads(self, name: str, seed: int, pages: int, rounds: int) -> dict[str, Any]:
+        return self.request(
+            {"op": "three_threads", "name": name, "seed": seed, "pages": pages, "rounds": rounds}
+        )
+
     def attach_order(self, name: str) -> dict[str, Any]:
         return self.request({"op": "attach_order", "name": name})
 

@@ -172,6 +172,14 @@ def test_a_second_process_hits_what_the_first_stored(setup: Setup) -> None:
     assert setup.a.fetch("c", 21, 5) == whole(5)
 
 
+def test_three_controller_threads_use_one_backend_at_once(setup: Setup) -> None:
+    """SGLang's prefetch, prefetch IO and backup threads call the v2 methods of one backend at
+    once (issue #33's contract): every call answers right, none raises (review F12)."""
+    assert setup.a.fill("c", 25, 4)["state_stored"] == 1
+    got = setup.a.three_threads("c", 25, 4, 20)
+    assert got == {"errors": [], "exists": 20, "store": 20, "load": 20}
+
+
 def test_the_restorable_prefix_ends_where_every_pool_is_served(setup: Setup) -> None:
     """States after 4 and 8 pages; KV stored for 12 (its last backup without the state): a
     12-page prompt restores 8 pages with the state after 8, a 6-page one 4 pages."""
