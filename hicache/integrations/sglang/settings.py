@@ -82,3 +82,24 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigError(f"{WHERE}: {key} is {value!r}; give a number of seconds > 0")
     return float(value)
+
+
+def check_ranks(config: Any) -> None:
+    """Parallelism hicache's namespaces follow (SGLang's `HiCacheStorageConfig`): tensor
+    parallel (and DP replicas) only."""
+    split = {
+        "pp_size": config.pp_size,
+        "attn_cp_size": config.attn_cp_size,
+        "dcp_size": getattr(config, "dcp_size", 1),
+    }
+    wrong = {k: v for k, v in split.items() if v != 1}
+    if wrong:
+        raise ConfigError(
+            f"SGLang runs with {wrong}; hicache's storage backend serves tensor parallelism "
+            "only (pipeline, attention context and decode context parallel sizes must be 1)"
+        )
+    if config.is_mla_model:
+        raise ConfigError(
+            "SGLang's model is MLA (KV replicated across TP ranks): hicache's storage backend "
+            "maps MHA/GQA host pools only so far"
+        )

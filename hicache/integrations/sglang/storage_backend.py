@@ -70,7 +70,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.assembly import geometries as deployment_geometries
 from hicache.client import Client, PromptKeys, connect_deployment
-from hicache.errors import ConfigError, HicacheError
+from hicache.errors import HicacheError
 from hicache.integrations.core.shared_memory import share_in_place
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.host_pools import (
@@ -83,7 +83,7 @@ from hicache.integrations.sglang.host_pools import (
     kv_rows,
     tenant_of,
 )
-from hicache.integrations.sglang.settings import BackendSettings
+from hicache.integrations.sglang.settings import BackendSettings, check_ranks
 from hicache.integrations.sglang.side_pools import (
     HostState,
     SidePoolError,
@@ -97,26 +97,6 @@ from hicache.integrations.sglang.storage_v2 import Attached, SidePoolOps, pool_n
 from hicache.memory import GroupGeometry
 
 log = logging.getLogger("hicache.sglang")
-
-
-def check_ranks(config: HiCacheStorageConfig) -> None:
-    """Parallelism hicache's namespaces follow: tensor parallel (and DP replicas) only."""
-    split = {
-        "pp_size": config.pp_size,
-        "attn_cp_size": config.attn_cp_size,
-        "dcp_size": getattr(config, "dcp_size", 1),
-    }
-    wrong = {k: v for k, v in split.items() if v != 1}
-    if wrong:
-        raise ConfigError(
-            f"SGLang runs with {wrong}; hicache's storage backend serves tensor parallelism "
-            "only (pipeline, attention context and decode context parallel sizes must be 1)"
-        )
-    if config.is_mla_model:
-        raise ConfigError(
-            "SGLang's model is MLA (KV replicated across TP ranks): hicache's storage backend "
-            "maps MHA/GQA host pools only so far"
-        )
 
 
 def page_ids(keys: Sequence[str]) -> list[bytes]:
