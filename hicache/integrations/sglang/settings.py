@@ -37,7 +37,8 @@ class BackendSettings:
     token: str | None
     tenant: str | None  # None: by SGLang's host layout (`host_pools.tenant_of`)
     timeout_s: float  # one request to the sidecar
-    load_timeout_s: float  # one batch_get_v1's copies
+    # one load's copies; past it the load is cancelled and waited for as long again
+    load_timeout_s: float
     retry_after_s: float  # a sidecar that is down is tried again after this
 
     @classmethod

@@ -25,7 +25,9 @@ Contract with SGLang's controller (three threads call at once: prefetch, prefetc
 every data-path method returns per-key booleans (or a leading count), True only for a leading
 run the sidecar vouches for (`batch_exists` never over-reports: it is the sidecar's L2 + L3
 hit of those keys), never raises (`core.sidecar_link`), and is bounded by `timeout_s` per
-request and `load_timeout_s` per load. A set is idempotent (pages the sidecar holds count as
+request and `load_timeout_s` per load (past it the load is cancelled and waited for as long
+again, and answers False only once it ended or its session was detached: SGLang reuses those
+host slots at once, `storage_v2._end_load`). A set is idempotent (pages the sidecar holds count as
 stored) and atomic per page (the sidecar indexes a page only once its copy landed). Sidecar
 down: no hits, no stores, SGLang recomputes; it is tried again every `retry_after_s`.
 
