@@ -117,6 +117,7 @@ class LoadHandle:
         self._current = current_generation
         self._stalls = stalls
         self._final: str | None = None
+        self._cancelled = False  # released while running (`cancel`)
         self._stopped: LayerFailure | None = None  # read from the row when the load ended
         # CUDA pools: the engine's fence event of this load, alive until the load ended (the
         # sidecar's copies wait on its imported copy; client/base.py `_engine_fence`)
@@ -176,10 +177,17 @@ class LoadHandle:
         reset keeps its final state (the old counter mapping is never reused)."""
         if self._final is not None:
             return self._final
-        if int(self._row[0]) == self.load_id:
+        ours = int(self._row[0]) == self.load_id
+        if ours:
             final = _STATES.get(LoadState(int(self._row[2])))
             if final is not None:
                 return final
+        # released while running: the sidecar frees its slot the moment it ends (writing its
+        # final state and FREE back to back, so the final state may never be seen), and only
+        # then; a freed, or already reused, slot means it ended
+        freed = not ours or LoadState(int(self._row[2])) is LoadState.FREE
+        if self._cancelled and freed and self._current() == self._generation:
+            return "cancelled"
         self._check()
         return "running"
 
@@ -208,11 +216,15 @@ class LoadHandle:
                 raise LoadFailedError(f"load {self.load_id} did not end in {timeout_s} s")
             return None
         self._final = state
-        self._stopped = self._counters.failure(self.slot)  # still this load's row
+        if int(self._row[0]) == self.load_id:  # still this load's row (not a reused slot)
+            self._stopped = self._counters.failure(self.slot)
         self.fence_event = None  # the load ended: nothing of it can wait on the fence now
         self._release(self.load_id)
         return state
 
     def cancel(self) -> None:
+        """Release a load still running: the sidecar stops its walk at the next layer; `done()`
+        then waits for its end ("cancelled" once its slot was freed)."""
         if self._final is None:
             self._release(self.load_id)
+            self._cancelled = True

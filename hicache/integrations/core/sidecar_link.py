@@ -10,7 +10,10 @@ States: idle (no client yet) -> up (connected; `on_connect(client)` ran: the eng
 registered) -> down (a connect or call failed on the connection: the client is closed, one
 warning logged for the outage, every use answers its default without trying until
 `retry_after_s` has passed, then the next use connects again) -> up again ("back" logged
-once) ... -> closed (`close()`: terminal; every use answers its default). A refusal (the
+once) ... -> closed (`close()`: terminal; every use answers its default). `detach(client,
+why)`: up -> down at once (a session whose ops may still touch the engine's memory is
+dropped) -> up again at once when the sidecar registers the memory anew, which it does only
+once the old session's ops settled (True), else down as after any outage. A refusal (the
 sidecar answered an error to one call) or any other error inside a call answers the default
 and leaves the link up; each is logged, at most once per `retry_after_s` per op. The client
 itself reconnects once inside a call (a restarted sidecar) and replays the pool registration
@@ -128,6 +131,24 @@ class SidecarLink:
             self.counters.errors += 1
             self._rate_limited(op, f"hicache {self.name}: {op} failed: {type(exc).__name__}: {exc}")
         return default
+
+    def detach(self, client: Client, why: str) -> bool:
+        """Drop `client`'s session (its ops may still touch the engine's memory: a load that
+        did not end, `core.load_end`) and attach again at once. The sidecar ends a session
+        whose connection is gone only once its ops settled, and registers the same memory for
+        a new session only after that (`service/claims.py`), so True is its word that the old
+        session's copies are over; False: not confirmed (down, or the old session still
+        ending), the link is down and tried again every `retry_after_s`, whose registration
+        again waits for the old session."""
+        self._drop(client, why)
+        with self._lock:
+            self._next_try = 0.0
+        return self.client() is not None
+
+    def note(self, topic: str, message: str) -> None:
+        """A warning the adapter has about the engine's use of the sidecar (not a failure of
+        a call), logged at most once per `retry_after_s` per topic."""
+        self._rate_limited(topic, message)
 
     def close(self) -> None:
         with self._lock:

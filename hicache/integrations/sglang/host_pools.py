@@ -127,12 +127,23 @@ def check_kv(host: HostKv, name: str, geometry: GroupGeometry, page_size_tokens:
     if names != ["k", "v"]:
         wrong.append(f"tensors: SGLang K and V, sidecar {names}")
     else:
+        shapes = dict(geometry.tensors)
+        given = getattr(torch, host.dtype, None)
         for tensor in names:
-            if geometry.row_bytes(tensor) != host.row_bytes:
+            # bytes alone would let bfloat16 pass for float16, or 4 heads of 64 for 2 of 128
+            shape = tuple(shapes[tensor])
+            want_dtype = str(geometry.dtype_of(tensor)).removeprefix("torch.")
+            same_dtype = isinstance(given, torch.dtype) and geometry.accepts_dtype(tensor, given)
+            if (
+                geometry.row_bytes(tensor) != host.row_bytes
+                or shape != (host.heads, host.head_dim)
+                or not same_dtype
+            ):
                 wrong.append(
-                    f"{tensor} page row: SGLang {host.row_bytes} bytes ({host.page_size} x "
-                    f"{host.heads} heads x {host.head_dim} x {host.dtype}), sidecar "
-                    f"{geometry.row_bytes(tensor)}"
+                    f"{tensor} page row: SGLang {host.page_size} x {host.heads} heads x "
+                    f"{host.head_dim} x {host.dtype} ({host.row_bytes} bytes), sidecar "
+                    f"{geometry.page_size_tokens} x {shape[0]} heads x {shape[1]} x "
+                    f"{want_dtype} ({geometry.row_bytes(tensor)} bytes)"
                 )
     if wrong:
         raise HostPoolError(

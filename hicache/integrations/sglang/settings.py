@@ -37,7 +37,8 @@ class BackendSettings:
     token: str | None
     tenant: str | None  # None: by SGLang's host layout (`host_pools.tenant_of`)
     timeout_s: float  # one request to the sidecar
-    load_timeout_s: float  # one batch_get_v1's copies
+    # one load's copies; past it the load is cancelled and waited for as long again
+    load_timeout_s: float
     retry_after_s: float  # a sidecar that is down is tried again after this
 
     @classmethod
@@ -82,3 +83,24 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ConfigError(f"{WHERE}: {key} is {value!r}; give a number of seconds > 0")
     return float(value)
+
+
+def check_ranks(config: Any) -> None:
+    """Parallelism hicache's namespaces follow (SGLang's `HiCacheStorageConfig`): tensor
+    parallel (and DP replicas) only."""
+    split = {
+        "pp_size": config.pp_size,
+        "attn_cp_size": config.attn_cp_size,
+        "dcp_size": getattr(config, "dcp_size", 1),
+    }
+    wrong = {k: v for k, v in split.items() if v != 1}
+    if wrong:
+        raise ConfigError(
+            f"SGLang runs with {wrong}; hicache's storage backend serves tensor parallelism "
+            "only (pipeline, attention context and decode context parallel sizes must be 1)"
+        )
+    if config.is_mla_model:
+        raise ConfigError(
+            "SGLang's model is MLA (KV replicated across TP ranks): hicache's storage backend "
+            "maps MHA/GQA host pools only so far"
+        )

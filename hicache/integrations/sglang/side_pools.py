@@ -11,11 +11,13 @@ a `conv` row and a recurrent / SSM row). SGLang's `MambaPoolHost` keeps one slot
 (Rt, Rc: one layer's state bytes.) That is the state group's page rows at a page stride, so the
 sidecar maps SGLang's host slots as the group's device pages: slot s for the sidecar is SGLang's
 host slot s. hicache's state tensors are `conv` and one recurrent / SSM tensor: the conv buffer
-maps to `conv`, the temporal buffer to the other; each row's bytes, the layer count and the
-count of buffers are checked against the sidecar's group, every mismatch named
-(`SidePoolError`). Not mapped, refused with the reason: the SWA, DSA indexer and other side
-pools (their groups are not modelled here yet), several conv buffers, MTP draft layers,
-side-state buffers (`slot_state_buffers`), and a layout with no or several state groups.
+maps to `conv`, the temporal buffer to the other; each buffer's per-slot shape, dtype and row
+bytes, the layer count and the count of buffers are checked against the sidecar's group
+(`model.ssm_state_dtype` must be SGLang's `--mamba-ssm-dtype`, `model.state_dtype` its conv
+dtype), every mismatch named (`SidePoolError`). Not mapped, refused with the reason: the DSA
+indexer and other side pools (their groups are not modelled here yet), several conv buffers,
+MTP draft layers, side-state buffers (`slot_state_buffers`), and a layout with no or several
+state groups.
 
 The buffers are shared in place with the KV host pool (`core.shared_memory`: one sealed memfd
 under all of them, any allocator, SGLang's own "shm" memfds included — those are unsealed, so
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hicache.errors import HicacheError
+from hicache.index import GroupRule
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.memory import GroupGeometry
 from hicache.model import CacheKind
@@ -126,17 +129,37 @@ def sliding_group(geometries: Mapping[str, GroupGeometry]) -> str:
     return windows[0]
 
 
+def window_fits(geometry: GroupGeometry, pages: int, page_size_tokens: int) -> bool:
+    """Whether the sidecar's sliding group moves every page of an SWA window of `pages`
+    trailing pages. Its rule keeps only the pages its `window_tokens` needs
+    (`GroupRule.needed`): a window SGLang sizes wider (its `swa_retain_window`, widened for
+    speculative decoding, or a layout whose window is shorter than the model's) would have its
+    leading pages neither stored nor loaded, so such a window is never served (SGLang
+    recomputes), never reported loaded over slots the sidecar did not write."""
+    rule = GroupRule.of(geometry.group)
+    return len(rule.needed(pages, page_size_tokens)) >= pages
+
+
 def check_state(state: HostState, group: str, geometry: GroupGeometry) -> None:
     """Every difference between SGLang's Mamba host pool and the sidecar's state group, named."""
     wrong = []
     if geometry.num_layers != state.layers:
         wrong.append(f"layers: SGLang {state.layers}, sidecar {geometry.num_layers}")
+    shapes = dict(geometry.tensors)
     for buffer in state.buffers:
         want = geometry.row_bytes(buffer.tensor)
-        if want != buffer.row_bytes:
+        shape, dtype = tuple(buffer.buffer.shape[3:]), buffer.buffer.dtype
+        want_shape, want_dtype = tuple(shapes[buffer.tensor]), geometry.dtype_of(buffer.tensor)
+        # bytes alone would let bfloat16 pass for float16, or a [8, 3] conv for a [3, 8] one:
+        # engines of either would then share state pages and read each other's bytes wrong
+        if (
+            want != buffer.row_bytes
+            or shape != want_shape
+            or not geometry.accepts_dtype(buffer.tensor, dtype)
+        ):
             wrong.append(
-                f"{buffer.tensor} state: SGLang {buffer.row_bytes} bytes per layer "
-                f"({tuple(buffer.buffer.shape[3:])} x {buffer.buffer.dtype}), sidecar {want}"
+                f"{buffer.tensor} state: SGLang {shape} x {dtype} ({buffer.row_bytes} bytes per "
+                f"layer), sidecar {want_shape} x {want_dtype} ({want} bytes)"
             )
     if wrong:
         raise SidePoolError(

@@ -25,7 +25,9 @@ Contract with SGLang's controller (three threads call at once: prefetch, prefetc
 every data-path method returns per-key booleans (or a leading count), True only for a leading
 run the sidecar vouches for (`batch_exists` never over-reports: it is the sidecar's L2 + L3
 hit of those keys), never raises (`core.sidecar_link`), and is bounded by `timeout_s` per
-request and `load_timeout_s` per load. A set is idempotent (pages the sidecar holds count as
+request and `load_timeout_s` per load (past it the load is cancelled and waited for as long
+again, and answers False only once it ended or its session was detached: SGLang reuses those
+host slots at once, `storage_v2._end_load`). A set is idempotent (pages the sidecar holds count as
 stored) and atomic per page (the sidecar indexes a page only once its copy landed). Sidecar
 down: no hits, no stores, SGLang recomputes; it is tried again every `retry_after_s`.
 
@@ -39,8 +41,14 @@ Lifecycle (SGLang's scheduler process):
     -> on_host_pools_registered (a layout with a state group and no Mamba pool mapped stays
        unattached, logged; else first attach: hello + pools registered; a sidecar that is
        down is attached later, on the first call after `retry_after_s`)
-    -> serving (the data path) -> close() (runtime detach, or shutdown: the session ends, the
-       sidecar drops its mapping; nothing of the host pool is kept)
+    -> ready (set at the end of on_host_pools_registered: SGLang starts its storage threads
+       before it registers the v2 pools, and every data-path call answers "absent" / "not
+       stored" until then, so no call attaches with a partial manifest)
+    -> serving (the data path; a side pool SGLang registers now, at run time, is not mapped
+       and a pool of a name already mapped is no longer served: sharing it would move the
+       pools onto a new memfd under the live session)
+    -> close() (runtime detach, or shutdown: not ready; the session ends, the sidecar drops
+       its mapping; nothing of the host pool is kept)
 `clear()` leaves the shared cache alone: it is every engine's (clear it through the sidecar).
 
 v2 (hybrid models): SGLang's Mamba side pool is mapped as the layout's state group
@@ -64,7 +72,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 
 from hicache.assembly import geometries as deployment_geometries
 from hicache.client import Client, PromptKeys, connect_deployment
-from hicache.errors import ConfigError, HicacheError
+from hicache.errors import HicacheError
 from hicache.integrations.core.shared_memory import share_in_place
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.host_pools import (
@@ -77,7 +85,7 @@ from hicache.integrations.sglang.host_pools import (
     kv_rows,
     tenant_of,
 )
-from hicache.integrations.sglang.settings import BackendSettings
+from hicache.integrations.sglang.settings import BackendSettings, check_ranks
 from hicache.integrations.sglang.side_pools import (
     HostState,
     SidePoolError,
@@ -91,26 +99,6 @@ from hicache.integrations.sglang.storage_v2 import Attached, SidePoolOps, pool_n
 from hicache.memory import GroupGeometry
 
 log = logging.getLogger("hicache.sglang")
-
-
-def check_ranks(config: HiCacheStorageConfig) -> None:
-    """Parallelism hicache's namespaces follow: tensor parallel (and DP replicas) only."""
-    split = {
-        "pp_size": config.pp_size,
-        "attn_cp_size": config.attn_cp_size,
-        "dcp_size": getattr(config, "dcp_size", 1),
-    }
-    wrong = {k: v for k, v in split.items() if v != 1}
-    if wrong:
-        raise ConfigError(
-            f"SGLang runs with {wrong}; hicache's storage backend serves tensor parallelism "
-            "only (pipeline, attention context and decode context parallel sizes must be 1)"
-        )
-    if config.is_mla_model:
-        raise ConfigError(
-            "SGLang's model is MLA (KV replicated across TP ranks): hicache's storage backend "
-            "maps MHA/GQA host pools only so far"
-        )
 
 
 def page_ids(keys: Sequence[str]) -> list[bytes]:
@@ -128,6 +116,9 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         self.tp_size = int(storage_config.tp_size)
         self.stats = BackendStats()
         self.attached: Attached | None = None
+        # the data path's gate: set once SGLang registered every host pool (it starts its
+        # storage threads before that, `on_host_pools_registered`), cleared by close()
+        self.ready = False
         self.refused: str | None = None  # why SGLang's pools could not be mapped
         self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang, not mapped: why
         self._lock = threading.Lock()
@@ -170,7 +161,16 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         with self._lock:
             attached = self.attached
             why = "SGLang's KV host pool is not attached"
-            if name in maps and attached is not None:
+            if self.ready and attached is not None:
+                # at run time (SGLang's `register_host_pool_entry`): sharing it would move the
+                # pools onto a new memfd under the live session, so it is not mapped; a pool
+                # of a name already mapped is SGLang's no longer, so it is not served either
+                attached.replaced.add(name)
+                why = (
+                    "registered after the host pools were attached (at run time); hicache "
+                    "maps side pools at attach only"
+                )
+            elif name in maps and attached is not None:
                 try:
                     maps[name](attached, host_pool)
                     return
@@ -235,6 +235,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
                 self.attached = None
             attached.region.close()
             return
+        self.ready = True  # the data path may run from now on
         self.link.client()  # attach now; a sidecar that is down is tried again later
 
     def _geometries(self) -> dict[str, GroupGeometry]:
@@ -287,11 +288,11 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None
     ) -> int:
-        if self.attached is None or not keys:
+        attached = self.live()
+        if attached is None or not keys:
             return 0
-        size = self.attached.host.page_size
-
-        group = self.attached.group
+        size = attached.host.page_size
+        group = attached.group
 
         def ask(client: Client) -> int:
             return client.lookup_keys(self._keys(client, keys), [group]).tokens_total // size
@@ -304,7 +305,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        attached = self.attached
+        attached = self.live()
         pages = (
             None
             if attached is None
@@ -320,7 +321,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
             )
             if handle is None:
                 return 0
-            state = handle.done(timeout_s=self.settings.load_timeout_s)
+            state = self._end_load(client, handle, "batch_get_v1")  # storage_v2
             return handle.tokens // attached.host.page_size if state == "done" else 0
 
         loaded = int(self.link.use("batch_get_v1", load, 0))
@@ -333,7 +334,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         host_indices: Any,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        attached = self.attached
+        attached = self.live()
         pages = (
             None
             if attached is None
@@ -354,7 +355,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         return [i < stored for i in range(len(keys))]
 
     def _page_bytes(self) -> int:
-        attached = self.attached
+        attached = self.live()
         return 0 if attached is None else attached.host.row_bytes * attached.host.layers
 
     # ---- the legacy interface: never called with interface_v1 (settings require it) ------
@@ -397,6 +398,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
 
     def close(self) -> None:
         """Detach: the session ends (the sidecar drops its mapping of the host pool)."""
+        self.ready = False
         self.link.close()
         with self._lock:
             attached, self.attached = self.attached, None

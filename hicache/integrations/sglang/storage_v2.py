@@ -4,9 +4,11 @@ alone), the Mamba state by `batch_*_v2` with its one trailing key: stored under 
 group's key of that page id (per TP rank: every rank holds its own heads of the state, as
 SGLang keys Mamba per rank), loaded alone into the host slot SGLang gives; an SWA window by
 `batch_*_v2` with its trailing keys: its pages stored under the sliding group's keys, loaded
-whole into SGLang's SWA host slots (a window short of a page is a miss). `batch_exists_v2`
-asks the sidecar which pages each group holds and answers SGLang's hit policies and
-`restorable_prefix_pages` from them (`hit_policies`). A side pool that is not mapped (DSA
+whole into SGLang's SWA host slots (a window short of a page is a miss, and so is a window
+wider than the sidecar's sliding group keeps: its leading pages would never be written,
+`side_pools.window_fits`). `batch_exists_v2` asks the sidecar which pages each group holds
+and answers SGLang's hit policies and `restorable_prefix_pages` from them (`hit_policies`; a
+window too wide for the sidecar: no length). A side pool that is not mapped (DSA
 indexer, DeepSeek-V4 pools, ...) or a transfer that does not fit (a Mamba transfer of several
 keys, slots that do not match the keys) answers no hit / not stored: SGLang recomputes. Like
 the v1 calls, these never raise (`SidecarLink.use`), are bounded by the backend's timeouts,
@@ -15,6 +17,7 @@ and a repeated set stores nothing new (the sidecar holds those pages: True).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,13 +27,16 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from hicache.client import Client, PromptKeys
+from hicache.client import Client, LoadHandle, PromptKeys
+from hicache.integrations.core.load_end import UNENDED, end_load
 from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
 from hicache.integrations.sglang.host_pools import HostKv, host_pages
 from hicache.integrations.sglang.settings import BackendSettings
-from hicache.integrations.sglang.side_pools import HostState, host_slots
+from hicache.integrations.sglang.side_pools import HostState, host_slots, window_fits
+
+log = logging.getLogger("hicache.sglang")
 
 
 def pool_name(name: Any) -> str:
@@ -57,6 +63,8 @@ class Attached:
         self.swa: HostKv | None = None
         self.swa_buffer: Any = None
         self.swa_group: str | None = None
+        # pools SGLang registered again after the attach: no longer the memory mapped here
+        self.replaced: set[str] = set()
 
     def groups(self) -> dict[str, str]:
         """SGLang's pool names mapped, and the sidecar group each moves."""
@@ -66,6 +74,10 @@ class Attached:
         if self.swa_group is not None:
             out["swa"] = self.swa_group
         return out
+
+    def served(self) -> dict[str, str]:
+        """`groups()` less the pools SGLang replaced after the attach (`replaced`)."""
+        return {name: g for name, g in self.groups().items() if name not in self.replaced}
 
     def pages_of(self, group: str | None, pages: list[int | None]) -> dict[str, list[int | None]]:
         """A store's device pages: `pages` for `group`, none (None) for the other token
@@ -88,8 +100,14 @@ class SidePoolOps:
     """`HicacheStorage`'s v2 calls (see the module doc); the backend gives what they use."""
 
     attached: Attached | None
+    ready: bool
     link: SidecarLink
     settings: BackendSettings
+
+    def live(self) -> Attached | None:
+        """The attach the data path may use: None until SGLang registered every host pool
+        (`on_host_pools_registered`) and after close()."""
+        return self.attached if self.ready else None
 
     def _keys(self, client: Client, keys: Sequence[str]) -> PromptKeys:
         raise NotImplementedError
@@ -110,11 +128,11 @@ class SidePoolOps:
         side = [t for t in pool_transfers or [] if pool_name(t.name) != "kv"]
         if not side:
             return PoolTransferResult(self.batch_exists(keys, extra_info), {})
-        attached = self.attached
+        attached = self.live()
         if attached is None or not keys:
             return PoolTransferResult(0, {}, [])
         asks = [PoolAsk(pool_name(t.name), str(policy_name(t)), len(t.keys or ())) for t in side]
-        groups = attached.groups()
+        groups = attached.served()
         if any(ask.name not in groups for ask in asks):  # a pool not mapped: no prefix whole
             return PoolTransferResult(0, {}, [])
 
@@ -122,10 +140,62 @@ class SidePoolOps:
             served = client.served_keys(self._keys(client, keys), list(groups.values()))
             kv_pages = served[attached.group].run  # a whole-prefix group: its run
             held = {name: set(served[group].lengths(kv_pages)) for name, group in groups.items()}
+            for wide in self._wide_windows(client, asks):
+                held[wide] = set()  # a window the sidecar does not keep whole: no length
             got = restorable(kv_pages, asks, held)
             return PoolTransferResult(got.kv_hit_pages, got.pool_hits, got.lengths)
 
         return self.link.use("batch_exists_v2", ask, PoolTransferResult(0, {}, []))
+
+    def _end_load(self, client: Client, handle: LoadHandle, op: str) -> str:
+        """A load's final state, waited for up to `load_timeout_s`, then cancelled and waited
+        for as long again (`core.load_end`). SGLang frees the host slots of a load that
+        answered False and reuses them at once, so a load that still did not end has its
+        session detached (`SidecarLink.detach`: the sidecar registers this memory again only
+        once that session's copies are over). Not confirmed over (the sidecar stuck in a copy
+        for longer than that): logged as an error, the one case where a late write can still
+        land in a reused slot."""
+        timeout_s = self.settings.load_timeout_s
+        state = end_load(handle, timeout_s, timeout_s)
+        if state != UNENDED:
+            return state
+        why = (
+            f"{op}: load {handle.load_id} did not end in {timeout_s:g} s, nor {timeout_s:g} s "
+            "after it was cancelled; its session is detached so that none of its copies lands "
+            "in host slots SGLang reuses"
+        )
+        if not self.link.detach(client, why):
+            log.error(
+                "hicache %s: %s, and the sidecar has not confirmed that session over: a late "
+                "copy may still land in SGLang's host slots",
+                self.link.name,
+                why,
+            )
+        return state
+
+    def _wide_windows(self, client: Client, asks: Sequence[PoolAsk]) -> list[str]:
+        """The SWA asks whose window is wider than the sidecar's sliding group keeps
+        (`side_pools.window_fits`): never restorable (logged, at most once per
+        `retry_after_s`)."""
+        attached = self.live()
+        if attached is None or attached.swa_group is None or attached.swa is None:
+            return []
+        geometry = client.geometries[attached.swa_group]
+        size = attached.swa.page_size
+        wide = [a for a in asks if a.name == "swa" and not window_fits(geometry, a.window, size)]
+        if wide:
+            self._window_too_wide(wide[0].window)
+        return [a.name for a in wide]
+
+    def _window_too_wide(self, pages: int) -> None:
+        attached = self.attached
+        group = None if attached is None else attached.swa_group
+        self.link.note(
+            "swa window",
+            f"hicache {self.link.name}: SGLang's SWA window of {pages} pages is wider than the "
+            f"sidecar's sliding group {group!r} keeps (its window_tokens): such windows are "
+            "not served (SGLang recomputes them); give the deployment the model's window",
+        )
 
     def batch_get_v2(
         self, transfers: list[PoolTransfer], extra_info: HiCacheStorageExtraInfo | None = None
@@ -162,9 +232,11 @@ class SidePoolOps:
         return out
 
     def _state_slot(self, host_indices: Any) -> tuple[Attached, str, int] | None:
-        attached = self.attached
+        attached = self.live()
         slots = host_slots(host_indices, 1)
         if attached is None or attached.state_group is None or slots is None:
+            return None
+        if "mamba" in attached.replaced:
             return None
         return attached, attached.state_group, slots[0]
 
@@ -196,15 +268,17 @@ class SidePoolOps:
             handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
             if handle is None:
                 return False
-            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+            return self._end_load(client, handle, "batch_get_v2") == "done"
 
         return bool(self.link.use("batch_get_v2", load, False))
 
     def _window_pages(
         self, keys: Sequence[str], host_indices: Any
     ) -> tuple[Attached, str, list[int]] | None:
-        attached = self.attached
+        attached = self.live()
         if attached is None or attached.swa_group is None or attached.swa is None:
+            return None
+        if "swa" in attached.replaced:
             return None
         if host_indices is None:
             return None
@@ -231,15 +305,17 @@ class SidePoolOps:
         found = self._window_pages(keys, host_indices)
         if found is None:
             return False
-        _, group, pages = found
-        size = self.attached.host.page_size if self.attached is not None else 0
+        attached, group, pages = found
+        size = attached.host.page_size
 
         def load(client: Client) -> bool:
-            handle = client.load_keys(self._keys(client, keys), {group: pages}, groups=[group])
-            if handle is None or handle.tokens != len(keys) * size:
-                if handle is not None:
-                    handle.done(timeout_s=self.settings.load_timeout_s)  # its pins go
+            if not window_fits(client.geometries[group], len(keys), size):
+                self._window_too_wide(len(keys))  # its leading pages would not be written
                 return False
-            return handle.done(timeout_s=self.settings.load_timeout_s) == "done"
+            handle = client.load_keys(self._keys(client, keys), {group: pages}, groups=[group])
+            if handle is None:
+                return False
+            ended = self._end_load(client, handle, "batch_get_v2")  # its pins go
+            return ended == "done" and handle.tokens == len(keys) * size
 
         return bool(self.link.use("batch_get_v2", load, False))

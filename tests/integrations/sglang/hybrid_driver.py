@@ -22,6 +22,10 @@ stdin, one JSON reply a line on stdout) -> stopped (EOF). Commands:
         page transfer, acks, then host -> device load of both pools -> {"hit_pages",
         "restorable", "fetched_tokens", "state_fetched", "kv_match", "state_from"}: state_from
         is the length whose stored state the device holds byte-exact (None: none matches)
+    {"op": "three_threads", "name", "seed", "pages", "rounds"}  exists_v2, set_v2 and get_v2
+        from three threads at once on one backend -> per op the rounds answered right
+    {"op": "attach_order", "name"}  a fresh backend over that controller's pools, the data
+        path tried at each step of SGLang's attach order -> per step the calls' results
     {"op": "stop", "name"}  the backend detaches (`close()`)
 Any exception answers {"error": ...}; the process serves on.
 """
@@ -365,6 +369,120 @@ class Harness:
             if eq(mdev.temporal[:, slot], temporal) and eq(mdev.conv[:, slot], conv):
                 out["state_from"] = length
         self._clear(c, host_idx, dev_idx, side.host_indices)
+        return out
+
+    def three_threads(self, name: str, seed: int, pages: int, rounds: int) -> dict[str, Any]:
+        """SGLang's three controller threads on one backend at once (its contract): one asks
+        `batch_exists_v2` for the prompt `fill` stored, one stores the state after it under
+        fresh keys (`batch_set_v2`), one loads that stored state into a host slot of its own
+        (`batch_get_v2`), `rounds` times each -> per thread the rounds that answered right,
+        and any exception."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        torch = self.torch
+        c = self.controllers[name]
+        backend, host = c["backend"], c["mamba_host"]
+        keys = get_storage_hash_str(tokens_of(seed, pages), None, page_size=P)
+        temporal, conv = self._state(seed, pages)
+        store_slot, load_slot = c["group"].alloc(2, pool=PoolName.MAMBA).tolist()
+        host.temporal_buffer[store_slot, :, 0] = temporal
+        host.conv_buffer[0][store_slot, :, 0] = conv
+        trailing = PoolHitPolicy.TRAILING_PAGES
+
+        def exists(i: int) -> bool:
+            ask = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], hit_policy=trailing)
+            got = backend.batch_exists_v2(keys, [ask])
+            return (got.kv_hit_pages, list(got.restorable_prefix_pages or [])) == (
+                pages,
+                [pages],
+            )
+
+        def store(i: int) -> bool:
+            key = f"{seed:032x}{i:032x}"
+            slot = torch.tensor([store_slot])
+            t = PoolTransfer(name=PoolName.MAMBA, keys=[key], host_indices=slot)
+            return backend.batch_set_v2([t]) == {"mamba": [True]}
+
+        def load(i: int) -> bool:
+            host.temporal_buffer[load_slot].zero_()
+            host.conv_buffer[0][load_slot].zero_()
+            slot = torch.tensor([load_slot])
+            t = PoolTransfer(name=PoolName.MAMBA, keys=keys[-1:], host_indices=slot)
+            if backend.batch_get_v2([t]) != {"mamba": [True]}:
+                return False
+            got_t, got_c = self._host_state(c, load_slot)
+            return bool(torch.equal(got_t, temporal) and torch.equal(got_c, conv))
+
+        out: dict[str, Any] = {"errors": []}
+
+        def run(op: Any) -> None:
+            try:
+                out[op.__name__] = sum(1 for i in range(rounds) if op(i))
+            except Exception as exc:
+                out["errors"].append(f"{op.__name__}: {type(exc).__name__}: {exc}")
+
+        threads = [threading.Thread(target=run, args=(op,)) for op in (exists, store, load)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        c["group"].free(torch.tensor([store_slot, load_slot]), pool="mamba")
+        return out
+
+    def attach_order(self, name: str) -> dict[str, Any]:
+        """A fresh backend over controller `name`'s pools (its own backend closed first),
+        called in the order SGLang's controller calls it, the data path tried at each step:
+        before `on_host_pools_registered` (SGLang's storage threads already run then), after
+        it, after a side pool registered again at run time, after close()."""
+        from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+        from hicache.integrations.sglang import HicacheStorage
+
+        torch = self.torch
+        c = self.controllers.pop(name)
+        c["backend"].close()
+        backend = HicacheStorage(c["ctl"].storage_config)
+        keys = [f"{i:064x}" for i in range(2)]
+        kv_slots = torch.arange(2 * P)
+        state = PoolTransfer(
+            name=PoolName.MAMBA,
+            keys=keys[-1:],
+            host_indices=torch.tensor([0]),
+            hit_policy=PoolHitPolicy.TRAILING_PAGES,
+        )
+
+        def exists_v2() -> list[Any]:
+            exists = backend.batch_exists_v2(keys, [state])
+            return [exists.kv_hit_pages, exists.restorable_prefix_pages]
+
+        def calls() -> dict[str, Any]:  # in this order: stores first
+            return {
+                "set": backend.batch_set_v1(keys, kv_slots),
+                "get": backend.batch_get_v1(keys, kv_slots),
+                "exists": backend.batch_exists(keys),
+                "set_v2": backend.batch_set_v2([state]),
+                "get_v2": backend.batch_get_v2([state]),
+                "exists_v2": exists_v2(),
+                "connects": backend.link.counters.connects,
+                "outages": backend.link.counters.outages,
+            }
+
+        out: dict[str, Any] = {}
+        backend.register_mem_pool_host(c["kv_host"])
+        out["kv_registered"] = calls()
+        backend.register_mem_host_pool_v2(c["mamba_host"], PoolName.MAMBA)
+        out["mamba_registered"] = calls()
+        backend.on_host_pools_registered()
+        out["ready"] = calls()
+        region = backend.attached.region
+        backend.register_mem_host_pool_v2(c["mamba_host"], PoolName.MAMBA)  # at run time
+        out["registered_again"] = calls() | {
+            "same_memfd": backend.attached.region is region,
+            "side_pools": backend.side_pools,
+        }
+        backend.close()
+        out["closed"] = calls()
         return out
 
     def stop(self, name: str) -> dict[str, Any]:

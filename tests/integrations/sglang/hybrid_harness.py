@@ -144,6 +144,14 @@ class HybridControllers(DriverProcess):
     def fetch(self, name: str, seed: int, pages: int) -> dict[str, Any]:
         return self.request({"op": "fetch", "name": name, "seed": seed, "pages": pages})
 
+    def three_threads(self, name: str, seed: int, pages: int, rounds: int) -> dict[str, Any]:
+        return self.request(
+            {"op": "three_threads", "name": name, "seed": seed, "pages": pages, "rounds": rounds}
+        )
+
+    def attach_order(self, name: str) -> dict[str, Any]:
+        return self.request({"op": "attach_order", "name": name})
+
     def stop(self, name: str) -> dict[str, Any]:
         return self.request({"op": "stop", "name": name})
 
@@ -161,8 +169,18 @@ class HybridControllers(DriverProcess):
             }
         )
 
-    def fetch_window(self, name: str, seed: int, pages: int) -> dict[str, Any]:
-        return self.request({"op": "fetch_window", "name": name, "seed": seed, "pages": pages})
+    def fetch_window(
+        self, name: str, seed: int, pages: int, window: int | None = None
+    ) -> dict[str, Any]:
+        extra = {} if window is None else {"window": window}
+        return self.request(
+            {"op": "fetch_window", "name": name, "seed": seed, "pages": pages, **extra}
+        )
+
+    def get_window(self, name: str, seed: int, pages: int, window: int) -> dict[str, Any]:
+        return self.request(
+            {"op": "get_window", "name": name, "seed": seed, "pages": pages, "window": window}
+        )
 
     def malformed(self, name: str) -> dict[str, Any]:
         return self.request({"op": "malformed", "name": name})

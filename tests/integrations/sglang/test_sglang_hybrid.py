@@ -95,13 +95,51 @@ def test_a_hybrid_model_without_its_mamba_pool_mapped_is_not_attached(setup: Set
     assert wrong["attached"] is False
     assert wrong["side_pools"] == {
         "mamba": "SGLang's Mamba host pool does not match the sidecar's group 'linear': "
-        "recurrent state: SGLang 8192 bytes per layer ((4, 32, 32) x torch.bfloat16), sidecar "
-        "16384"
+        "recurrent state: SGLang (4, 32, 32) x torch.bfloat16 (8192 bytes per layer), sidecar "
+        "(4, 32, 32) x torch.float32 (16384 bytes)"
     }
     assert "no SGLang host pool hicache maps was registered for ({'mamba': " in wrong["refused"]
     # an unattached backend answers "absent" / "not stored": nothing raises into SGLang
     assert setup.a.fill("kv-only", 50, 2, state=False)["backed_up_tokens"] == 0
     assert setup.a.fetch("bf16", 50, 2)["hit_pages"] == 0
+
+
+def test_the_data_path_waits_for_every_host_pool_and_never_remaps_a_live_session(
+    setup: Setup,
+) -> None:
+    """SGLang starts its storage threads before it registers the v2 pools: until
+    `on_host_pools_registered` every call answers "absent" / "not stored" without attaching
+    (a KV-only manifest would be refused and count an outage). A side pool registered again at
+    run time is not shared anew (that would move the pools onto a new memfd under the live
+    session) and is no longer served. After close(), nothing is (review F9)."""
+    extra = {"config": str(setup.deploy), "retry_after_s": 0.2, "load_timeout_s": 30}
+    assert setup.a.start("gate", "default", extra)["attached"] is True
+    got = setup.a.attach_order("gate")
+    nothing = {
+        "set": [False, False],
+        "get": [False, False],
+        "exists": 0,
+        "set_v2": {"mamba": [False]},
+        "get_v2": {"mamba": [False]},
+        "exists_v2": [0, []],
+    }
+    for step in ("kv_registered", "mamba_registered"):
+        assert got[step] == nothing | {"connects": 0, "outages": 0}, step
+    assert got["ready"]["set"] == [True, True]  # attached on registration, then stored
+    assert got["ready"]["get"] == [True, True]
+    assert got["ready"]["set_v2"] == {"mamba": [True]}
+    assert got["ready"]["exists_v2"] == [2, [2]]
+    assert (got["ready"]["connects"], got["ready"]["outages"]) == (1, 0)
+    again = got["registered_again"]
+    assert again["same_memfd"] is True
+    assert again["side_pools"] == {
+        "mamba": "registered after the host pools were attached (at run time); hicache maps "
+        "side pools at attach only"
+    }
+    assert again["set"] == [True, True]  # the KV pool is still SGLang's: served
+    assert (again["set_v2"], again["get_v2"]) == ({"mamba": [False]}, {"mamba": [False]})
+    assert again["exists_v2"] == [0, []]
+    assert got["closed"] == nothing | {"connects": 1, "outages": 0}
 
 
 def whole(pages: int) -> dict[str, object]:
@@ -132,6 +170,14 @@ def test_a_second_process_hits_what_the_first_stored(setup: Setup) -> None:
     assert setup.b.fetch("c", 20, 6) == whole(6)  # b's host pools are SGLang's shm memfds
     assert setup.b.fill("c", 21, 5)["state_stored"] == 1
     assert setup.a.fetch("c", 21, 5) == whole(5)
+
+
+def test_three_controller_threads_use_one_backend_at_once(setup: Setup) -> None:
+    """SGLang's prefetch, prefetch IO and backup threads call the v2 methods of one backend at
+    once (issue #33's contract): every call answers right, none raises (review F12)."""
+    assert setup.a.fill("c", 25, 4)["state_stored"] == 1
+    got = setup.a.three_threads("c", 25, 4, 20)
+    assert got == {"errors": [], "exists": 20, "store": 20, "load": 20}
 
 
 def test_the_restorable_prefix_ends_where_every_pool_is_served(setup: Setup) -> None:
@@ -203,6 +249,23 @@ def test_an_swa_window_short_of_a_page_shortens_the_prefix(setup: Setup) -> None
     assert setup.a.fill_window("w", 61, 8, 2)["window_stored"] == 2
     got = setup.b.fetch_window("w", 61, 8)
     assert got == whole_window(4) | {"restorable": [1, 2, 3, 4]}
+
+
+def test_an_swa_window_wider_than_the_sidecar_s_is_a_miss_never_unwritten_slots(
+    setup: Setup,
+) -> None:
+    """SGLang's window one page wider than the layout's 4 (its `swa_retain_window`, widened
+    under speculative decoding): the sidecar's sliding rule keeps only the last 4 of its 5
+    pages, so the window is a miss — no restorable length, and a get of it answers False,
+    writing nothing — never True over a host slot the sidecar did not write (review F1)."""
+    assert setup.a.fill_window("w", 62, 4, 4)["window_stored"] == 4
+    assert setup.a.fill_window("w", 62, 8, 4)["window_stored"] == 4
+    served = setup.b.fetch_window("w", 62, 8)  # the layout's window: served, every length
+    assert served == whole_window(8) | {"restorable": list(range(1, 9))}
+    wide = setup.b.fetch_window("w", 62, 8, window=5)
+    assert (wide["hit_pages"], wide["restorable"], wide["window_fetched"]) == (0, [], 0), wide
+    assert setup.b.get_window("w", 62, 8, 5) == {"result": [False] * 5, "unwritten_pages": 5}
+    assert setup.b.get_window("w", 62, 8, 4) == {"result": [True] * 4, "unwritten_pages": 0}
 
 
 @pytest.mark.parametrize("name", ["c", "w"])

@@ -129,10 +129,26 @@ def test_host_pools_that_do_not_fit_are_refused_naming_each_difference(deploy: P
     with pytest.raises(
         HostPoolError,
         match=r"^SGLang's host pool does not match the sidecar's group '\w+': page size: SGLang 8, "
-        r"sidecar 16; layers: SGLang 3, sidecar 2; k page row: SGLang 2048 bytes \(8 x 2 heads x "
-        r"64 x bfloat16\), sidecar 1024; v page row: SGLang 2048 bytes .*, sidecar 1024$",
+        r"sidecar 16; layers: SGLang 3, sidecar 2; k page row: SGLang 8 x 2 heads x 64 x "
+        r"bfloat16 \(2048 bytes\), sidecar 16 x 2 heads x 16 x bfloat16 \(1024 bytes\); v page "
+        r"row: SGLang .*\(2048 bytes\), sidecar .*\(1024 bytes\)$",
     ):
         kv_group(host, geometries(deploy), 16)
+    # the same bytes in another dtype, or another split of heads: refused all the same
+    # (engines of either would share pages and read each other's bytes wrong; review F4)
+    for host, given in (
+        (HostKv("layer_first", 2, 16, 64, 2, 16, "float16", 2), r"2 heads x 16 x float16"),
+        (HostKv("layer_first", 2, 16, 64, 1, 32, "bfloat16", 2), r"1 heads x 32 x bfloat16"),
+    ):
+        with pytest.raises(
+            HostPoolError,
+            match=rf"^SGLang's host pool does not match the sidecar's group 'full': k page row: "
+            rf"SGLang 16 x {given} \(1024 bytes\), sidecar 16 x 2 heads x 16 x bfloat16 "
+            rf"\(1024 bytes\); v page row: .*$",
+        ):
+            kv_group(host, geometries(deploy), 16)
+    fits = HostKv("layer_first", 2, 16, 64, 2, 16, "bfloat16", 2)
+    assert kv_group(fits, geometries(deploy), 16) == "full"
 
 
 def test_only_mha_host_pools_in_the_copyable_layouts_are_mapped() -> None:

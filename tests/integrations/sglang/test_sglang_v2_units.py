@@ -33,6 +33,7 @@ from hicache.integrations.sglang.side_pools import (
     sliding_group,
     state_group,
     state_rows,
+    window_fits,
 )
 from hicache.memory import CacheDtypes, GroupGeometry, group_geometries
 from tests.integrations.sglang.hybrid_harness import PAGE, write_hybrid_deployment
@@ -131,11 +132,18 @@ def shared_buffer(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torc
 
 
 class MambaPoolHost:  # what the mapping reads of SGLang's class of this name
-    def __init__(self, layout: str = "page_first_direct", convs: int = 1, layers: int = LAYERS):
+    def __init__(
+        self,
+        layout: str = "page_first_direct",
+        convs: int = 1,
+        layers: int = LAYERS,
+        conv: tuple[tuple[int, ...], torch.dtype] = (CONV, torch.bfloat16),
+    ):
         self.layout, self.num_mamba_layers = layout, layers
         self.temporal_buffer = shared_buffer((SLOTS, layers, 1, *TEMPORAL), torch.float32, 1)
+        shape, dtype = conv
         self.conv_buffer = [
-            shared_buffer((SLOTS, layers, 1, *CONV), torch.bfloat16, 2 + i) for i in range(convs)
+            shared_buffer((SLOTS, layers, 1, *shape), dtype, 2 + i) for i in range(convs)
         ]
         self.slot_state_buffers: list[Any] = []
         self.mtp_draft_buffer_infos = ()
@@ -190,6 +198,18 @@ def test_mamba_pools_that_do_not_fit_are_refused_naming_why(
         r"SGLang 3, sidecar 2$",
     ):
         check_state(HostState.of(MambaPoolHost(layers=3), geometry), "linear", geometry)
+    # the same bytes per layer in another dtype, or another shape: refused by name (review F4)
+    for conv, given in (
+        ((CONV, torch.float16), r"\(256, 3\) x torch.float16"),
+        (((3, 256), torch.bfloat16), r"\(3, 256\) x torch.bfloat16"),
+    ):
+        with pytest.raises(
+            SidePoolError,
+            match=rf"^SGLang's Mamba host pool does not match the sidecar's group 'linear': conv "
+            rf"state: SGLang {given} \(1536 bytes per layer\), sidecar \(256, 3\) x "
+            rf"torch.bfloat16 \(1536 bytes\)$",
+        ):
+            check_state(HostState.of(MambaPoolHost(conv=conv), geometry), "linear", geometry)
     with pytest.raises(SidePoolError, match=r"has state groups \[\]; SGLang's Mamba side pool"):
         state_group({"full": geoms["full"]})
 
@@ -220,3 +240,17 @@ def test_an_swa_pool_maps_to_the_sliding_group_beside_the_full_group(tmp_path: P
     assert sliding_group(swa) == "sliding"
     with pytest.raises(SidePoolError, match=r"has sliding-window groups \[\]; SGLang's SWA"):
         sliding_group({"full": swa["full"]})
+
+
+def test_an_swa_window_fits_only_within_the_sliding_group_s_window(tmp_path: Path) -> None:
+    """gpt-oss's sliding window is 64 tokens: 4 pages of 16; a window of 5 would have its
+    leading page neither stored nor loaded by the sidecar (review F1)."""
+    loaded = load_deployment(write_hybrid_deployment(tmp_path, "gpt_oss"))
+    swa = group_geometries(loaded.layer_map().groups, CacheDtypes.uniform(torch.bfloat16), PAGE)
+    assert [window_fits(swa["sliding"], pages, PAGE) for pages in (1, 4, 5, 8)] == [
+        True,
+        True,
+        False,
+        False,
+    ]
+    assert window_fits(swa["sliding"], 8, PAGE // 2)  # 8 pages of 8 tokens: 64 tokens

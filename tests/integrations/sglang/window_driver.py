@@ -10,8 +10,11 @@ min(window, hit) pages). The process `hybrid_harness.HybridControllers` starts; 
         (page i's from (seed, i) alone) device -> host (both pools) -> hicache, the SWA pool's
         last `window_pages` pages backed up with their keys -> {"l1_l2_ok",
         "backed_up_tokens", "window_stored"}; then host and device cleared
+    {"op": "get_window", "name", "seed", "pages", "window"}  `batch_get_v2` of the last
+        `window` SWA pages into fresh zeroed host slots -> {"result", "unwritten_pages"}
     {"op": "malformed", "name"}  v2 calls with transfers SGLang should not send -> each result
-    {"op": "fetch_window", "name", "seed", "pages"}  hit query with the SWA pool's window,
+    {"op": "fetch_window", "name", "seed", "pages", "window"?}  hit query with an SWA window
+        of `window` pages (default the model's, `WINDOW_PAGES`),
         host slots of both, page transfer, acks, load of both -> {"hit_pages", "restorable",
         "fetched_tokens", "window_fetched", "kv_match", "window_match"} (window_match: the
         device's SWA pages equal the hit's last pages of the window, None when none loaded)
@@ -220,7 +223,9 @@ class WindowHarness(Harness):
             "window_stored": int(stored),
         }
 
-    def fetch_window(self, name: str, seed: int, pages: int) -> dict[str, Any]:
+    def fetch_window(
+        self, name: str, seed: int, pages: int, window: int = WINDOW_PAGES
+    ) -> dict[str, Any]:
         from sglang.srt.mem_cache.base_prefix_cache import CacheRequestHandle
         from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
 
@@ -229,7 +234,7 @@ class WindowHarness(Harness):
         ctl = c["ctl"]
         side = PoolTransfer(
             name=PoolName.SWA,
-            keys=["__placeholder__"] * WINDOW_PAGES,
+            keys=["__placeholder__"] * window,
             hit_policy=PoolHitPolicy.TRAILING_PAGES,
         )
         rid = f"req-{seed}-{time.monotonic_ns()}"
@@ -248,7 +253,7 @@ class WindowHarness(Harness):
         if hit_pages == 0:
             return out
         host_idx = ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
-        n = min(WINDOW_PAGES, hit_pages)  # the SWA staging, as the scheduler sizes it
+        n = min(window, hit_pages)  # the SWA staging, as the scheduler sizes it
         side.host_indices = c["group"].alloc(n * P, pool=PoolName.SWA)
         hit.host_indices = host_idx
         ctl.prefetch_buffer.put(hit)
@@ -285,6 +290,26 @@ class WindowHarness(Harness):
             out["window_match"] = self._rows(c["swa_dev"], swa_dev, len(SWA_LAYERS), *window)
         self._clear_window(c, host_idx, dev_idx, (side.host_indices, swa_dev))
         return out
+
+    def get_window(self, name: str, seed: int, pages: int, window: int) -> dict[str, Any]:
+        """`batch_get_v2` of the prompt's last `window` SWA pages straight into fresh,
+        zeroed SWA host slots, as SGLang's prefetch IO thread calls it -> {"result" (the
+        call's booleans), "unwritten_pages" (pages of those slots still all zero)}."""
+        from sglang.srt.mem_cache.hicache_storage import PoolName, PoolTransfer
+        from sglang.srt.mem_cache.utils import get_storage_hash_str
+
+        c = self.controllers[name]
+        hashes = get_storage_hash_str(tokens_of(seed, pages), None, page_size=P)
+        host = c["group"].alloc(window * P, pool=PoolName.SWA)
+        buf = c["swa_host"].kv_buffer
+        buf.zero_()
+        transfer = PoolTransfer(name=PoolName.SWA, host_indices=host, keys=hashes[-window:])
+        got = c["backend"].batch_get_v2([transfer])
+        firsts = host[::P].tolist()
+        unwritten = sum(1 for t in firsts if not bool(buf[:, int(t) // P].any()))
+        c["group"].free(host, pool="swa")
+        buf.zero_()
+        return {"result": got["swa"], "unwritten_pages": unwritten}
 
     def malformed(self, name: str) -> dict[str, Any]:
         """The backend's v2 calls with transfers SGLang should not send (no slots, slots that
