@@ -140,7 +140,7 @@ class SidecarLink:
         session's copies are over; False: not confirmed (down, or the old session still
         ending), the link is down and tried again every `retry_after_s`, whose registration
         again waits for the old session."""
-        self._drop(client, why)
+        self.drop(client, why)
         with self._lock:
             self._next_try = 0.0
         return self.client() is not None
