@@ -154,7 +154,7 @@ class EngineLink:
         self.closing = True
         session = self.engine.session
         if session is not None:
-            session.ending = asyncio.ensure_future(self.engine._end("connection lost"))
+            session.lost(asyncio.ensure_future(self.engine._end("connection lost")))
 
     close = abort
 
