@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from hicache.service import checkpoints
 from hicache.testing.sidecar_world import Engine, SidecarWorld
 from tests.service.test_store_waits import (
     PAGE,
@@ -149,16 +150,37 @@ def test_producer_gone_during_a_persist_wait_ends_it_at_once(config: Path) -> No
 
 
 def test_drain_during_a_persist_wait_answers_not_persisted(config: Path) -> None:  # noqa: F811
+    """The drain's start answers a persist wait (`persisted: False`) while the producer's
+    connection is still up (before the drain drops the sessions, `drain.sessions`), with
+    L3's write still held; the drain's flush then finishes the batch."""
+
     async def body(world: SidecarWorld) -> None:
         l3 = HeldL3(world)
         prefill = await world.engine("prefill").start()
+        session = prefill.session
+        assert session is not None
         tokens = prompt(24)
         store = await persisting(world, prefill, tokens)
-        drain = asyncio.create_task(world.drain())
-        await settle(store.done, "the store answered")
+        answered_while_connected: list[bool] = []
+
+        async def at(name: str) -> None:
+            if name == "drain.sessions":  # the sessions are dropped next
+                for _ in range(1000):
+                    if store.done():
+                        break
+                    await asyncio.sleep(0)
+                answered_while_connected.append(store.done() and not session.gone.is_set())
+
+        remove = checkpoints.install(at)
+        try:
+            drain = asyncio.create_task(world.drain())
+            await settle(store.done, "the store answered")
+        finally:
+            remove()
         assert persist_of(world, prefill).writing, "L3's write was still held"
         reply = store.result()
         assert (reply["pages_stored"], reply["persisted"]) == (PAGES, False)
+        assert answered_while_connected == [True]
         l3.release()  # the drain's flush finishes the batch
         await drain
 
