@@ -52,6 +52,10 @@ class StoreJob:
     # equals len(tokens) (the step ended on a page boundary), since its block holds the
     # state after exactly that many tokens then
     computed_after: int = 0
+    # the first store to reach the prompt's last whole page (the prefill's last chunk, or
+    # the one before it when that chunk adds no whole page): a producer asks L3 for it
+    # alone (`persisted_within_s`), its pages and every earlier chunk's then in L3
+    completes_prompt: bool = False
 
 
 @dataclass(slots=True)
@@ -72,6 +76,7 @@ class Scheduled:
     computed_before: int
     num_scheduled: int
     block_ids: Sequence[Sequence[int]]
+    prompt_tokens: int = 0  # the request's prompt length (0: unknown, no store completes it)
 
 
 class StepBook:
@@ -176,6 +181,7 @@ class StepBook:
                         have,
                         tuple(tuple(ids) for ids in req.block_ids),
                         after,
+                        have < req.prompt_tokens // self.page <= full,
                     )
                 )
         return meta
