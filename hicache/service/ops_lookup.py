@@ -72,7 +72,17 @@ class Query:
         """The pages held may lie before the hit's end (a state snapshot at a shorter
         prefix): every unknown page counts then, not only those past the hit."""
         since = Hit(hit.page_size_tokens, 0, 0) if self.served else hit
-        return any(cache.needs_discovery_keys(keys, since) for keys in self.discovery_sets(cache))
+        return any(
+            cache.needs_discovery_keys(keys, since, self.trusts_absent)
+            for keys in self.discovery_sets(cache)
+        )
+
+    @property
+    def trusts_absent(self) -> bool:
+        """A lookup that waits for another engine's pages (a decode instance) asks L3 again
+        about keys it said moments ago it lacks: its prefill, on another host, may have
+        persisted them since (`cache/discovery.py`)."""
+        return self.wait_s <= 0
 
 
 class LookupOps:
@@ -152,7 +162,7 @@ class LookupOps:
                 if not query.needs_discovery(cache, hit):
                     break
                 for keys in query.discovery_sets(cache):
-                    await cache.discover_keys(keys)
+                    await cache.discover_keys(keys, query.trusts_absent)
                 hit = query.hit(cache)
             replies.append(self._key_reply(cache, query, hit, tenant, outcome))
         return shape(replies)

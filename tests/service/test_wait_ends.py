@@ -18,8 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hicache.service import checkpoints
 from hicache.testing.sidecar_world import Engine, SidecarWorld
+from tests.conftest import shared_model
 from tests.service.test_store_waits import (
     PAGE,
     PAGES,
@@ -250,3 +253,48 @@ def test_lookup_many_waits_for_all_its_lookups_at_once(config: Path) -> None:  #
         await settled(world)
 
     run(config, body)
+
+
+def test_a_waiting_lookup_asks_l3_again_past_a_remembered_absent(tmp_path: Path) -> None:
+    """Two hosts, one L3: the decode host's lookup of a prompt finds nothing in L3 (its
+    "absent" answer remembered, here for 600 s); the prefill host then stores and persists
+    it. A lookup with a wait (a decode instance's) asks L3 again and hits; one without
+    trusts the remembered answer (one round trip per `l3_absent_ttl_s` for a cold prompt),
+    and each key asked again is counted."""
+    data = {
+        "model": {"config_path": str(shared_model("qwen2_7b.json")), "page_size_tokens": PAGE},
+        "device": {"kind": "cpu"},
+        "host": {"capacity_bytes": "12MiB"},
+        "storage": {"kind": "none"},
+        "cache": {"l3_absent_ttl_s": 600},
+        "service": {"socket_path": str(tmp_path / "e.sock"), "drain_timeout_s": 30},
+    }
+    path = tmp_path / "deploy.yaml"
+    path.write_text(yaml.safe_dump(data))
+
+    async def main() -> None:
+        async with (
+            SidecarWorld.running(path) as host_a,
+            SidecarWorld.running(path, l3=host_a.l3) as host_b,
+        ):
+            prefill = await host_a.engine("prefill").start()
+            decode = await host_b.engine("decode", num_pages=8).start()
+            tokens = prompt(27)
+            assert (await lookup(host_b, decode, tokens, 0.0))["tokens_total"] == 0
+            reply = await prefill.store(tokens, persisted_within_s=30.0)
+            assert reply["persisted"] is True
+            discovery = host_b.server.namespaces[decode.key].cache.discovery
+            # without a wait: L3's answer of moments ago is trusted, nothing asked
+            assert (await lookup(host_b, decode, tokens, 0.0))["tokens_total"] == 0
+            assert discovery.absent.asked_again == 0
+            # with one (a decode instance): asked again, and found
+            hit = await lookup(host_b, decode, tokens, 2.0)
+            assert (hit["tokens_total"], "store_wait" in hit) == (PAGES * PAGE, False)
+            assert discovery.absent.asked_again == PAGES * len(data_groups(host_b, decode))
+            assert await decode.load(tokens) == PAGES * PAGE  # byte-exact, from L3
+
+    asyncio.run(main())
+
+
+def data_groups(world: SidecarWorld, engine: Engine) -> list[str]:
+    return list(world.server.namespaces[engine.key].cache.index.keyers)
