@@ -49,7 +49,9 @@ def writing_after(
 
 
 def pending_pages(planner: Planner) -> int:
-    """Pages store plans in flight are writing now, across groups."""
+    """Pages being written into L2 now, across groups: by store plans in flight, and by
+    L3 -> L2 fetches (both mark their keys pending in the planner; `stores_writing_pages`
+    counts both)."""
     return sum(len(keys) for keys in planner.pending.values())
 
 
