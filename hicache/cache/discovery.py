@@ -5,7 +5,10 @@ hears of pages another process persisted; L3 may still hold them. `needed` answe
 lookup path and without I/O, whether asking L3 could extend a hit; `run` asks (one batched
 `exists`) and records what L3 holds. L3's "absent" answers are remembered for a while
 (`AbsentKeys`), so the same cold prompt looked up at every scheduling step costs one round
-trip, not one per step. Lifecycle: one per `TieredCache`, living as long as its index.
+trip, not one per step — except for a lookup that waits for another engine's pages
+(`trust_absent=False`: a decode instance, whose prefill on another host may have persisted
+them since; counted in `AbsentKeys.asked_again`). Lifecycle: one per `TieredCache`, living
+as long as its index.
 When L3 is swapped (`TieredCache.attach_l3`), `forget` drops the "absent" answers (they
 were the old store's), and an answer that comes back afterwards is dropped too: the index
 speaks of the attached store only.
@@ -53,12 +56,15 @@ class Discovery:
             return False  # the whole prompt hits already: no hashing twice
         return self.needed_keys(self.index.keys(token_ids), hit)
 
-    def needed_keys(self, keys: Mapping[str, Sequence[PageKey]], hit: Hit) -> bool:
+    def needed_keys(
+        self, keys: Mapping[str, Sequence[PageKey]], hit: Hit, trust_absent: bool = True
+    ) -> bool:
         """`needed` for a prompt given by its keys. Pages from the hit's end on are checked,
         whole-prefix groups (full, sparse) first: past a page of theirs that is unknown and
         that L3 said moments ago it lacks, no page can extend the hit (that group's run ends
         there), so the scan stops — a cold prompt looked up at every step costs O(1) here,
-        not one check per page."""
+        not one check per page. `trust_absent=False`: L3's remembered answers are not
+        trusted (any unknown page past the hit is worth asking about)."""
         pages = min((len(k) for k in keys.values()), default=0)
         start, end = hit.pages_total, pages
         if start >= pages:
@@ -68,7 +74,7 @@ class Discovery:
             whole = rules[group].needs_whole_prefix
             for offset, key in enumerate(keys[group][start:end]):
                 if self.index.record(group, key) is None:
-                    if not self.absent.fresh(group, key):
+                    if not trust_absent or not self.absent.fresh(group, key):
                         return True
                     if whole:
                         end = start + offset
@@ -80,11 +86,17 @@ class Discovery:
         holds. Returns how many it holds (0 when `l3` was swapped out before it answered)."""
         return await self.run_keys(l3, self.index.keys(token_ids))
 
-    async def run_keys(self, l3: GuardedStore, keys: Mapping[str, Sequence[PageKey]]) -> int:
-        """`run` for a prompt given by its keys."""
+    async def run_keys(
+        self, l3: GuardedStore, keys: Mapping[str, Sequence[PageKey]], trust_absent: bool = True
+    ) -> int:
+        """`run` for a prompt given by its keys (`trust_absent=False`: asking L3 again about
+        keys it said moments ago it lacks)."""
         unknown: list[tuple[str, PageKey]] = []
         for group, key, fresh in self._unknown(keys):
-            if fresh:  # L3 said so moments ago
+            if fresh and not trust_absent:
+                self.absent.asked_again += 1
+                unknown.append((group, key))
+            elif fresh:  # L3 said so moments ago
                 self.absent.skipped += 1
             else:
                 unknown.append((group, key))

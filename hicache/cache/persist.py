@@ -12,6 +12,8 @@ counted; a write that fails is counted (the guarded store already turned it into
 stored"). When L3 is detached or replaced
 (`TieredCache.attach_l3`), `detach()` drops what waits — offered for the store that left —
 and counts it (`detached_pages`); the batch being written then finishes on that store.
+Each batch end, withdrawal and detach wakes `next_change` (a store waiting for its pages to
+reach L3, `writing.until_persisted`).
 """
 
 from __future__ import annotations
@@ -58,6 +60,9 @@ class PersistQueue:
         self._idle.set()
         self._batch_done = asyncio.Event()  # cleared while a batch is being written
         self._batch_done.set()
+        # set (and replaced) at every change a persist wait looks at: a batch ended, pages
+        # withdrawn, or dropped at a detach (`next_change`)
+        self._changed = asyncio.Event()
         self._offered = self._dropped = self._written = self._skipped = self._failed = 0
         self._detached = 0
         self._writing = 0  # pages of the batch being written
@@ -129,6 +134,7 @@ class PersistQueue:
             finally:
                 self._writing = 0
                 self._batch_done.set()
+                self._change()
             self._written += written
             self._skipped += skipped
             self._failed += size - written - skipped
@@ -140,6 +146,7 @@ class PersistQueue:
             for record in group_records:
                 if self._waiting.get((group, record.key)) is record:
                     del self._waiting[(group, record.key)]
+        self._change()
 
     def detach(self) -> int:
         """L3 was detached or replaced: drop every page waiting (offered for the store that
@@ -149,7 +156,17 @@ class PersistQueue:
         self._waiting.clear()
         self._items.clear()  # the worker, finding nothing, reports idle
         self._wakeup.set()
+        self._change()
         return dropped
+
+    def _change(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def next_change(self) -> Awaitable[bool]:
+        """Until the next batch end, withdrawal or detach after this call (the event is taken
+        now: a change before the returned awaitable first runs still ends it)."""
+        return self._changed.wait()
 
     def waiting(self, group: str, record: PageRecord) -> bool:
         """Is the page queued (not yet taken by the worker)?"""

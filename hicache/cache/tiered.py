@@ -315,12 +315,16 @@ class TieredCache:
         self._resync_if_due()
         return self.index.served(keys, groups)
 
-    def needs_discovery_keys(self, keys: Mapping[str, Sequence[PageKey]], hit: Hit) -> bool:
-        return self.l3 is not None and self.discovery.needed_keys(keys, hit)
+    def needs_discovery_keys(
+        self, keys: Mapping[str, Sequence[PageKey]], hit: Hit, trust_absent: bool = True
+    ) -> bool:
+        return self.l3 is not None and self.discovery.needed_keys(keys, hit, trust_absent)
 
-    async def discover_keys(self, keys: Mapping[str, Sequence[PageKey]]) -> int:
+    async def discover_keys(
+        self, keys: Mapping[str, Sequence[PageKey]], trust_absent: bool = True
+    ) -> int:
         l3 = self.l3
-        return 0 if l3 is None else await self.discovery.run_keys(l3, keys)
+        return 0 if l3 is None else await self.discovery.run_keys(l3, keys, trust_absent)
 
     # ---- store: L1 -> L2 (-> L3 behind) ------------------------------------------------------
 

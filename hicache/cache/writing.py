@@ -10,22 +10,29 @@ woken by the planner's `store_ended` hook) turns a miss into a hit. Pure reads o
 planner, no awaits.
 
 `until_persisted`: a store's pages are offered to the persist queue at its commit (per the
-write policy) and written behind the acknowledgement; this waits, bounded, polling every
-`_PERSIST_POLL_S` on the loop (never blocking it), while some page L3 lacks is still owed
-(queued, or a batch is being written): True once L3 holds every page of the prompt, False
-at the bound or once nothing owed is left (dropped, failed, evicted, not offered: a
-write-back policy, no L3)."""
+write policy) and written behind the acknowledgement; this waits, bounded, while some page L3
+lacks is still owed (queued, or a batch is being written). Lifecycle of one persist wait:
+    checking   the pages a decode needs (`GroupRule.needed`) looked up once: a page with no
+               record -> False (not stored: L2 full, or gone); none lacking L3 -> True
+    waiting    for the persist queue's next change (a batch ended, pages withdrawn or
+               dropped at a detach: `PersistQueue.next_change`), the bound, or a stop
+               (the connection gone: no one reads the reply; the drain began)
+    -> True    every page is in L3 (only the pages still lacking are looked at again)
+    -> False   nothing owed is left (dropped, failed, evicted, not offered: a write-back
+               policy, no L3), the bound passed, or a stop
+Nothing is held meanwhile (no pin, no plan: the store committed), so ending it early leaks
+nothing; the loop is never polled on a timer."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+import contextlib
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from typing import Any
 
 from hicache.cache.persist import PersistQueue
 from hicache.cache.planner import Planner
 from hicache.index import Hit, PageKey, PrefixIndex
-
-_PERSIST_POLL_S = 0.01
 
 
 def writing_after(
@@ -42,8 +49,24 @@ def writing_after(
 
 
 def pending_pages(planner: Planner) -> int:
-    """Pages store plans in flight are writing now, across groups."""
+    """Pages being written into L2 now, across groups: by store plans in flight, and by
+    L3 -> L2 fetches (both mark their keys pending in the planner; `stores_writing_pages`
+    counts both)."""
     return sum(len(keys) for keys in planner.pending.values())
+
+
+async def until_first(waits: Iterable[Awaitable[Any]], timeout_s: float) -> None:
+    """Until the first of `waits` completes or `timeout_s` passes; the others cancelled (and
+    awaited: none is left running)."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    try:
+        await asyncio.wait(tasks, timeout=max(0.0, timeout_s), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def until_persisted(
@@ -51,23 +74,33 @@ async def until_persisted(
     persist: PersistQueue,
     keys: Mapping[str, Sequence[PageKey]],
     timeout_s: float,
+    stops: Sequence[asyncio.Event] = (),
 ) -> bool:
-    """Within `timeout_s`, until L3 holds every page of `keys` (True), or no page it lacks
-    is owed any more (False)."""
+    """Within `timeout_s`, until L3 holds every page of `keys` a decode needs (True), or no
+    page it lacks is owed any more, or one of `stops` is set (False)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
+    page = index.page_size_tokens
+    lacking = [
+        (group, group_keys[i])
+        for group, group_keys in keys.items()
+        for i in index.rules[group].needed(len(group_keys), page)
+    ]
     while True:
         missing = []
-        for group, group_keys in keys.items():
-            for key in group_keys:
-                record = index.record(group, key)
-                if record is None:
-                    return False  # not stored (L2 full), or gone from the index
-                if not record.in_l3:
-                    missing.append((group, record))
+        for group, key in lacking:
+            record = index.record(group, key)
+            if record is None:
+                return False  # not stored (L2 full), or gone from the index
+            if not record.in_l3:
+                missing.append((group, key, record))
         if not missing:
             return True
-        owed = persist.writing or any(persist.waiting(g, r) for g, r in missing)
-        if not owed or loop.time() >= deadline:
+        lacking = [(group, key) for group, key, _ in missing]
+        owed = persist.writing or any(persist.waiting(g, r) for g, _, r in missing)
+        if not owed or loop.time() >= deadline or any(stop.is_set() for stop in stops):
             return False
-        await asyncio.sleep(_PERSIST_POLL_S)
+        # the change is taken before awaiting: a batch ending meanwhile still wakes this
+        await until_first(
+            [persist.next_change(), *(stop.wait() for stop in stops)], deadline - loop.time()
+        )

@@ -34,6 +34,10 @@ class AbsentKeys:
         self._clock = clock
         self._expiry: OrderedDict[GroupKey, float] = OrderedDict()  # oldest answer first
         self.skipped = 0  # keys not asked about again because an answer was fresh
+        # keys asked about again although an answer was fresh: a lookup that waits for
+        # another engine's pages (a decode instance, which may overtake its prefill's
+        # persist on another host) never trusts an earlier "absent"
+        self.asked_again = 0
 
     def fresh(self, group: str, key: PageKey) -> bool:
         """Did L3 say it lacks this page less than `ttl_s` ago?"""

@@ -144,7 +144,7 @@ class EngineConnection(asyncio.Protocol):
             return
         if exc is not None and self.reason == "closed by engine":
             self.reason = "connection lost"
-        self.session.ending = asyncio.ensure_future(self._end())
+        self.session.lost(asyncio.ensure_future(self._end()))
 
     async def _end(self) -> None:
         assert self.session is not None

@@ -12,7 +12,8 @@ when it ends). Every page a store or load names is checked against the session's
 pools first (`_check_pages`). A store's and a load's reply names its session (`session`,
 the epoch), whose end settles every copy it started. A store with `persisted_within_s`
 answers once L3 holds its pages, or at that bound (`persisted`: whether it does;
-`cache/writing.py`), for a decode instance on another host."""
+`cache/writing.py`), for a decode instance on another host; its wait ends at once, False,
+when its engine's connection is gone (`Session.gone`) or the drain begins."""
 
 from __future__ import annotations
 
@@ -77,6 +78,8 @@ class DataOps:
                     and group not in cache.stores.replica_groups
                 },
                 args.persisted_within_s,
+                # no one reads the reply once the engine is gone; the drain answers it now
+                stops=(session.gone, self.state.store_waits.stopping),
             )
         return reply
 

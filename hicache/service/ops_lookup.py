@@ -12,10 +12,12 @@ the blobs are checked (whole keys, the same count in every cached group, at most
 tokens' worth, `num_tokens` consistent with them), looked up as they are, and the reply is
 the token lookup's, discovery included. A key lookup with `wait_stored_s` whose hit stops at
 a page a store in flight is writing is answered later, once that store ended or the bound
-passed (`store_waits.py`); its reply says how the wait ended (`store_wait`)."""
+passed (`store_waits.py`); its reply says how the wait ended (`store_wait`). The lookups of
+one `lookup_many` wait together: the op is bounded by its longest `wait_stored_s`."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -47,6 +49,11 @@ class Query:
     def hit(self, cache: TieredCache) -> Hit:
         return cache.lookup_keys(self.keys, self.groups)
 
+    @property
+    def named_keys(self) -> dict[str, PackedKeys]:
+        """The keys of the groups the hit is about."""
+        return {g: k for g, k in self.keys.items() if self.groups is None or g in self.groups}
+
     def discovery_sets(self, cache: TieredCache) -> list[dict[str, Sequence[PageKey]]]:
         """The keys discovery may ask L3 about, each set of equal length: the named groups'.
         With `served`, the other groups' only up to the whole-prefix groups' run, in a set of
@@ -65,7 +72,17 @@ class Query:
         """The pages held may lie before the hit's end (a state snapshot at a shorter
         prefix): every unknown page counts then, not only those past the hit."""
         since = Hit(hit.page_size_tokens, 0, 0) if self.served else hit
-        return any(cache.needs_discovery_keys(keys, since) for keys in self.discovery_sets(cache))
+        return any(
+            cache.needs_discovery_keys(keys, since, self.trusts_absent)
+            for keys in self.discovery_sets(cache)
+        )
+
+    @property
+    def trusts_absent(self) -> bool:
+        """A lookup that waits for another engine's pages (a decode instance) asks L3 again
+        about keys it said moments ago it lacks: its prefill, on another host, may have
+        persisted them since (`cache/discovery.py`)."""
+        return self.wait_s <= 0
 
 
 class LookupOps:
@@ -108,9 +125,11 @@ class LookupOps:
         for query in checked:
             hit = query.hit(cache)
             if query.needs_discovery(cache, hit) or (
-                query.wait_s > 0 and waits.writing(cache, query.keys, hit)
+                query.wait_s > 0 and waits.writing(cache, query.named_keys, hit)
             ):
-                return Later(partial(self._discovering_keys, cache, checked, shape, tenant))
+                return Later(
+                    partial(self._discovering_keys, session, cache, checked, shape, tenant)
+                )
             hits.append(hit)
         return shape(
             [
@@ -120,25 +139,32 @@ class LookupOps:
         )
 
     async def _discovering_keys(
-        self, cache: TieredCache, checked: Checked, shape: Shape, tenant: str
+        self, session: Session, cache: TieredCache, checked: Checked, shape: Shape, tenant: str
     ) -> Result:
-        """In order: each lookup's wait for stores in flight (`store_waits.py`), then L3's
-        pages the index does not know."""
+        """Every lookup's wait for stores in flight at once (`store_waits.py`: the op lasts
+        at most its longest `wait_stored_s`, however many lookups it holds), then, in
+        order, L3's pages the index does not know (an earlier one's discovery may extend a
+        later one's hit). Its engine's connection gone, the waits end and L3 is not asked:
+        no one reads the answer."""
+        store_waits = self.state.store_waits
+        waited = await asyncio.gather(
+            *(
+                store_waits.wait(cache, query.keys, query.wait_s, session.gone, query.groups)
+                for query in checked
+            )
+        )
         replies = []
-        for query in checked:
-            waited = None
-            if query.wait_s > 0:  # for a store in flight first (all groups' keys)
-                _, waited = await self.state.store_waits.wait(cache, query.keys, query.wait_s)
+        for query, (_, outcome) in zip(checked, waited, strict=True):
             hit = query.hit(cache)
             # a served lookup twice at most: what L3 adds to the run may bring more of the
             # other groups' pages within it (`Query.discovery_sets`)
-            for _ in range(2 if query.served else 1):
+            for _ in range(0 if session.gone.is_set() else 2 if query.served else 1):
                 if not query.needs_discovery(cache, hit):
                     break
                 for keys in query.discovery_sets(cache):
-                    await cache.discover_keys(keys)
+                    await cache.discover_keys(keys, query.trusts_absent)
                 hit = query.hit(cache)
-            replies.append(self._key_reply(cache, query, hit, tenant, waited))
+            replies.append(self._key_reply(cache, query, hit, tenant, outcome))
         return shape(replies)
 
     def _key_reply(

@@ -3,7 +3,7 @@ file, the memory it claims, unreleased loads, the prefault of its memory), `Load
 `Prefaulting`, the `DrainReport`.
 
 A session's states: open (connected) -> said hello (`key`) -> registered (`memory` claimed,
-`claims.py`; `pools` attached) -> connection gone (`ending`: `connection_gone`) -> ended
+`claims.py`; `pools` attached) -> connection gone (`lost`: `gone` set, `ending`) -> ended
 (`EngineServer.end`: every op settled, then `memory` released and `ended` set). Its id is
 the epoch every reply of a registration, store and load carries, so an engine can tell which
 session answered."""
@@ -116,8 +116,16 @@ class Session:
     in_request: int = 0  # awaited requests in progress: a busy engine is not a silent one
     lookup_only: bool = False  # hello role "lookup": no pools, no stores or loads
     ending: asyncio.Task[None] | None = None  # set once its connection is gone
+    # set once its connection is gone: no reply is read any more, so a wait for one ends
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
     prefault: Prefaulting | None = None  # its pool's page tables being filled
     ended: asyncio.Event = field(default_factory=asyncio.Event)  # every op settled, memory free
+
+    def lost(self, ending: asyncio.Task[None]) -> None:
+        """Its connection is gone: waits whose reply no one reads end now (`gone`), and
+        `ending` ends the session once its op in hand settled."""
+        self.gone.set()
+        self.ending = ending
 
     @property
     def connection_gone(self) -> bool:

@@ -42,6 +42,7 @@ def namespace_stats(namespace: Namespace) -> dict[str, Any]:
         "namespace": str(namespace.key),
         "l3_absent_remembered": len(cache.discovery.absent),
         "l3_absent_skipped_keys": cache.discovery.absent.skipped,
+        "l3_absent_asked_again_keys": cache.discovery.absent.asked_again,
         "attached_sessions": sorted(namespace.attached),
         # device-pool sets the scheduler holds (one per attached engine session)
         "attachments": cache.attachments,

@@ -19,22 +19,24 @@ Lifecycle of one wait (its outcome counted once, in `/v1/stats` "store_waits"):
     -> timed_out  the bound passed with the next page still pending (answered with the hit
                   as it is then: the engine recomputes the rest)
     -> drained    the sidecar began draining (SIGTERM): answered at once with the hit now
-The caller's own cancellation (its connection gone) ends a wait uncounted; nothing is held
-by a wait (no pins, no reservation), so no path leaks.
+    -> abandoned  the waiting engine's connection is gone (`Session.gone`; not by the drain):
+                  no one reads the answer, so the wait ends at once and its session ends
+                  without waiting on it
+Nothing is held by a wait (no pins, no reservation), so ending it at any point leaks nothing.
+The hit, and what is pending past it, are of the lookup's `groups` (all when None).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hicache.cache import TieredCache
-from hicache.cache.writing import writing_after
+from hicache.cache.writing import until_first, writing_after
 from hicache.index import Hit, PageKey
 
-OUTCOMES = ("hit", "missed", "timed_out", "drained")
+OUTCOMES = ("hit", "missed", "timed_out", "drained", "abandoned")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class StoreWaitStats:
     missed: int = 0
     timed_out: int = 0
     drained: int = 0
+    abandoned: int = 0
     waiting: int = 0  # waits in progress now
     waited_s: float = 0.0  # seconds waited, all waits together
 
@@ -51,25 +54,33 @@ class StoreWaitStats:
 class StoreWaits:
     def __init__(self) -> None:
         self.stats = StoreWaitStats()
-        self._stopping = asyncio.Event()
+        self.stopping = asyncio.Event()  # the drain began (`stop`)
 
     def writing(self, cache: TieredCache, keys: Mapping[str, Sequence[PageKey]], hit: Hit) -> bool:
-        """Does the prompt continue past `hit` into a page a store in flight is writing?"""
-        return not self._stopping.is_set() and bool(writing_after(cache.planner, keys, hit))
+        """Does the prompt continue past `hit` (of `keys`' groups) into a page a store in
+        flight is writing?"""
+        return not self.stopping.is_set() and bool(writing_after(cache.planner, keys, hit))
 
     def stop(self) -> None:
         """The drain began: every wait answers now, and no new one starts."""
-        self._stopping.set()
+        self.stopping.set()
 
     async def wait(
-        self, cache: TieredCache, keys: Mapping[str, Sequence[PageKey]], wait_s: float
+        self,
+        cache: TieredCache,
+        keys: Mapping[str, Sequence[PageKey]],
+        wait_s: float,
+        gone: asyncio.Event,
+        groups: Sequence[str] | None = None,
     ) -> tuple[Hit, str | None]:
-        """The hit once no store writes the page past it, within `wait_s`; and the wait's
-        outcome (None: nothing was being written, no wait)."""
+        """The hit (of `groups`, all when None) once no store writes the page past it,
+        within `wait_s`, unless the drain began or `gone` (the asking engine's connection)
+        is set; and the wait's outcome (None: nothing was being written, no wait)."""
         loop = asyncio.get_running_loop()
-        hit = cache.lookup_keys(keys)
-        waits = writing_after(cache.planner, keys, hit)
-        if not waits or wait_s <= 0 or self._stopping.is_set():
+        named = {g: k for g, k in keys.items() if groups is None or g in groups}
+        hit = cache.lookup_keys(keys, groups)
+        waits = writing_after(cache.planner, named, hit)
+        if not waits or wait_s <= 0 or self.stopping.is_set() or gone.is_set():
             return hit, None
         stats = self.stats
         stats.waits += 1
@@ -78,33 +89,26 @@ class StoreWaits:
         deadline = started + wait_s
         before = hit.pages_total
         try:
-            while waits and not self._stopping.is_set() and loop.time() < deadline:
-                await self._one_store(cache, waits, deadline - loop.time())
-                hit = cache.lookup_keys(keys)
-                waits = writing_after(cache.planner, keys, hit)
+            while (
+                waits
+                and not self.stopping.is_set()
+                and not gone.is_set()
+                and loop.time() < deadline
+            ):
+                await until_first(
+                    [cache.stores.until_settled(waits), self.stopping.wait(), gone.wait()],
+                    deadline - loop.time(),
+                )
+                hit = cache.lookup_keys(keys, groups)
+                waits = writing_after(cache.planner, named, hit)
         finally:
             stats.waiting -= 1
             stats.waited_s += loop.time() - started
         if not waits:
             outcome = "hit" if hit.pages_total > before else "missed"
+        elif self.stopping.is_set():  # the drain (which then drops every connection)
+            outcome = "drained"
         else:
-            outcome = "drained" if self._stopping.is_set() else "timed_out"
+            outcome = "abandoned" if gone.is_set() else "timed_out"
         setattr(stats, outcome, getattr(stats, outcome) + 1)
         return hit, outcome
-
-    async def _one_store(
-        self, cache: TieredCache, waits: Mapping[str, frozenset[PageKey]], left_s: float
-    ) -> None:
-        """Until the stores writing `waits` ended, the drain began, or `left_s` passed."""
-        settled = asyncio.ensure_future(cache.stores.until_settled(waits))
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait(
-                {settled, stopping}, timeout=max(0.0, left_s), return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            for task in (settled, stopping):
-                task.cancel()
-            for task in (settled, stopping):
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task

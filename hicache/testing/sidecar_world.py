@@ -154,7 +154,7 @@ class EngineLink:
         self.closing = True
         session = self.engine.session
         if session is not None:
-            session.ending = asyncio.ensure_future(self.engine._end("connection lost"))
+            session.lost(asyncio.ensure_future(self.engine._end("connection lost")))
 
     close = abort
 
@@ -241,8 +241,9 @@ class Engine:
             g: [(first + i) % self.num_pages for i in range(full)] for g in self.pools.geometries
         }
 
-    async def store(self, tokens: Sequence[int], first: int = 0) -> dict[str, Any]:
-        """Prefill `tokens` into pages `first..` (bytes from the token ids) and store them."""
+    async def store(self, tokens: Sequence[int], first: int = 0, **args: Any) -> dict[str, Any]:
+        """Prefill `tokens` into pages `first..` (bytes from the token ids) and store them
+        (`args`: the store's other fields, `persisted_within_s`)."""
         assert self.pools is not None
         pages = self._pages(tokens, first)
         device = self.pools.device_pools()
@@ -250,7 +251,7 @@ class Engine:
             seeds = seeds_for(tokens, group, True, self.world.page_size)
             for page, seed in zip(ids, seeds, strict=True):
                 fill_page(device[group], page, seed)
-        result = await self.call("store", tokens=list(tokens), device_pages=pages)
+        result = await self.call("store", tokens=list(tokens), device_pages=pages, **args)
         self.stored.append(list(tokens))
         return result
 
@@ -305,6 +306,10 @@ class Engine:
                 owned.close()
 
 
+# the worlds running now (in this process's loops): a drain's leak check skips the others'
+_LIVE: list[SidecarWorld] = []
+
+
 @dataclass
 class SidecarWorld:
     server: EngineServer
@@ -316,9 +321,12 @@ class SidecarWorld:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def running(cls, config: Path) -> AsyncIterator[SidecarWorld]:
+    async def running(
+        cls, config: Path, l3: MemoryBackend | None = None
+    ) -> AsyncIterator[SidecarWorld]:
         """The server of the deployment at `config` (token groups only: what the engines
-        write), its TaskGroup open for the block."""
+        write), its TaskGroup open for the block. `l3`: another world's L3, shared (two
+        hosts' sidecars, one L3)."""
         loaded = load_deployment(config)
         plan = sidecar_plan(loaded)
         state_groups = [g.name for g in plan.layer_map.groups if not g.kind.is_token_cache]
@@ -327,17 +335,22 @@ class SidecarWorld:
                 f"{config}: groups {state_groups} hold state snapshots; the world's engines "
                 "write token groups only: give a model without state caches"
             )
-        backend, l3 = InlineCopyBackend(), MemoryBackend()
+        backend = InlineCopyBackend()
+        l3 = MemoryBackend() if l3 is None else l3
         world: SidecarWorld | None = None
         try:
             async with asyncio.TaskGroup() as tg:
                 server = EngineServer(plan, backend, GuardedStore(l3), tg, ServiceMetrics())
                 world = cls(server, backend, l3, plan.page_size_tokens)
+                _LIVE.append(world)
                 try:
                     yield world
                 finally:
-                    if world.report is None:
-                        await world.drain()
+                    try:
+                        if world.report is None:
+                            await world.drain()
+                    finally:
+                        _LIVE.remove(world)
         finally:
             for engine in world.engines if world is not None else []:
                 engine.close()
@@ -351,10 +364,20 @@ class SidecarWorld:
     async def drain(self) -> DrainReport:
         """The server's drain (SIGTERM's); `NamespaceLeak` if a namespace task outlives it."""
         self.report = await self.server.drain()
+        # another world running in this loop (two hosts' sidecars, `running(l3=...)`) keeps
+        # its own namespaces' tasks
+        others = {
+            ns._task
+            for world in _LIVE
+            if world is not self
+            for ns in world.server.namespaces.values()
+        }
         left = [
             t
             for t in asyncio.all_tasks()
-            if not t.done() and t.get_name().startswith(("hicache-ns-", "hicache-start-"))
+            if not t.done()
+            and t not in others
+            and t.get_name().startswith(("hicache-ns-", "hicache-start-"))
         ]
         if left:
             for task in left:

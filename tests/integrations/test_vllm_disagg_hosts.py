@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,7 +31,6 @@ import pytest
 import yaml
 
 from hicache.client.process import SidecarProcess
-from hicache.config.schema import CacheSection
 from hicache.testing import local_servers, netns_hosts
 from hicache.testing.netns_hosts import Host, TwoHosts
 from tests.integrations.test_vllm_disagg import (
@@ -50,7 +48,6 @@ if not os.environ.get("_HICACHE_REQUIRE_VLLM"):
     pytest.importorskip("vllm", reason="vLLM's CPU build is not installed (python3 dev.py setup)")
 
 PROMPTS = [prompt(21), prompt(22)]
-ABSENT_TTL_S = CacheSection().l3_absent_ttl_s  # the decode host's, by default
 
 
 def _missing(kind: str) -> str | None:
@@ -158,13 +155,11 @@ def pair(l3_kind: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hos
         prefill, decode = (engine.ready() for engine in engines)
         # the reference: the decode instance alone, nothing in L3 to load (it never stores)
         alone = [decode.round([p], max_tokens=DECODE_TOKENS)[0] for p in PROMPTS]
-        asked = time.monotonic()
         assert [r["cached"] for r in alone] == [0] * len(PROMPTS)
-        # B's sidecar remembers L3's "absent" answers of those lookups for the configured
-        # `l3_absent_ttl_s` (a lookup within it would not ask L3 again, and miss what the
-        # prefill persisted meanwhile): the test's decodes start once they lapsed, as a real
-        # decode host's first lookup of a prompt does not follow one of its own
-        time.sleep(max(0.0, asked + ABSENT_TTL_S - time.monotonic()))
+        # B's sidecar remembers L3's "absent" answers of those lookups (`l3_absent_ttl_s`);
+        # the decode instance's lookups wait for its prefill's pages (`store_wait_s`), so
+        # they ask L3 again at once rather than trust them (`cache/discovery.py`): the
+        # decodes follow straight away, and still load what the prefill persisted
         reference = {tuple(p): r for p, r in zip(PROMPTS, alone, strict=True)}
         yield Hosts(hosts, sidecars, prefill, decode, work, reference)
     finally:

@@ -205,9 +205,74 @@ def test_an_older_sidecar_refusing_persisted_is_asked_at_l2_from_then_on() -> No
 
     client.store = store  # type: ignore[method-assign]
     for i in range(2):
-        worker.store([StoreJob(f"r{i}", tuple(range(32)), 0, ((1, 2, 0),), 32)])
+        worker.store([StoreJob(f"r{i}", tuple(range(32)), 0, ((1, 2, 0),), 32, True)])
         worker.await_stores()
     assert asked == [30.0, 0.0, 0.0]
     counters = worker.counters
     assert (counters.stores, counters.store_failures, counters.stores_in_l2) == (2, 0, 2)
     assert "the sidecar predates it" in counters.errors[-1]
+
+
+def test_only_the_store_completing_a_prompt_asks_for_l3() -> None:
+    """`persisted_within_s` holds a producer's step on L3: only the store that reaches the
+    prompt's last whole page asks for it — not an earlier chunk's, not a later step's."""
+
+    def lookup(tokens: Any) -> tuple[int, int]:
+        return 0, 0
+
+    def chunks(prompt_len: int, sizes: list[int]) -> list[list[tuple[int, bool]]]:
+        """Per step, each store's (first page, completes_prompt), chunks of `sizes` tokens
+        then one decode step."""
+        tokens = list(range(prompt_len))
+        blocks = [list(range(1, prompt_len // 4 + 3))]
+        book = StepBook(4, lookup, stores=True)
+        book.matched("r", tokens, 0)
+        book.allocated("r", tokens, 0, 0, blocks)
+        steps, done = [], 0
+        for size in [*sizes, 1]:  # the last: the first decode step (one output token)
+            if done == prompt_len:
+                tokens.append(1000 + done)
+            step = book.step([Scheduled("r", list(tokens), done, size, blocks, prompt_len)])
+            steps.append([(job.first_page, job.completes_prompt) for job in step.stores])
+            done += size
+        return steps
+
+    # 3 chunks of 8 tokens (2 pages each); the decode step adds no whole page yet
+    assert chunks(24, [8, 8, 8]) == [[(0, False)], [(2, False)], [(4, True)], []]
+    # the last chunk adds no whole page (26 tokens: 6 whole pages, the chunk before has them)
+    assert chunks(26, [16, 8, 2]) == [[(0, False)], [(4, True)], [], []]
+    # without a prompt length (an older caller): no store asks
+    book = StepBook(4, lookup, stores=True)
+    book.allocated("q", list(range(8)), 0, 0, [[1, 2]])
+    step = book.step([Scheduled("q", list(range(8)), 0, 8, [[1, 2]])])
+    assert [job.completes_prompt for job in step.stores] == [False]
+
+
+def test_a_chunk_that_does_not_complete_its_prompt_is_answered_at_l2() -> None:
+    worker, client = _worker(staging_pages=4, direct=True)
+    worker.stores.persisted_within_s = 30.0
+    asked: list[float] = []
+
+    def store(*args: Any, persisted_within_s: float = 0.0, **kwargs: Any) -> dict[str, Any]:
+        asked.append(persisted_within_s)
+        return {"persisted": True} if persisted_within_s else {}
+
+    client.store = store  # type: ignore[method-assign]
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32)])  # an earlier chunk
+    worker.await_stores()
+    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32, True)])  # the last
+    worker.await_stores()
+    assert asked == [0.0, 30.0]
+    assert worker.counters.stores_persisted == 1
+
+
+def test_each_clients_reply_timeout_outlasts_only_its_own_waits() -> None:
+    from hicache.integrations.vllm.roles import REPLY_MARGIN_S, reply_timeout_s
+
+    waits = {"load_timeout_s": 10.0, "store_wait_s": 2.0, "persisted_within_s": 30.0}
+    # the scheduler's lookups: their store wait only, never a load's or L3's bound
+    assert reply_timeout_s("lookup", **waits) == REPLY_MARGIN_S + 2.0
+    assert reply_timeout_s("engine", **waits) == REPLY_MARGIN_S + 30.0
+    # kv_both with no waits: the lookup's margin, the worker's load timeout, as before roles
+    none = {"load_timeout_s": 10.0, "store_wait_s": 0.0, "persisted_within_s": 0.0}
+    assert (reply_timeout_s("lookup", **none), reply_timeout_s("engine", **none)) == (5.0, 10.0)

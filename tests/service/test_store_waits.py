@@ -390,6 +390,12 @@ def test_each_wait_is_counted_in_the_metrics_by_outcome(config: Path) -> None:
             o: registry.get_sample_value("hicache_lookup_store_waits_total", {"outcome": o})
             for o in OUTCOMES
         }
-        assert counts == {"hit": 1, "missed": None, "timed_out": 1, "drained": None}
+        assert counts == {
+            "hit": 1,
+            "missed": None,
+            "timed_out": 1,
+            "drained": None,
+            "abandoned": None,
+        }
 
     run(config, body)

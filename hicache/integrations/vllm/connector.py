@@ -84,7 +84,7 @@ from hicache.integrations.vllm.layout import (
 )
 from hicache.integrations.vllm.lookups import Lookups
 from hicache.integrations.vllm.plan import Scheduled, StepBook, StepMeta
-from hicache.integrations.vllm.roles import check_persisted, role_of
+from hicache.integrations.vllm.roles import check_persisted, reply_timeout_s, role_of
 from hicache.integrations.vllm.settings import ConnectorSettings
 from hicache.integrations.vllm.shared_kv import SharedKv, data_plane
 from hicache.integrations.vllm.worker import WorkerSide
@@ -145,7 +145,6 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             else self.settings.store_wait_s
         )
         check_persisted(self.kv_role, self.settings.persisted_within_s)
-        self._waits_s = (self.store_wait_s, self.settings.persisted_within_s)
         policy = getattr(self._kv_transfer_config, "kv_load_failure_policy", "recompute")
         if policy != "recompute":
             raise ConfigError(
@@ -219,8 +218,14 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             # both halves of one vLLM engine name it alike: a lookup session answers only
             # for the namespace its own engine's worker holds
             engine=f"vllm:{self._engine_id}",
-            # a reply may wait for a store in flight, or for L3: the timeout outlasts that
-            timeout_s=5.0 + max(self.settings.load_timeout_s, *self._waits_s),
+            # a reply may wait for a store in flight, or for L3: each role's timeout
+            # outlasts the waits its own requests carry
+            timeout_s=reply_timeout_s(
+                role,
+                load_timeout_s=self.settings.load_timeout_s,
+                store_wait_s=self.store_wait_s,
+                persisted_within_s=self.settings.persisted_within_s,
+            ),
             **self._client_args,
         )
 
@@ -303,7 +308,8 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
                     int(computed),
                     int(counts.get(req_id, 0)),
                     self._kv_cache_manager.get_blocks(req_id).get_block_ids(),
-                    request.block_hashes if self.kv_events else (),
+                    block_hashes=request.block_hashes if self.kv_events else (),
+                    prompt_tokens=int(request.num_prompt_tokens),
                 )
             )
         self._scheduler_stats()

@@ -56,6 +56,10 @@ class StoreJob:
     # stores ([first_page, len(tokens) // page)) and of the page before them; else empty
     block_hashes: tuple[bytes, ...] = ()
     parent_hash: bytes | None = None
+    # the first store to reach the prompt's last whole page (the prefill's last chunk, or
+    # the one before it when that chunk adds no whole page): a producer asks L3 for it
+    # alone (`persisted_within_s`), its pages and every earlier chunk's then in L3
+    completes_prompt: bool = False
 
 
 @dataclass(slots=True)
@@ -78,6 +82,7 @@ class Scheduled:
     block_ids: Sequence[Sequence[int]]
     # vLLM's block hashes of the request (`Request.block_hashes`) when KV events are on
     block_hashes: Sequence[bytes] = ()
+    prompt_tokens: int = 0  # the request's prompt length (0: unknown, no store completes it)
 
 
 class StepBook:
@@ -184,8 +189,9 @@ class StepBook:
                         have,
                         tuple(tuple(ids) for ids in req.block_ids),
                         after,
-                        tuple(hashes[have:full]) if named else (),
-                        hashes[have - 1] if named and have else None,
+                        block_hashes=tuple(hashes[have:full]) if named else (),
+                        parent_hash=hashes[have - 1] if named and have else None,
+                        completes_prompt=have < req.prompt_tokens // self.page <= full,
                     )
                 )
         return meta

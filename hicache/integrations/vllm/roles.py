@@ -16,8 +16,13 @@
                  that overtakes its prefill's store loads instead of recomputing
 
 Two hosts: the decode instance's sidecar sees the prefill's pages only in L3; a producer with
-`persisted_within_s` has each store answered once L3 holds its pages (or at that bound), so
-its reply means they are readable from the other host (`check_persisted`: producers only).
+`persisted_within_s` has the store that completes a prompt answered once L3 holds its pages
+(or at that bound), so its reply means they are readable from the other host
+(`check_persisted`: producers only); earlier chunks' stores are answered at L2.
+
+Each client's reply timeout outlasts only the waits its own requests carry
+(`reply_timeout_s`): the scheduler's lookups their `store_wait_s`, the worker's stores
+`persisted_within_s` and its loads `load_timeout_s`.
 
 vLLM checks the value when it builds `KVTransferConfig`; the connector checks it again (a
 config built without validation, a value from a newer vLLM) and refuses to start on any
@@ -72,6 +77,21 @@ def role_of(value: object, where: str = WHERE) -> Role:
             "pages; kv_consumer: the decode instance, loads them; kv_both: both)"
         )
     return role
+
+
+# what a reply takes beyond its own waits: the sidecar's work and the socket, on a busy host
+REPLY_MARGIN_S = 5.0
+
+
+def reply_timeout_s(
+    client_role: str, *, load_timeout_s: float, store_wait_s: float, persisted_within_s: float
+) -> float:
+    """How long a client of `client_role` waits for a reply: the scheduler's lookup client
+    (`lookup`) for a lookup's store wait, the worker's (`engine`) for a load's layer or a
+    store's wait for L3, each plus `REPLY_MARGIN_S`."""
+    if client_role == "lookup":
+        return REPLY_MARGIN_S + store_wait_s
+    return max(REPLY_MARGIN_S, load_timeout_s, REPLY_MARGIN_S + persisted_within_s)
 
 
 def check_persisted(role: Role, persisted_within_s: float) -> None:

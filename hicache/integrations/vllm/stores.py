@@ -169,7 +169,7 @@ class Stores:
         fence = client.record_fence(self._stream(), "store")
         pages = sum(len(p) for p in plan.positions.values())
         future = self._thread.submit(
-            self._timed, client, list(job.tokens), device_pages, snapshots, fence
+            self._timed, client, list(job.tokens), device_pages, snapshots, fence, job
         )
         self._in_flight.append((job, future))
         self.counters.pages_stored += pages
@@ -181,10 +181,11 @@ class Stores:
         device_pages: dict[str, list[int | None]],
         snapshots: dict[str, dict[int, int]],
         fence: tuple[Any, bytes | None],
+        job: StoreJob,
     ) -> dict[str, Any]:
         started = time.perf_counter()
         try:
-            return self._store(client, tokens, device_pages, snapshots, fence)
+            return self._store(client, tokens, device_pages, snapshots, fence, job)
         finally:
             self.counters.store_s += time.perf_counter() - started
 
@@ -195,16 +196,20 @@ class Stores:
         device_pages: dict[str, list[int | None]],
         snapshots: dict[str, dict[int, int]],
         fence: tuple[Any, bytes | None] | None = None,
+        job: StoreJob | None = None,
     ) -> dict[str, Any]:
-        """`client.store`, asking for L3 when configured; a sidecar that predates that is
-        said once and asked without it from then on (its stores answered at L2)."""
+        """`client.store`, asking for L3 when configured and `job` completes its prompt
+        (earlier chunks' stores are answered at L2: their pages are queued for L3 ahead of
+        the last chunk's, which the sidecar waits for whole); a sidecar that predates that
+        is said once and asked without it from then on (its stores answered at L2)."""
+        completes = job is not None and job.completes_prompt
         try:
             return client.store(
                 tokens,
                 device_pages,
                 snapshots,
                 fence=fence,
-                persisted_within_s=self.persisted_within_s,
+                persisted_within_s=self.persisted_within_s if completes else 0.0,
             )
         except ClientError as exc:
             if not refused_field(exc, "persisted_within_s"):
@@ -250,7 +255,8 @@ class Stores:
             snapshots = {g: {len(job.tokens): pages[g][0]} for g in plan.state_groups}
             # No fence: staging is shared host memory and `to_staging`'s copies are blocking,
             # so the pages are written before the request leaves (`Client.store`'s CPU rule).
-            self._answered(job, self._store(client, list(job.tokens), device_pages, snapshots))
+            reply = self._store(client, list(job.tokens), device_pages, snapshots, job=job)
+            self._answered(job, reply)
             self.counters.pages_stored += sum(len(p) for p in plan.positions.values())
         except (HicacheError, OSError) as exc:
             self.counters.store_failures += 1
