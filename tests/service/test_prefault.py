@@ -14,6 +14,7 @@ import resource
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy
 import pytest
 import torch
 
@@ -31,13 +32,31 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
+# Faults a fill may take outside the buffer it writes: a stack page its call touches first, a
+# code page on first use, the kernel's own reclaim or huge-page work unmapping a page of this
+# process. A fresh run of the whole suite on an idle machine once counted 1 where 0 was
+# asserted (2026-12-06). Every buffer checked here spans at least 10 pages, and an unprefaulted
+# one faults once per page written (the detectors), so the checks still fail where it matters.
+FOREIGN_FAULTS = 2
+
+
 def _write_faults(tensor: torch.Tensor) -> int:
     """Minor faults this thread takes writing every byte of `tensor` once (numpy's fill, on
-    this thread alone: torch would split it over threads the count does not see)."""
+    this thread alone: torch would split it over threads the count does not see). The same
+    fill runs first on a scratch array of the same dtype, so the count is of `tensor`'s
+    pages, not of the fill's first use."""
     array = tensor.numpy()
+    scratch = numpy.zeros(PAGE, dtype=array.dtype)
+    scratch.fill(1)
     before = _faults()
     array.fill(1)
     return _faults() - before
+
+
+def _prefaulted(tensor: torch.Tensor) -> bool:
+    """Writing every page of `tensor` faults no page of it (at most `FOREIGN_FAULTS`)."""
+    assert tensor.numel() >= 10 * PAGE  # an unprefaulted buffer would exceed the allowance
+    return _write_faults(tensor) <= FOREIGN_FAULTS
 
 
 def _memfd(nbytes: int) -> int:
@@ -75,7 +94,7 @@ def test_a_write_populate_allocates_every_page_zeroed_and_keeps_written_bytes() 
         assert allocated_extents(fd, 256 * PAGE) == [(0, 256 * PAGE)]
         assert view[5 * PAGE : 6 * PAGE].eq(9).all()  # nothing written by the populate
         assert int(view.sum()) == 9 * PAGE  # every other byte is still zero
-        assert _write_faults(view) == 0
+        assert _prefaulted(view)
     finally:
         os.close(fd)
 
@@ -91,7 +110,7 @@ def test_a_fresh_mapping_faults_once_per_page_written_a_populated_one_never() ->
         # a read populate maps shmem pages writable: the writes after it take no fault
         again = map_fd(fd, pages * PAGE)
         populate(again.data_ptr(), pages * PAGE, write=False)
-        assert _write_faults(again) == 0
+        assert _prefaulted(again)
     finally:
         os.close(fd)
 
@@ -122,7 +141,7 @@ def test_an_engine_pool_is_allocated_at_creation_a_staging_pool_on_first_use() -
     staging = SharedPools.create(geometries, 4, prefault=False)
     try:
         assert allocated_extents(pools.fd, pools.nbytes) == [(0, pools.nbytes)]
-        assert _write_faults(pools.buffer) == 0
+        assert _prefaulted(pools.buffer)
         assert allocated_extents(staging.fd, staging.nbytes) == []
     finally:
         pools.close()
@@ -143,8 +162,8 @@ def test_the_sidecar_prefaults_what_the_engine_allocated_and_nothing_more() -> N
         assert memory.allocated == ((0, 100 * PAGE), (200 * PAGE, 210 * PAGE))
         assert memory.prefault() == 110 * PAGE
         assert allocated_extents(fd, pages * PAGE) == [(0, 100 * PAGE), (200 * PAGE, 210 * PAGE)]
-        assert _write_faults(memory.tensor[: 100 * PAGE]) == 0
-        assert _write_faults(memory.tensor[200 * PAGE : 210 * PAGE]) == 0
+        assert _prefaulted(memory.tensor[: 100 * PAGE])
+        assert _prefaulted(memory.tensor[200 * PAGE : 210 * PAGE])
     finally:
         os.close(fd)
 
