@@ -205,7 +205,9 @@ def test_an_older_sidecar_refusing_persisted_is_asked_at_l2_from_then_on() -> No
 
     client.store = store  # type: ignore[method-assign]
     for i in range(2):
-        worker.store([StoreJob(f"r{i}", tuple(range(32)), 0, ((1, 2, 0),), 32, completes_prompt=True)])
+        worker.store(
+            [StoreJob(f"r{i}", tuple(range(32)), 0, ((1, 2, 0),), 32, completes_prompt=True)]
+        )
         worker.await_stores()
     assert asked == [30.0, 0.0, 0.0]
     counters = worker.counters
@@ -232,7 +234,9 @@ def test_only_the_store_completing_a_prompt_asks_for_l3() -> None:
         for size in [*sizes, 1]:  # the last: the first decode step (one output token)
             if done == prompt_len:
                 tokens.append(1000 + done)
-            step = book.step([Scheduled("r", list(tokens), done, size, blocks, prompt_tokens=prompt_len)])
+            step = book.step(
+                [Scheduled("r", list(tokens), done, size, blocks, prompt_tokens=prompt_len)]
+            )
             steps.append([(job.first_page, job.completes_prompt) for job in step.stores])
             done += size
         return steps
@@ -260,7 +264,9 @@ def test_a_chunk_that_does_not_complete_its_prompt_is_answered_at_l2() -> None:
     client.store = store  # type: ignore[method-assign]
     worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32)])  # an earlier chunk
     worker.await_stores()
-    worker.store([StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32, completes_prompt=True)])  # the last
+    worker.store(
+        [StoreJob("a", tuple(range(32)), 0, ((1, 2, 0),), 32, completes_prompt=True)]
+    )  # the last
     worker.await_stores()
     assert asked == [0.0, 30.0]
     assert worker.counters.stores_persisted == 1
