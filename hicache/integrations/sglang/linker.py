@@ -400,7 +400,7 @@ class HicacheLinker(UnifiedCacheLinker):  # type: ignore[misc,unused-ignore]
 
     def _stream(self) -> Any:
         """CUDA: this thread's current stream on the pool's device (`hicache.transfer`, the
-        one package that touches `torch.cuda`); CPU: None."""
+        one package that calls into CUDA); CPU: None."""
         if not self.cuda:
             return None
         from hicache.transfer.cuda_ipc import current_stream  # CUDA only when used
