@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from hicache.cache import TieredCache
+from hicache.cache.resync import REWRITE_ROUNDS
 from hicache.testing.faulty_storage import FaultyBackend
 from tests.test_tiered import PAGE, build, snapshot, wipe
 
@@ -134,5 +135,61 @@ async def test_a_store_attached_later_is_not_checked_for_outages_before_it(
             cache.lookup(A)
             await cache.drain()
             assert cache.resync.stats().runs == 0
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_a_store_that_takes_reads_before_writes_gets_the_pages_on_a_later_round(
+    tmp_path: Path,
+) -> None:
+    """A restarted Mooncake master answers `exists` before its clients have mounted their
+    segments again, and refuses every put as "no space" until then: the first rewrite writes
+    nothing. The pages L2 still holds are offered again after the pause, and reach L3."""
+    cache, faulty = build(tmp_path, "qwen2_7b.json", host_pages=6, prefetch_policy="wait_complete")
+    cache.resync.retry_after_s = 0.05
+    try:
+        async with cache.running():
+            for i, prompt in enumerate((A, B, C)):
+                await cache.store(prompt, {"full": [3 * i, 3 * i + 1, 3 * i + 2]})
+            await cache.drain()
+            await outage_that_lost_everything(cache, faulty)
+            faulty.drop_rate = 1.0  # every put "not stored"
+            failed_before = cache.persist.stats().failed_pages
+            cache.lookup(A)
+            while cache.persist.stats().failed_pages < failed_before + 6:
+                await cache.persist.next_change()  # a batch ended: the first rewrite failed
+            faulty.drop_rate = 0.0  # the segments are mounted again
+            await cache.drain()
+            stats = cache.resync.stats()
+            assert (stats.lost, stats.requeued, stats.rewrites, stats.unwritten) == (9, 6, 6, 0)
+            assert cache.index.l3_pages("full") == 6
+            keys = [r.key for r in cache.index.l2_records("full")]
+            assert all(await faulty.exists_many(keys))
+    finally:
+        cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_pages_a_store_never_takes_are_offered_a_bounded_number_of_times(
+    tmp_path: Path,
+) -> None:
+    cache, faulty = build(tmp_path, "qwen2_7b.json", host_pages=6, prefetch_policy="wait_complete")
+    cache.resync.retry_after_s = 0.01
+    try:
+        async with cache.running():
+            for i, prompt in enumerate((A, B, C)):
+                await cache.store(prompt, {"full": [3 * i, 3 * i + 1, 3 * i + 2]})
+            await cache.drain()
+            await outage_that_lost_everything(cache, faulty)
+            faulty.drop_rate = 1.0  # L3 full for good
+            cache.lookup(A)
+            await cache.drain()  # ends: the rounds are bounded
+            stats = cache.resync.stats()
+            assert (stats.requeued, stats.rewrites, stats.unwritten) == (6, 6 * REWRITE_ROUNDS, 6)
+            # nothing promised that L3 lacks; L2 still serves the six pages
+            assert cache.index.l3_pages("full") == 0
+            assert len(cache.index.l2_records("full")) == 6
+            assert not cache.resync.running
     finally:
         cache.embedded.close()
