@@ -170,11 +170,14 @@ def test_close_finishes_queued_work_and_joins_the_thread() -> None:
 
 class FakeSidecar:
     """Accepts connections on a Unix socket and answers every request with ok: hello with a
-    short heartbeat timeout (so heartbeats flow), everything else with an empty result."""
+    short heartbeat timeout (so heartbeats flow), everything else with an empty result. The
+    file `heard` appears once a heartbeat was counted (a child waits for it: heartbeats have
+    flowed, whenever its threads got to run)."""
 
     def __init__(self, path: Path):
         self.path = path
         self.heartbeats = 0
+        self.heard = path.with_name(path.name + ".heard")
         self._server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._server.bind(str(path))
         self._server.listen()
@@ -202,6 +205,8 @@ class FakeSidecar:
                 request = p.unpack(body)
                 op = request["op"]
                 self.heartbeats += op == "heartbeat"
+                if op == "heartbeat":
+                    self.heard.touch()
                 result = {"heartbeat_timeout_s": 0.3} if op == "hello" else {}
                 conn.sendall(p.ok(request["id"], result))
 
@@ -229,9 +234,16 @@ def fake_sidecar(tmp_path: Path) -> Iterator[FakeSidecar]:
 
 
 CLIENT = """
+import os
 from hicache.client import connect, connect_async
 layer_map = LayerMap(load_layout(MODEL))
-address = sys.argv[1]
+address, heard = sys.argv[1], sys.argv[2]
+
+def heartbeats_flowed():
+    deadline = time.monotonic() + 20  # bounds a hang only
+    while not os.path.exists(heard):  # the stand-in sidecar counted one
+        assert time.monotonic() < deadline, "no heartbeat reached the sidecar"
+        time.sleep(0.01)
 """
 
 
@@ -240,11 +252,12 @@ def test_client_with_heartbeats_raising_before_close_exits(fake_sidecar: FakeSid
     proc = run_child(
         """
         client = connect(address, layer_map, page_size_tokens=2)
-        time.sleep(0.5)  # heartbeats flow
+        heartbeats_flowed()
         assert any(t.name == "hicache-heartbeat" for t in threading.enumerate())
         raise RuntimeError("engine crashed")
         """,
         str(fake_sidecar.path),
+        str(fake_sidecar.heard),
         setup=CLIENT,
     )
     assert_crashed(proc)
@@ -257,11 +270,12 @@ def test_async_client_raising_before_close_exits(fake_sidecar: FakeSidecar) -> N
         """
         async def main():
             client = await connect_async(address, layer_map, page_size_tokens=2)
-            await asyncio.sleep(0.5)
+            await asyncio.to_thread(heartbeats_flowed)  # the heartbeat task runs meanwhile
             raise RuntimeError("engine crashed")
         asyncio.run(main())
         """,
         str(fake_sidecar.path),
+        str(fake_sidecar.heard),
         setup=CLIENT,
     )
     assert_crashed(proc)
@@ -277,6 +291,7 @@ def test_engine_with_embedded_cache_and_client_raising_exits(fake_sidecar: FakeS
         raise RuntimeError("engine crashed")
         """,
         str(fake_sidecar.path),
+        str(fake_sidecar.heard),
         setup=CLIENT,
     )
     assert_crashed(proc)

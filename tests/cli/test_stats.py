@@ -13,7 +13,7 @@ from pathlib import Path
 from hicache.cli.stats import CLEAR, Metrics, quantile
 from hicache.client.process import SidecarProcess
 from tests.conftest import REPO
-from tests.service.conftest import engine, engine_result, write_config
+from tests.service.conftest import engine, engine_result, wait_persisted, write_config
 
 
 def stats(*args: str) -> subprocess.CompletedProcess[str]:
@@ -34,6 +34,7 @@ def test_once_and_json_read_a_running_sidecar(tmp_path: Path) -> None:
     config = write_config(tmp_path)
     with SidecarProcess(config) as proc:
         assert engine_result(engine("roundtrip", config, "--prompts", "2"))["mismatches"] == 0
+        wait_persisted(proc, 1)  # L3 is written behind the acked stores: `stored` counts it
         once = stats("--url", proc.http, "--once")
         assert once.returncode == 0, once.stderr
         frame = once.stdout

@@ -180,15 +180,19 @@ async def test_consumer_released_when_its_layer_lands_not_before() -> None:
                     for n, g in backup.groups.items()
                 }
                 handle = await sched.load(req)
-                released = threading.Event()
+                waiting, released = threading.Event(), threading.Event()
 
                 def consumer() -> None:
+                    waiting.set()
                     handle.wait_layer(5)
                     released.set()
 
                 waiter = asyncio.create_task(asyncio.to_thread(consumer))
+                # the consumer's thread may start late on a busy machine: its wait (timed from
+                # its call) must begin before the 0.1 s below, not somewhere within it
+                assert await asyncio.to_thread(waiting.wait, 60)
                 backend.release(5)  # layers 0..4 land
-                await asyncio.sleep(0.1)
+                await asyncio.sleep(0.1)  # a duration the wait must cover, not a synchronisation
                 assert not released.is_set()
                 backend.release(1)  # layer 5 lands
                 await asyncio.to_thread(released.wait, 5)

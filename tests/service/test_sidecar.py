@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hicache.client.process import SidecarProcess
-from tests.service.conftest import engine, engine_result, read_event
+from tests.service.conftest import engine, engine_result, read_event, wait_persisted
 
 
 def test_hybrid_round_trip_across_processes_is_byte_exact(
@@ -20,7 +20,15 @@ def test_hybrid_round_trip_across_processes_is_byte_exact(
     result = engine_result(engine("roundtrip", deploy, "--prompts", "3"))
     # 3 prompts x (6 full-attention pages + 1 conv-state snapshot), every byte checked
     assert result == {"verified": 21, "mismatches": 0, "tokens_loaded": 3 * 96}
-    stats = sidecar.get_json("/v1/stats")
+    # the engine has exited, but the sidecar may not have seen it yet: its session ends once
+    # the sidecar has read the closed socket and settled its ops; and the L3 writes behind
+    # the acked stores pin their pages until written. Wait for both (the deadline bounds a
+    # hang only, #26).
+    wait_persisted(sidecar, 0)
+    deadline = time.monotonic() + 60
+    while (stats := sidecar.get_json("/v1/stats"))["sessions"]:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.05)
     (ns,) = stats["namespaces"]
     assert ns["namespace"] == "tp_rank=0 tenant=''"
     assert all(g["pinned_pages"] == 0 for g in ns["groups"].values())

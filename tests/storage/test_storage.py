@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -226,11 +227,10 @@ def test_file_backend_never_blocks_the_loop(tmp_path: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_arena_survives_a_timed_out_put_still_running(tmp_path: Path) -> None:
-    import threading
-
     from hicache.storage.backend import StorageBackend
 
     gate = threading.Event()
+    read = threading.Event()  # the thread has read the arena (after the caller gave up)
 
     class StuckBackend(StorageBackend):
         name = "stuck"
@@ -242,6 +242,7 @@ async def test_arena_survives_a_timed_out_put_still_running(tmp_path: Path) -> N
             def hold(views: list[Buffer]) -> list[bool]:
                 gate.wait(5)  # still reading the arena after the caller gave up
                 self.seen.extend(bytes(v) for v in views)
+                read.set()
                 return [True] * len(views)
 
             views = [memoryview(d) for _, d in items]
@@ -260,7 +261,7 @@ async def test_arena_survives_a_timed_out_put_still_running(tmp_path: Path) -> N
     store = GuardedStore(backend, base_timeout_s=0.05, min_bandwidth_bytes_per_s=1e12)
     assert await store.put([(b"a" * 16, b"first")]) == [False]  # timed out, never raised
     gate.set()
-    await asyncio.sleep(0.2)
+    assert await asyncio.to_thread(read.wait, 60)  # the deadline bounds a hang only
     assert decode(b"a" * 16, backend.seen[0]).tobytes() == b"first"  # its bytes stayed intact
 
 
@@ -315,21 +316,23 @@ async def test_stop_writes_ends_a_put_thread_after_its_current_object(tmp_path: 
     """A cancelled await does not stop the thread writing a batch (the process waits for it
     at exit); `stop_writes` (the drain's deadline) ends it after the object in hand."""
 
-    class SlowDisk(FileBackend):
+    in_hand = threading.Event()
+    disk = threading.Event()  # a hung disk: the object in hand is written once this is set
+
+    class HungDisk(FileBackend):
         def _put(self, key: bytes, parts: Sequence[Buffer]) -> bool:
-            time.sleep(0.2)  # a slow or hung disk, in the backend's thread
+            in_hand.set()
+            disk.wait(60)  # in the backend's thread (the deadline bounds a hang only)
             return super()._put(key, parts)
 
-    backend = SlowDisk(tmp_path, capacity_bytes=1 << 24)
+    backend = HungDisk(tmp_path, capacity_bytes=1 << 24)
     items = [(bytes([i]) * 16, [b"x" * 100]) for i in range(20)]
     task = asyncio.ensure_future(backend.put_parts_many(items))
-    await asyncio.sleep(0.3)
-    started = time.monotonic()
+    assert await asyncio.to_thread(in_hand.wait, 60)  # the first object is being written
     backend.stop_writes()
-    stored = await asyncio.wait_for(task, 5)
-    assert time.monotonic() - started < 0.5  # one object's write, not the 17 left
-    assert len(stored) == 20
-    assert 1 <= sum(stored) <= 3
+    disk.set()  # the disk answers again: every later object would be written at once
+    stored = await asyncio.wait_for(task, 60)
+    assert stored == [True] + [False] * 19  # the object in hand, not the 19 left
     assert sum(await backend.exists_many([k for k, _ in items])) == sum(stored)
 
 
