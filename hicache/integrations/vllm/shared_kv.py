@@ -55,7 +55,9 @@ MEMFD_NAME = "hicache-vllm-kv"
 log = logging.getLogger("hicache.vllm")
 
 
-def kv_storage(bindings: Mapping[int, LayerBinding]) -> tuple[torch.UntypedStorage, int, int]:
+def storage_and_reach(
+    bindings: Mapping[int, LayerBinding],
+) -> tuple[torch.UntypedStorage, int, int]:
     """The one storage every binding's blocks are views of, and the first and end address
     their rows reach."""
     storages = {
@@ -79,7 +81,7 @@ def share_blocks(bindings: Mapping[int, LayerBinding]) -> SharedRegions:
     (`core.shared_memory.share_in_place`): only the pages the rows reach, so that the memfd
     ends where the pool manifest's rows do (the sidecar maps no slack). Nothing else writes
     them meanwhile (vLLM is registering its KV cache)."""
-    storage, lo, hi = kv_storage(bindings)
+    storage, lo, hi = storage_and_reach(bindings)
     return share_in_place([storage], WHAT, MEMFD_NAME, reach=[(lo, hi)])
 
 
