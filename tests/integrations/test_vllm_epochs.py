@@ -30,9 +30,10 @@ from hicache.client import Client, NoReplyError, connect
 from hicache.client.handle import Epoch
 from hicache.client.process import SidecarProcess
 from hicache.config import load_deployment
+from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.integrations.vllm.binding import LayerBinding, bind_layers
 from hicache.integrations.vllm.plan import LoadJob, StoreJob
-from hicache.integrations.vllm.shared_kv import SharedKv, blocks_pools, share_in_place
+from hicache.integrations.vllm.shared_kv import blocks_pools, share_blocks
 from hicache.integrations.vllm.staging import Staging
 from hicache.integrations.vllm.worker import WorkerSide
 from hicache.memory import CacheDtypes, DevicePool, GroupGeometry
@@ -160,7 +161,7 @@ def test_stores_and_loads_without_replies_never_file_another_requests_bytes(
     dtypes = CacheDtypes.from_names("bfloat16", None, None)
     geometries = {g.name: GroupGeometry.of(g, dtypes, PAGE) for g in layer_map.groups}
     buf, bindings = _vllm_blocks(layer_map, geometries)
-    shared: SharedKv | None = share_in_place(bindings) if plane == "direct" else None
+    shared: SharedRegions | None = share_blocks(bindings) if plane == "direct" else None
     clients: list[RecordingClient] = []
 
     def connect_client() -> Client:
@@ -187,7 +188,7 @@ def test_stores_and_loads_without_replies_never_file_another_requests_bytes(
         register=register,
     )
     # the test's view of vLLM's blocks as hicache's pools (the same memory)
-    view_memory = share_in_place(bindings) if shared is None else shared
+    view_memory = share_blocks(bindings) if shared is None else shared
     view = blocks_pools(view_memory, bindings, geometries)
     blocks: dict[str, DevicePool] = view.device_pools()
     retaken = _watch_staging(worker.staging, sidecar)

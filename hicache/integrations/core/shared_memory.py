@@ -18,21 +18,14 @@ that are anonymous, the `/dev/zero` of a shared anonymous mmap, or a memfd — n
 never hugetlb (its pages cannot be replaced by 4 KiB ones). Anything else (a heap allocation
 sharing its edge pages, another allocator preloaded, a file mapping, GPU memory) raises
 `SharedMemoryError` naming the buffer (`what`) and the reason, and nothing is remapped.
-The vLLM connector's `vllm/shared_kv.py` duplicates this for one allocation; it should become
-`share_in_place([blocks.untyped_storage()], "vLLM's KV cache", "hicache-vllm-kv")` plus
-`offset_of(rows.data_ptr())` for its manifest offsets. What differs there today: one allocation
-only (several are refused); only the span the bindings' rows reach is remapped (here each
-allocation's own pages); an aligned allocation must also have a page-multiple size (here the
-last page is rounded up, the mapping check deciding); only private anonymous `rw-p` memory is
-accepted (here also shared anonymous, `/dev/zero` and memfd memory, hugetlb refused by name);
-its `/proc/self/maps` parsing splits on every space (harmless there, any path being refused;
-here `maxsplit=5`, paths kept whole); its result is `SharedKv(fd, base, nbytes)` (offsets =
-address - base), here `SharedRegions` (offsets per region); errors are `SharedKvError` without
-the buffer's name.
+`reach` narrows an allocation to the addresses its tensors use: only the whole pages under
+them are remapped, so the memfd ends where the tensors do (a pool manifest may not leave the
+sidecar mapping slack past its last row).
 
-Users: the SGLang storage backend (its host pool, one allocation) and the SGLang linker (its
+Users: the SGLang storage backend (its host pool, one allocation), the SGLang linker (its
 device pools' allocations, per layer and K/V, and the Mamba pool's, all under one memfd; it
-rebacks them together instead when this refuses).
+rebacks them together instead when this refuses) and the vLLM connector (`vllm/shared_kv.py`:
+vLLM's one KV allocation, reached by its blocks' rows; it stages instead when this refuses).
 
 Lifecycle (once per buffer, before the engine computes; again on an already shared one is
 fine: its memfd is replaced):
@@ -202,26 +195,49 @@ def check_replaceable(start: int, end: int, what: str) -> None:
     raise SharedMemoryError(f"{what} at {start:#x}..{end:#x} is not mapped whole")
 
 
-def plan_regions(storages: Sequence[Storage], what: str = "the KV memory") -> tuple[Region, ...]:
+def plan_regions(
+    storages: Sequence[Storage],
+    what: str = "the KV memory",
+    reach: Sequence[tuple[int, int]] | None = None,
+) -> tuple[Region, ...]:
     """Each distinct allocation's pages and their place in one memfd; every check made before
-    anything is remapped. Refused (SharedMemoryError) when none is given, or one is empty, not
-    CPU memory, or cannot be shared alone."""
+    anything is remapped. `reach`: per storage, the addresses [lo, hi) its tensors use; only
+    the whole pages under them are remapped (the memfd then ends where the tensors do, as a
+    pool manifest must: no slack), else all the allocation's own pages. Refused
+    (SharedMemoryError) when none is given, or one is empty, not CPU memory, reached outside
+    itself, or cannot be shared alone."""
     if not storages:
         raise SharedMemoryError(f"no allocation of {what} to share")
-    spans: dict[int, tuple[int, int]] = {}
-    for storage in storages:
+    if reach is not None and len(reach) != len(storages):
+        raise SharedMemoryError(
+            f"{what}: {len(reach)} reaches given for {len(storages)} allocations; one each"
+        )
+    used: dict[int, tuple[int, int, int]] = {}  # ptr -> nbytes, lo, hi
+    for index, storage in enumerate(storages):
         device = getattr(storage, "device", None)
         if device is not None and torch.device(device).type != "cpu":
             raise SharedMemoryError(f"{what} is on {device}; in-place sharing is for CPU memory")
         ptr, nbytes = storage.data_ptr(), storage.nbytes()
         if nbytes <= 0:
             raise SharedMemoryError(f"{what}: the allocation at {ptr:#x} is empty ({nbytes} bytes)")
-        if ptr in spans:
-            continue
-        start, end = owned_region(ptr, nbytes, what)
+        lo, hi = (ptr, ptr + nbytes) if reach is None else reach[index]
+        if not ptr <= lo < hi <= ptr + nbytes:
+            raise SharedMemoryError(
+                f"{what}: its tensors reach {lo:#x}..{hi:#x}, outside their allocation "
+                f"{ptr:#x}..{ptr + nbytes:#x}"
+            )
+        if ptr in used:
+            _, was_lo, was_hi = used[ptr]
+            lo, hi = min(lo, was_lo), max(hi, was_hi)
+        used[ptr] = (nbytes, lo, hi)
+    spans: set[tuple[int, int]] = set()
+    for ptr, (nbytes, lo, hi) in used.items():
+        own_start, own_end = owned_region(ptr, nbytes, what)
+        start = max(own_start, lo - lo % PAGE_BYTES)
+        end = min(own_end, -(-hi // PAGE_BYTES) * PAGE_BYTES)
         check_replaceable(start, end, what)
-        spans[ptr] = (start, end)
-    ordered = sorted(set(spans.values()))
+        spans.add((start, end))
+    ordered = sorted(spans)
     for (_, end), (start, _) in itertools.pairwise(ordered):
         if start < end:
             raise SharedMemoryError(
@@ -235,12 +251,16 @@ def plan_regions(storages: Sequence[Storage], what: str = "the KV memory") -> tu
 
 
 def share_in_place(
-    storages: Sequence[Storage], what: str, name: str = "hicache-engine-kv"
+    storages: Sequence[Storage],
+    what: str,
+    name: str = "hicache-engine-kv",
+    reach: Sequence[tuple[int, int]] | None = None,
 ) -> SharedRegions:
-    """Back the pages under every allocation with one sealed memfd (`name`), in place; `what`
-    names the memory in errors. Nothing else may write it meanwhile (the engine calls this
-    before it computes, or while it registers the buffer)."""
-    regions = plan_regions(storages, what)
+    """Back the pages under every allocation (or the part of it `reach` names: see
+    `plan_regions`) with one sealed memfd (`name`), in place; `what` names the memory in
+    errors. Nothing else may write it meanwhile (the engine calls this before it computes,
+    or while it registers the buffer)."""
+    regions = plan_regions(storages, what, reach)
     nbytes = sum(r.nbytes for r in regions)
     fd = sealed_memfd(name, nbytes)
     rw, shared = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED

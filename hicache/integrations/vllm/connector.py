@@ -67,6 +67,7 @@ from vllm.v1.kv_cache_interface import MambaSpec
 
 from hicache.client import Client
 from hicache.errors import ConfigError
+from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.integrations.vllm.binding import StateSpec, bind_layers
 from hicache.integrations.vllm.kv_events import (
     SchedulerEvents,
@@ -86,7 +87,7 @@ from hicache.integrations.vllm.lookups import Lookups
 from hicache.integrations.vllm.plan import Scheduled, StepBook, StepMeta
 from hicache.integrations.vllm.roles import check_persisted, reply_timeout_s, role_of
 from hicache.integrations.vllm.settings import ConnectorSettings
-from hicache.integrations.vllm.shared_kv import SharedKv, data_plane
+from hicache.integrations.vllm.shared_kv import data_plane
 from hicache.integrations.vllm.worker import WorkerSide
 from hicache.memory import CacheDtypes, group_geometries
 from hicache.memory.geometry import dtype_name
@@ -181,7 +182,7 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
         else:
             self.worker: WorkerSide | None = None
             self._layer_ids: dict[str, int] = {}
-            self._shared_kv: SharedKv | None = None
+            self._shared_kv: SharedRegions | None = None
             self.worker_events = WorkerEvents(self.page) if self.kv_events else None
 
     def _client_kwargs(

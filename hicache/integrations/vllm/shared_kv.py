@@ -1,224 +1,92 @@
 """vLLM's KV blocks as the pool the sidecar copies into: no staging, one copy per page.
 
-CPU. vLLM allocates its KV cache as one private allocation (`torch.zeros`, every layer a
-view); the sidecar can map only a sealed memfd. `share_in_place` gives the pages under
-vLLM's blocks shared backing without moving them: a sealed memfd of the same size, the
-current bytes copied in, then mapped over the same addresses (`MAP_FIXED`), chunk by chunk.
-Every tensor vLLM holds keeps its address and now reads and writes the memfd. Only pages
-this allocation owns are remapped: a page-aligned allocation's own pages, or glibc's mmapped
-chunk around it (the header says where it starts and ends; `malloc` must be glibc's). When
-the allocation is freed, glibc unmaps the region, shared pages and all. Anything else (an
-allocator preloaded, memory another allocation shares) is refused with the reason, and the
-connector falls back to its staging pool.
+CPU. vLLM allocates its KV cache as one allocation (`torch.zeros` of
+`VLLM_CPU_KVCACHE_SPACE`, every layer a view, hybrid groups overlaying it); the sidecar can
+map only a sealed memfd. `share_blocks` finds that one storage under every binding and the
+span their rows reach, and hands both to `core.shared_memory.share_in_place`, which gives the
+pages under that span shared backing without moving them (the rules — which pages an
+allocation owns alone, which mappings may be replaced — are the core's, one set for vLLM and
+SGLang). Only the span: the memfd must end where the rows do, or the sidecar refuses the
+manifest (it maps no slack). Every tensor vLLM holds keeps its address and now
+reads and writes the memfd. Bindings in several storages (no vLLM we know lays them out so),
+or memory the core refuses, raise `SharedMemoryError` naming vLLM's KV cache and the reason;
+`data_plane` logs it and the connector falls back to its staging pool.
 
 `blocks_pools` describes vLLM's blocks as hicache's pools over that memfd: per group, layer and
-tensor the byte offset of block 0's part and the block stride (`page_strides`), so the
-sidecar maps them as page rows (`hicache.channel.shm`), checks every row is in bounds, and its
-copies land in vLLM's blocks. `blocks_device_pools` is the same for CUDA tensors, registered by
-IPC handle (`register_cuda_pools`).
+tensor the memfd offset of block 0's part (`SharedRegions.offset_of`) and the block stride
+(`page_strides`), so the sidecar maps them as page rows (`hicache.channel.shm`), checks every
+row is in bounds, and its copies land in vLLM's blocks. `blocks_device_pools` is the same for
+CUDA tensors, registered by IPC handle (`register_cuda_pools`).
 
 Isolation is the sidecar's usual: a session registers only memory of its own process, so a
 buggy engine reaches only its own blocks; no L2 page is ever mapped into an engine.
 
 Lifecycle (the worker, once, in `register_kv_caches`; `data_plane` chooses and does this):
-    memory = share_in_place(bindings)                    # SharedKvError: use staging
+    memory = share_blocks(bindings)                      # SharedMemoryError: use staging
     pools = blocks_pools(memory, bindings, geometries)   # a SharedPools of vLLM's blocks
     client.register_pools(pools)                         # page ids are vLLM's block ids
+    ... vLLM runs; `memory` (its descriptor) stays open; each client closes its own dup ...
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import mmap
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from hicache.channel.prefault import populate
-from hicache.channel.shm import SharedPools, sealed_memfd
+from hicache.channel.shm import SharedPools
 from hicache.client import Client
-from hicache.errors import HicacheError
+from hicache.integrations.core.shared_memory import (
+    SharedMemoryError,
+    SharedRegions,
+    share_in_place,
+)
 from hicache.integrations.vllm.binding import LayerBinding
 from hicache.memory import DevicePool, GroupGeometry
 from hicache.model import LayerMap
 
-PAGE_BYTES = mmap.PAGESIZE
-CHUNK_BYTES = 64 << 20  # remapped at a time: the copy's extra memory at most this
-_IS_MMAPPED = 0x2  # glibc's chunk flag
-_MAP_FIXED = 0x10  # Linux (Python's mmap module does not name it)
-_MAX_SLACK_BYTES = 4 << 20  # glibc's alignment slop around an mmapped chunk, generously
+WHAT = "vLLM's KV cache"  # how errors name the memory
+MEMFD_NAME = "hicache-vllm-kv"
 
 log = logging.getLogger("hicache.vllm")
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-    ctypes.c_void_p,
-    ctypes.c_size_t,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_int,
-    ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
-class SharedKvError(HicacheError):
-    """vLLM's KV memory cannot be shared in place (the reason says why)."""
-
-
-@dataclass
-class SharedKv:
-    """vLLM's KV bytes [base, base + nbytes) now backed by the memfd `fd` (byte 0 at base)."""
-
-    fd: int
-    base: int
-    nbytes: int
-
-    def buffer(self) -> torch.Tensor:
-        """The region as a uint8 tensor (a view of vLLM's memory; never owns it)."""
-        array = (ctypes.c_uint8 * self.nbytes).from_address(self.base)
-        return torch.frombuffer(array, dtype=torch.uint8)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-
-def _extent(bindings: Mapping[int, LayerBinding]) -> tuple[int, int, torch.Tensor]:
-    """The first and end byte any binding's rows reach, and the storage they share."""
-    storages = {b.blocks.untyped_storage().data_ptr(): b.blocks for b in bindings.values()}
+def storage_and_reach(
+    bindings: Mapping[int, LayerBinding],
+) -> tuple[torch.UntypedStorage, int, int]:
+    """The one storage every binding's blocks are views of, and the first and end address
+    their rows reach."""
+    storages = {
+        b.blocks.untyped_storage().data_ptr(): b.blocks.untyped_storage() for b in bindings.values()
+    }
     if len(storages) != 1:
-        raise SharedKvError(
-            f"vLLM's KV tensors live in {len(storages)} allocations; sharing in place needs one"
+        raise SharedMemoryError(
+            f"vLLM's KV tensors live in {len(storages)} allocations; sharing in place needs "
+            "one (vLLM's CPU worker makes one, every layer a view of it)"
         )
     lo = min(b.blocks.data_ptr() for b in bindings.values())
     hi = max(
         b.blocks.data_ptr() + (b.blocks.shape[0] - 1) * b.blocks.stride(0) + b.blocks.shape[1]
         for b in bindings.values()
     )
-    return lo, hi, next(iter(storages.values()))
+    return next(iter(storages.values())), lo, hi
 
 
-def _owned_region(ptr: int, nbytes: int) -> tuple[int, int]:
-    """Whole pages [start, end) that belong to the allocation [ptr, ptr + nbytes) alone."""
-    if ptr % PAGE_BYTES == 0 and nbytes % PAGE_BYTES == 0:
-        return ptr, ptr + nbytes
-    malloc_in = _mapping_path(ctypes.cast(_libc.malloc, ctypes.c_void_p).value or 0)
-    if "libc.so" not in malloc_in:
-        raise SharedKvError(
-            f"the KV allocation at {ptr:#x} ({nbytes} bytes) is not page-aligned and malloc "
-            f"is not glibc's (it lives in {malloc_in or 'an unknown mapping'}): which pages it "
-            "owns alone is unknown"
-        )
-    prev_size, size = (ctypes.c_size_t * 2).from_address(ptr - 16)
-    chunk = ptr - 16
-    start, end = chunk - prev_size, chunk + (size & ~0x7)
-    if (
-        not size & _IS_MMAPPED
-        or start % PAGE_BYTES
-        or end % PAGE_BYTES
-        or not start <= ptr < ptr + nbytes <= end
-        or ptr - start > _MAX_SLACK_BYTES
-        or end - ptr - nbytes > _MAX_SLACK_BYTES
-    ):
-        raise SharedKvError(
-            f"the KV allocation at {ptr:#x} ({nbytes} bytes) is not one glibc mmapped chunk of "
-            "its own; its edge pages may hold other allocations"
-        )
-    return start, end
-
-
-def _mapping_path(address: int) -> str:
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return fields[5] if len(fields) > 5 else ""
-    return ""
-
-
-def _check_private_anonymous(start: int, end: int) -> None:
-    """[start, end) must be private anonymous read-write memory (what malloc hands out)."""
-    covered = start
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if hi <= covered or lo >= end:
-                continue
-            if lo > covered or fields[1] != "rw-p" or (len(fields) > 5 and fields[5]):
-                raise SharedKvError(
-                    f"the KV memory {start:#x}..{end:#x} is not all private anonymous memory "
-                    f"({line.strip()!r})"
-                )
-            covered = hi
-            if covered >= end:
-                return
-    raise SharedKvError(f"the KV memory {start:#x}..{end:#x} is not mapped whole")
-
-
-def share_in_place(bindings: Mapping[int, LayerBinding]) -> SharedKv:
-    """Back the pages under every binding's blocks with a sealed memfd, in place."""
-    lo, hi, blocks = _extent(bindings)
-    if blocks.device.type != "cpu":
-        raise SharedKvError(f"vLLM's KV cache is on {blocks.device}; in-place sharing is CPU's")
-    storage = blocks.untyped_storage()
-    own_start, own_end = _owned_region(storage.data_ptr(), storage.nbytes())
-    start = lo - lo % PAGE_BYTES
-    end = -(-hi // PAGE_BYTES) * PAGE_BYTES
-    if not own_start <= start < end <= own_end:
-        raise SharedKvError(
-            f"vLLM's blocks reach {lo:#x}..{hi:#x}, outside their allocation's own pages "
-            f"{own_start:#x}..{own_end:#x}"
-        )
-    _check_private_anonymous(start, end)
-    nbytes = end - start
-    fd = sealed_memfd("hicache-vllm-kv", nbytes)
-    rw, shared = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_SHARED
-    staging = _libc.mmap(None, nbytes, rw, shared, fd, 0)
-    if staging in (None, _MAP_FAILED):
-        os.close(fd)
-        raise SharedKvError(
-            f"mapping a {nbytes}-byte memfd failed: {os.strerror(ctypes.get_errno())}"
-        )
-    try:
-        for offset in range(0, nbytes, CHUNK_BYTES):
-            size = min(CHUNK_BYTES, nbytes - offset)
-            words = np.ctypeslib.as_array(
-                (ctypes.c_uint64 * (size // 8)).from_address(start + offset)
-            )
-            if words.any():  # a zero chunk needs no copy: its pages are allocated zeroed below
-                ctypes.memmove(staging + offset, start + offset, size)
-            # nothing else writes vLLM's KV while it registers; the copy and the remap of a
-            # chunk therefore see the same bytes
-            got = _libc.mmap(start + offset, size, rw, shared | _MAP_FIXED, fd, offset)
-            if got != start + offset:
-                raise SharedKvError(  # pragma: no cover - the kernel refused a fixed mapping
-                    f"remapping {size} bytes at {start + offset:#x} failed: "
-                    f"{os.strerror(ctypes.get_errno())}; vLLM's KV memory is now partly shared"
-                )
-            # vLLM's zeroed cache was resident: so is its memfd (zero chunks allocated now,
-            # every page mapped here), and the sidecar prefaults the same pages when it maps
-            # them; otherwise the first copy into each block faults in both processes
-            populate(start + offset, size, write=True)
-    except BaseException:
-        os.close(fd)
-        raise
-    finally:
-        _libc.munmap(staging, nbytes)
-    return SharedKv(fd, start, nbytes)
+def share_blocks(bindings: Mapping[int, LayerBinding]) -> SharedRegions:
+    """Back the pages under every binding's rows with a sealed memfd, in place
+    (`core.shared_memory.share_in_place`): only the pages the rows reach, so that the memfd
+    ends where the pool manifest's rows do (the sidecar maps no slack). Nothing else writes
+    them meanwhile (vLLM is registering its KV cache)."""
+    storage, lo, hi = storage_and_reach(bindings)
+    return share_in_place([storage], WHAT, MEMFD_NAME, reach=[(lo, hi)])
 
 
 def blocks_pools(
-    memory: SharedKv,
+    memory: SharedRegions,
     bindings: Mapping[int, LayerBinding],
     geometries: Mapping[str, GroupGeometry],
 ) -> SharedPools:
@@ -235,11 +103,11 @@ def blocks_pools(
             binding = bindings[layer_id]
             rows = binding.blocks
             if pages.setdefault(name, rows.shape[0]) != rows.shape[0]:
-                raise SharedKvError(
+                raise SharedMemoryError(
                     f"group {name!r}: layer {layer_id} has {rows.shape[0]} vLLM blocks, another "
                     f"layer {pages[name]}; one pool needs one block count"
                 )
-            base = rows.data_ptr() - memory.base
+            base = memory.offset_of(rows.data_ptr())
             offsets[name].append([base + first for _, first, _ in binding.parts])
             strides[name].append([rows.stride(0)] * len(binding.parts))
     return SharedPools(
@@ -273,7 +141,7 @@ class DataPlane:
 
     register: Callable[[Client], None] | None
     stream: Callable[[], Any]
-    memory: SharedKv | None = None
+    memory: SharedRegions | None = None
 
 
 def data_plane(
@@ -306,8 +174,8 @@ def data_plane(
     memory = None
     if why is None:
         try:
-            memory = share_in_place(bindings)
-        except SharedKvError as exc:
+            memory = share_blocks(bindings)
+        except SharedMemoryError as exc:
             why = str(exc)
     if memory is None:
         log.info("hicache: staging vLLM's blocks (%s)", why)

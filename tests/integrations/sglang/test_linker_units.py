@@ -195,6 +195,36 @@ def test_overlapping_or_missing_allocations_are_refused() -> None:
         plan_regions([empty])
 
 
+def test_a_reach_limits_the_remapped_pages_to_the_tensors_and_stays_inside_them() -> None:
+    """`reach` (the vLLM connector's: its rows' span): only the whole pages under it are
+    planned, so the memfd ends where the tensors do; a reach outside its allocation, or one
+    reach too few, is refused by name before anything is remapped."""
+    page = mmap.PAGESIZE
+    area = mmap.mmap(-1, 8 * page)
+    storage = torch.frombuffer(area, dtype=torch.uint8).untyped_storage()
+    base = storage.data_ptr()
+    (whole,) = plan_regions([storage])
+    assert (whole.base, whole.nbytes) == (base, 8 * page)
+    (part,) = plan_regions([storage], "the rows", [(base + page + 16, base + 3 * page + 1)])
+    assert (part.base, part.offset, part.nbytes) == (base + page, 0, 3 * page)
+    # the same allocation twice: the union of its reaches
+    (both,) = plan_regions(
+        [storage, storage], "the rows", [(base + 5 * page, base + 6 * page), (base, base + 8)]
+    )
+    assert (both.base, both.nbytes) == (base, 6 * page)
+    with pytest.raises(
+        SharedMemoryError,
+        match=rf"^the rows: its tensors reach {base:#x}\.\.{base + 9 * page:#x}, outside "
+        rf"their allocation {base:#x}\.\.{base + 8 * page:#x}$",
+    ):
+        plan_regions([storage], "the rows", [(base, base + 9 * page)])
+    with pytest.raises(
+        SharedMemoryError, match=r"^the rows: 1 reaches given for 2 allocations; one each$"
+    ):
+        plan_regions([storage, storage], "the rows", [(base, base + 8)])
+    del storage
+
+
 def test_settings_are_checked_key_by_key(tmp_path: Path) -> None:
     settings = LinkerSettings.parse({"address": "/run/h.sock", "load_timeout_s": 3})
     assert (settings.address, settings.tenant, settings.load_timeout_s) == (
