@@ -68,6 +68,8 @@ class WorldThread:
         self.thread.start()
         self._ready: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._stop = asyncio.Event()
+        self.stores: list[concurrent.futures.Future[Any]] = []  # each store's end
+        self._engines = 0
         self._served = asyncio.run_coroutine_threadsafe(self._serve(config), self.loop)
         self._ready.result(timeout=120)
 
@@ -106,13 +108,37 @@ class WorldThread:
         async def ended() -> Any:
             return await asyncio.gather(task, return_exceptions=True)
 
-        return asyncio.run_coroutine_threadsafe(ended(), self.loop)
+        store = asyncio.run_coroutine_threadsafe(ended(), self.loop)
+        self.stores.append(store)
+        return store
 
-    def release(self, *, fail: bool = False) -> None:
+    def release(self, *, fail: bool = False) -> int:
+        """Run (or fail) the held store copies; how many."""
+
         async def release() -> int:
             return self.held.release(fail=fail)
 
-        assert self.run(release) == 1
+        return self.run(release)
+
+    def after_test(self) -> None:
+        """What a test left, passed or failed: held copies run, stores ended, an engine
+        whose connection it dropped replaced (its session ended first)."""
+        self.release()
+        for store in self.stores:
+            store.result(timeout=120)
+        self.stores.clear()
+
+        async def replace() -> None:
+            for role in ("prefill", "decode"):
+                engine: Engine = getattr(self, role)
+                if engine.link is not None and engine.link.closing:
+                    if engine.session is not None and engine.session.ending is not None:
+                        await engine.session.ending
+                    self._engines += 1
+                    fresh = self.world.engine(f"{role}{self._engines}", num_pages=8)
+                    setattr(self, role, await fresh.start())
+
+        self.run(replace)
 
     def lose(self, engine: Engine) -> None:
         """`engine`'s connection is lost (on the world's loop, as a real loss is seen)."""
@@ -192,12 +218,19 @@ class Scheduler:
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorldThread]:
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorldThread]:
     world = WorldThread(deployment(tmp_path_factory.mktemp("store_waits")))
     try:
         yield world
     finally:
         world.close()
+
+
+@pytest.fixture
+def world(served: WorldThread) -> Iterator[WorldThread]:
+    """The module's world, left as the next test needs it whatever this one did."""
+    yield served
+    served.after_test()
 
 
 def scheduler(world: WorldThread) -> Scheduler:
@@ -212,9 +245,9 @@ def test_a_store_landed_before_the_first_ask_is_a_hit_without_waiting(
 ) -> None:
     s = scheduler(world)
     tokens = prompt(21)
-    world.store_in_flight(tokens)
-    world.release()
-    world.run(lambda: settle(lambda: writing(world.world, world.prefill) == 0, "landed"))
+    store = world.store_in_flight(tokens)
+    assert world.release() == 1
+    store.result(timeout=60)
     assert s.ask("r", tokens) == ASKED
     assert (s.lookups.store_waits, s.lookups.waiting) == ({}, {})
     # every ask a waiting lookup the sidecar answers at once
@@ -234,7 +267,7 @@ def test_a_store_landing_between_asks_is_a_hit(world: WorldThread, tmp_path: Pat
     stats = tmp_path / "stats.scheduler.json"
     s.lookups.write_stats(stats)
     assert '"store_waits_waiting": 1' in stats.read_text()
-    world.release()
+    assert world.release() == 1
     store.result(timeout=60)
     assert s.ask("r", tokens) == ASKED
     assert (s.lookups.store_waits, s.lookups.waiting) == ({"hit": 1}, {})
@@ -248,14 +281,12 @@ def test_a_store_outlasting_the_bound_times_out_with_the_hit_as_it_is(
     s = scheduler(world)
     tokens = prompt(23)
     store = world.store_in_flight(tokens)
-    try:
-        assert s.ask("r", tokens) is None
-        s.clock.now_s += WAIT_S  # the bound passed, the store still held
-        assert s.ask("r", tokens) == 0  # recomputed
-        assert (s.lookups.store_waits, s.lookups.waiting) == ({"timed_out": 1}, {})
-    finally:
-        world.release()
-        store.result(timeout=60)
+    assert s.ask("r", tokens) is None
+    s.clock.now_s += WAIT_S  # the bound passed, the store still held
+    assert s.ask("r", tokens) == 0  # recomputed
+    assert (s.lookups.store_waits, s.lookups.waiting) == ({"timed_out": 1}, {})
+    assert world.release() == 1
+    store.result(timeout=60)
     assert s.ask("r", tokens) == ASKED  # a later ask (a new wait would start afresh)
     assert s.lookups.store_waits == {"timed_out": 1}
 
@@ -265,7 +296,7 @@ def test_a_store_that_fails_ends_the_wait_missed(world: WorldThread) -> None:
     tokens = prompt(24)
     store = world.store_in_flight(tokens)
     assert s.ask("r", tokens) is None
-    world.release(fail=True)
+    assert world.release(fail=True) == 1
     [stored] = store.result(timeout=60)
     assert stored["pages_stored"] == 0
     assert s.ask("r", tokens) == 0
@@ -279,22 +310,12 @@ def test_a_producer_dying_mid_store_still_lands_and_hits(world: WorldThread) -> 
     tokens = prompt(25)
     store = world.store_in_flight(tokens)
     assert s.ask("r", tokens) is None
-    prefill = world.prefill
-    world.lose(prefill)  # the prefill engine dies
+    world.lose(world.prefill)  # the prefill engine dies (replaced after the test)
     assert s.ask("r", tokens) is None  # its store is still in flight
-    world.release()
+    assert world.release() == 1
     store.result(timeout=60)
     assert s.ask("r", tokens) == ASKED
     assert s.lookups.store_waits == {"hit": 1}
-
-    async def restart() -> None:  # a fresh prefill engine for the module's other tests
-        session = prefill.session
-        assert session is not None
-        assert session.ending is not None
-        await session.ending
-        world.prefill = await world.world.engine("prefill2").start()
-
-    world.run(restart)
 
 
 @pytest.mark.parametrize("how", ["finished", "aborted"])
@@ -304,18 +325,16 @@ def test_a_request_ended_while_waiting_drops_its_wait(world: WorldThread, how: s
     s = scheduler(world)
     tokens = prompt(26 if how == "finished" else 27)
     store = world.store_in_flight(tokens)
-    try:
-        assert s.ask("gone", tokens) is None
-        assert s.ask("stays", tokens) is None
-        s.lookups.forget("gone")
-        s.book.finished("gone")
-        assert set(s.lookups.waiting) == {"stays"}
-        assert s.lookups.store_waits == {"abandoned": 1}
-        s.lookups.forget("gone")  # forgotten twice (finished after an abort): counted once
-        assert s.lookups.store_waits == {"abandoned": 1}
-    finally:
-        world.release()
-        store.result(timeout=60)
+    assert s.ask("gone", tokens) is None
+    assert s.ask("stays", tokens) is None
+    s.lookups.forget("gone")
+    s.book.finished("gone")
+    assert set(s.lookups.waiting) == {"stays"}
+    assert s.lookups.store_waits == {"abandoned": 1}
+    s.lookups.forget("gone")  # forgotten twice (finished after an abort): counted once
+    assert s.lookups.store_waits == {"abandoned": 1}
+    assert world.release() == 1
+    store.result(timeout=60)
     assert s.ask("stays", tokens) == ASKED
     assert (s.lookups.store_waits, s.lookups.waiting) == ({"abandoned": 1, "hit": 1}, {})
 
@@ -323,17 +342,8 @@ def test_a_request_ended_while_waiting_drops_its_wait(world: WorldThread, how: s
 def test_the_sidecar_gone_while_waiting_ends_it_missed_with_no_hits(world: WorldThread) -> None:
     s = scheduler(world)
     tokens = prompt(28)
-    store = world.store_in_flight(tokens)
-    try:
-        assert s.ask("r", tokens) is None
-        world.lose(world.decode)  # the decode's connection to the sidecar is gone
-        assert s.ask("r", tokens) == 0
-        assert (s.lookups.store_waits, s.lookups.waiting) == ({"missed": 1}, {})
-    finally:
-        world.release()
-        store.result(timeout=60)
-
-    async def reconnect() -> None:  # a fresh decode engine for the module's other tests
-        world.decode = await world.world.engine("decode2", num_pages=8).start()
-
-    world.run(reconnect)
+    world.store_in_flight(tokens)
+    assert s.ask("r", tokens) is None
+    world.lose(world.decode)  # the decode's connection is gone (replaced after the test)
+    assert s.ask("r", tokens) == 0
+    assert (s.lookups.store_waits, s.lookups.waiting) == ({"missed": 1}, {})
