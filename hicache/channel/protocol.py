@@ -195,6 +195,11 @@ class KeyLookup(Msg):
     # wait up to this long when the hit stops at a page a store in flight is writing (a
     # decode instance asking for its prefill's pages, service/store_waits.py); 0: answer now
     wait_stored_s: float = Field(default=0.0, ge=0.0, le=MAX_STORE_WAIT_S)
+    # with wait_stored_s: never hold the reply; the engine asks again itself while the
+    # reply's `store_writing` says a store in flight writes the page past the hit (vLLM's
+    # "ask again later"); wait_stored_s then only marks a lookup waiting for another
+    # engine's pages (L3's remembered "absent" not trusted: ops_lookup.Query.trusts_absent)
+    answer_at_once: bool = False
 
 
 class LookupMany(Msg):

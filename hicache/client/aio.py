@@ -151,15 +151,19 @@ class AsyncClient(ClientBase):
         self._registration = registration
 
     async def lookup(self, tokens: Sequence[int]) -> Lookup:
-        r = await self.call("lookup", {"tokens": list(tokens)})
-        return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
+        return self._lookup_of(await self.call("lookup", {"tokens": list(tokens)}))
 
     async def lookup_keys(
-        self, keys: PromptKeys | Sequence[int], *, wait_stored_s: float = 0.0
+        self,
+        keys: PromptKeys | Sequence[int],
+        *,
+        wait_stored_s: float = 0.0,
+        answer_at_once: bool = False,
     ) -> Lookup:
         """`Client.lookup_keys`: a lookup by the prompt's page keys (`page_keys`), waiting
-        up to `wait_stored_s` for pages a store in flight is writing."""
-        args = self._key_lookup_args(keys, wait_stored_s)
+        up to `wait_stored_s` for pages a store in flight is writing (never held with
+        `answer_at_once`: the engine asks again)."""
+        args = self._key_lookup_args(keys, wait_stored_s, answer_at_once)
         return self._lookup_of(await self.call("lookup_keys", args))
 
     async def lookup_many(self, prompts: Sequence[PromptKeys | Sequence[int]]) -> list[Lookup]:

@@ -350,14 +350,17 @@ class ClientBase:
             reply["tokens_l2"],
             reply["tokens_total"],
             reply.get("store_wait"),
+            reply.get("store_writing"),
         )
 
     def _key_lookup_args(
-        self, keys: PromptKeys | Sequence[int], wait_stored_s: float
+        self, keys: PromptKeys | Sequence[int], wait_stored_s: float, answer_at_once: bool
     ) -> dict[str, Any]:
         args = self._key_args(keys)
         if wait_stored_s > 0:  # only then: a sidecar that predates the field is asked as before
             args["wait_stored_s"] = float(wait_stored_s)
+            if answer_at_once:
+                args["answer_at_once"] = True
         return args
 
     def _engine_fence(self, stream: Any, op: str) -> tuple[Any, bytes | None]:

@@ -231,8 +231,7 @@ class Client(ClientBase):
         self._registration = registration
 
     def lookup(self, tokens: Sequence[int]) -> Lookup:
-        r = self.call("lookup", {"tokens": list(tokens)})
-        return Lookup(r["page_size_tokens"], r["tokens_l2"], r["tokens_total"])
+        return self._lookup_of(self.call("lookup", {"tokens": list(tokens)}))
 
     def lookup_keys(
         self,
@@ -240,14 +239,18 @@ class Client(ClientBase):
         groups: Sequence[str] | None = None,
         *,
         wait_stored_s: float = 0.0,
+        answer_at_once: bool = False,
     ) -> Lookup:
         """`lookup` by the prompt's page keys (`page_keys`, computed once per prompt; tokens
         are keyed here first): the same answer, without the sidecar decoding and hashing a
         token list. `groups`: the hit of those groups alone (an engine that moves each of its
         pools on its own). `wait_stored_s`: when the hit stops at a page another engine's
         store is writing now, the sidecar answers once that store ended, or after this long
-        (the call's reply timeout must exceed it); `Lookup.store_wait` says how it ended."""
-        args = self._key_lookup_args(keys, wait_stored_s)
+        (the call's reply timeout must exceed it); `Lookup.store_wait` says how it ended.
+        `answer_at_once` (with `wait_stored_s`): never held; `Lookup.store_writing` says a
+        store is writing the next page, and the engine asks again later itself (a sidecar
+        that predates it refuses the field by name)."""
+        args = self._key_lookup_args(keys, wait_stored_s, answer_at_once)
         if groups is not None:
             args["groups"] = list(groups)
         return self._lookup_of(self.call("lookup_keys", args))

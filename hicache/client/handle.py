@@ -81,6 +81,9 @@ class Lookup:
     # a lookup with `wait_stored_s` that waited for a store in flight: how the wait ended
     # ("hit", "missed", "timed_out", "drained"); None: it did not wait
     store_wait: str | None = None
+    # a store in flight writes the page right past the hit now (the engine may ask again
+    # later); None: the sidecar predates saying so
+    store_writing: bool | None = None
 
 
 _STATES = {

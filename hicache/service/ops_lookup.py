@@ -13,7 +13,10 @@ tokens' worth, `num_tokens` consistent with them), looked up as they are, and th
 the token lookup's, discovery included. A key lookup with `wait_stored_s` whose hit stops at
 a page a store in flight is writing is answered later, once that store ended or the bound
 passed (`store_waits.py`); its reply says how the wait ended (`store_wait`). The lookups of
-one `lookup_many` wait together: the op is bounded by its longest `wait_stored_s`."""
+one `lookup_many` wait together: the op is bounded by its longest `wait_stored_s`. With
+`answer_at_once` it is never held: the engine asks again itself (vLLM's connector).
+Every reply, by tokens or by keys, says whether a store in flight writes the page past its
+hit (`store_writing`), without waiting."""
 
 from __future__ import annotations
 
@@ -45,6 +48,12 @@ class Query:
     groups: list[str] | None = None
     served: bool = False
     wait_s: float = 0.0
+    answer_at_once: bool = False  # never held: the engine asks again while a store writes
+
+    @property
+    def hold_s(self) -> float:
+        """How long the sidecar may hold the reply for a store in flight (0: never)."""
+        return 0.0 if self.answer_at_once else self.wait_s
 
     def hit(self, cache: TieredCache) -> Hit:
         return cache.lookup_keys(self.keys, self.groups)
@@ -98,11 +107,17 @@ class LookupOps:
         tenant = namespace.key.tenant
         if cache.needs_discovery(args.tokens, hit):  # ask L3 first
             return Later(partial(self._discovering, cache, args.tokens, tenant))
-        return self._reply(hit, len(args.tokens), tenant)
+        return self._token_reply(cache, args.tokens, hit, tenant)
 
     async def _discovering(self, cache: TieredCache, tokens: Sequence[int], tenant: str) -> Result:
         await cache.discover(tokens)
-        return self._reply(cache.lookup(tokens), len(tokens), tenant)
+        return self._token_reply(cache, tokens, cache.lookup(tokens), tenant)
+
+    def _token_reply(
+        self, cache: TieredCache, tokens: Sequence[int], hit: Hit, tenant: str
+    ) -> Result:
+        writing = self.state.store_waits.writing_tokens(cache, tokens, hit)
+        return self._reply(hit, len(tokens), tenant, writing=writing)
 
     def lookup_keys(self, session: Session, args: p.KeyLookup) -> Reply:
         return self._key_lookups(session, [args], "lookup_keys", _first)
@@ -125,7 +140,7 @@ class LookupOps:
         for query in checked:
             hit = query.hit(cache)
             if query.needs_discovery(cache, hit) or (
-                query.wait_s > 0 and waits.writing(cache, query.named_keys, hit)
+                query.hold_s > 0 and waits.writing(cache, query.named_keys, hit)
             ):
                 return Later(
                     partial(self._discovering_keys, session, cache, checked, shape, tenant)
@@ -149,7 +164,7 @@ class LookupOps:
         store_waits = self.state.store_waits
         waited = await asyncio.gather(
             *(
-                store_waits.wait(cache, query.keys, query.wait_s, session.gone, query.groups)
+                store_waits.wait(cache, query.keys, query.hold_s, session.gone, query.groups)
                 for query in checked
             )
         )
@@ -175,7 +190,8 @@ class LookupOps:
         tenant: str,
         waited: str | None = None,
     ) -> Result:
-        reply = self._reply(hit, query.asked, tenant, waited)
+        writing = self.state.store_waits.writing(cache, query.named_keys, hit)
+        reply = self._reply(hit, query.asked, tenant, waited, writing)
         if query.served:  # run: every length up to it; at: the others, listed
             reply["served"] = {
                 group: {"run": served.run, "at": list(served.at)}
@@ -195,7 +211,7 @@ class LookupOps:
     def _query(self, args: p.KeyLookup, where: str) -> Query:
         keys, asked = packed_keys(self.state, args.keys, args.num_tokens, where)
         groups = check_groups(self.state, args.groups, where)
-        return Query(keys, asked, groups, args.served, args.wait_stored_s)
+        return Query(keys, asked, groups, args.served, args.wait_stored_s, args.answer_at_once)
 
     def _no_key_hit(self, query: Query) -> Result:
         reply = self._reply(self._no_hit(), query.asked)
@@ -208,16 +224,25 @@ class LookupOps:
         return Hit(self.state.plan.page_size_tokens, 0, 0, {}, {})
 
     def _reply(
-        self, hit: Hit, asked: int, tenant: str | None = None, waited: str | None = None
+        self,
+        hit: Hit,
+        asked: int,
+        tenant: str | None = None,
+        waited: str | None = None,
+        writing: bool = False,
     ) -> Result:
         """`waited`: the outcome of a wait for stores in flight (`store_waits.OUTCOMES`),
-        in the reply only when the lookup waited."""
+        in the reply only when the lookup waited. `writing`: a store in flight writes the
+        page past the hit now (`store_writing`, in every reply)."""
         self.state.metrics.lookup(hit.tokens_l2, hit.tokens_total, asked, tenant)
         reply: Result = {
             "page_size_tokens": hit.page_size_tokens,
             "tokens_l2": hit.tokens_l2,
             "tokens_total": hit.tokens_total,
+            "store_writing": writing,
         }
+        if writing:
+            self.state.store_waits.stats.answered_writing += 1
         if waited is not None:
             reply["store_wait"] = waited
             self.state.metrics.store_waits.labels(waited).inc()

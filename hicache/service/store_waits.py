@@ -24,6 +24,13 @@ Lifecycle of one wait (its outcome counted once, in `/v1/stats` "store_waits"):
                   without waiting on it
 Nothing is held by a wait (no pins, no reservation), so ending it at any point leaks nothing.
 The hit, and what is pending past it, are of the lookup's `groups` (all when None).
+
+Without waiting: every lookup reply (by keys or by tokens) says whether a store in flight
+writes the page past its hit (`store_writing`, from `writing` / `writing_tokens`: the same
+`writing_after` the wait uses; False once the drain began). An engine that can ask again
+later (vLLM's connector: `KeyLookup.answer_at_once`) waits on its own side, asking at its
+next steps, and counts the outcomes itself; the sidecar holds nothing for it and counts each
+reply that said a store was writing (`answered_writing`).
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from hicache.cache import TieredCache
-from hicache.cache.writing import until_first, writing_after
+from hicache.cache.writing import pending_pages, until_first, writing_after
 from hicache.index import Hit, PageKey
 
 OUTCOMES = ("hit", "missed", "timed_out", "drained", "abandoned")
@@ -49,6 +56,9 @@ class StoreWaitStats:
     abandoned: int = 0
     waiting: int = 0  # waits in progress now
     waited_s: float = 0.0  # seconds waited, all waits together
+    # lookup replies saying a store in flight writes the page past their hit (`store_writing`:
+    # an engine asking again later, or a wait that timed out)
+    answered_writing: int = 0
 
 
 class StoreWaits:
@@ -60,6 +70,15 @@ class StoreWaits:
         """Does the prompt continue past `hit` (of `keys`' groups) into a page a store in
         flight is writing?"""
         return not self.stopping.is_set() and bool(writing_after(cache.planner, keys, hit))
+
+    def writing_tokens(self, cache: TieredCache, tokens: Sequence[int], hit: Hit) -> bool:
+        """`writing` of a lookup by tokens: the prompt keyed only up to the page past the
+        hit, and only while some store plan is in flight."""
+        if self.stopping.is_set() or not pending_pages(cache.planner):
+            return False
+        page = hit.page_size_tokens
+        keys = cache.index.keys(tokens[: (hit.pages_total + 1) * page])
+        return bool(writing_after(cache.planner, keys, hit))
 
     def stop(self) -> None:
         """The drain began: every wait answers now, and no new one starts."""

@@ -15,8 +15,11 @@ Judges:
 - the prefill's steps ended with their stores acknowledged in L2 (its stats file);
 - a decode request sent while the prefill's store is still in flight (the sidecar's backup
   copies held by a file the test removes: `FakeCopyBackend`'s `backup_hold_path`) waits for
-  it in the sidecar and hits — counted as a wait that hit by the sidecar and by the decode
-  instance's scheduler half — instead of recomputing.
+  it and hits instead of recomputing — without holding vLLM's scheduler thread: the
+  sidecar answers each lookup at once saying a store is writing, the connector answers vLLM
+  "ask again later", vLLM's scheduler steps on (its stats file written with the wait in
+  progress) and asks again; the sidecar held no reply, the decode instance's scheduler half
+  counts one wait that hit.
 
 vLLM is required here as in test_vllm.py; without it, outside CI, the module skips.
 """
@@ -184,7 +187,16 @@ def test_decode_sent_while_the_prefills_store_is_in_flight_waits_and_hits(pair: 
         "the prefill's store in flight",
     )
     pair.decode.send_round([IN_FLIGHT], max_tokens=DECODE_TOKENS)
-    until(lambda: stats_of(pair)["store_waits"]["waiting"] == 1, "the decode's lookup waiting")
+    # vLLM asked again after "ask again later" (each ask answered at once), and its
+    # scheduler stepped on meanwhile: build_connector_meta wrote the wait in progress
+    until(
+        lambda: stats_of(pair)["store_waits"]["answered_writing"] >= 2,
+        "the decode's lookup asked again while the store was in flight",
+    )
+    until(
+        lambda: scheduler_stats(pair).get("store_waits_waiting") == 1,
+        "the decode's scheduler stepping on with the request waiting",
+    )
     pair.hold.unlink()  # the store lands
     [got] = pair.decode.results()
     pair.prefill.results()
@@ -192,10 +204,19 @@ def test_decode_sent_while_the_prefills_store_is_in_flight_waits_and_hits(pair: 
     assert (got["output"], got["logprobs"]) == (want["output"], want["logprobs"])
     assert got["cached"] == full_pages(IN_FLIGHT)  # loaded, not recomputed
     waits = stats_of(pair)["store_waits"]
-    assert (waits["waits"], waits["hit"], waits["waiting"]) == (1, 1, 0), waits
+    assert (waits["waits"], waits["waiting"]) == (0, 0), waits  # the sidecar held no reply
     scheduler = pair.stats("decode.stats.scheduler.json")
     assert scheduler["kv_role"] == "kv_consumer"
     assert scheduler["store_waits"] == {"hit": 1}, scheduler
+    assert scheduler["store_waits_waiting"] == 0, scheduler
+
+
+def scheduler_stats(pair: Pair) -> dict[str, Any]:
+    """The decode instance's scheduler half's stats file ({} before its first write)."""
+    try:
+        return pair.stats("decode.stats.scheduler.json")
+    except FileNotFoundError:
+        return {}
 
 
 def stats_of(pair: Pair) -> dict[str, Any]:

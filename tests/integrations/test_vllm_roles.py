@@ -113,21 +113,27 @@ class _WaitingClient:
     def __init__(self, outcomes: list[str | None]):
         self.outcomes = outcomes
         self.waits: list[float] = []
+        self.at_once: list[bool] = []
 
     def page_keys(self, tokens: Any, extend: Any = None) -> list[int]:
         return list(tokens)
 
-    def lookup_keys(self, keys: Any, *, wait_stored_s: float = 0.0) -> Lookup:
+    def lookup_keys(
+        self, keys: Any, *, wait_stored_s: float = 0.0, answer_at_once: bool = False
+    ) -> Lookup:
         self.waits.append(wait_stored_s)
+        self.at_once.append(answer_at_once)
         outcome = self.outcomes.pop(0)
         return Lookup(4, 8, 8 if outcome == "hit" else 0, outcome)
 
 
 def test_lookups_ask_with_the_wait_and_count_each_outcome(tmp_path: Path) -> None:
+    """Replies of a sidecar that waited (a blocking wait, `store_wait`): counted alike."""
     client = _WaitingClient(["hit", None, "timed_out", "hit"])
     lookups = Lookups(lambda: client, 1.0, wait_stored_s=2.5)  # type: ignore[arg-type,return-value]
     hits = [lookups.lookup(list(range(12))) for _ in range(4)]
     assert client.waits == [2.5] * 4
+    assert client.at_once == [True] * 4  # never asked to hold the reply
     assert hits == [(8, 8), (8, 0), (8, 0), (8, 8)]
     assert lookups.store_waits == {"hit": 2, "timed_out": 1}
     path = tmp_path / "stats.scheduler.json"
@@ -136,6 +142,7 @@ def test_lookups_ask_with_the_wait_and_count_each_outcome(tmp_path: Path) -> Non
         "kv_role": "kv_consumer",
         "store_wait_s": 2.5,
         "store_waits": {"hit": 2, "timed_out": 1},
+        "store_waits_waiting": 0,
     }
 
 
@@ -169,24 +176,48 @@ def test_a_store_reply_saying_persisted_is_counted() -> None:
 
 
 class _OlderSidecar(_WaitingClient):
-    """A sidecar that predates waits for stores in flight: it refuses the field by name."""
+    """A sidecar that predates some lookup fields: it refuses each by name, as pydantic
+    lists every extra field of a request."""
 
-    def lookup_keys(self, keys: Any, *, wait_stored_s: float = 0.0) -> Lookup:
-        if wait_stored_s:
-            raise ClientError(
-                ErrorCode.BAD_REQUEST,
-                "lookup_keys.wait_stored_s: Extra inputs are not permitted (got 2.0)",
-            )
-        return super().lookup_keys(keys)
+    def __init__(self, outcomes: list[str | None], lacks: tuple[str, ...]):
+        super().__init__(outcomes)
+        self.lacks = lacks
+
+    def lookup_keys(
+        self, keys: Any, *, wait_stored_s: float = 0.0, answer_at_once: bool = False
+    ) -> Lookup:
+        sent = {"wait_stored_s": wait_stored_s, "answer_at_once": answer_at_once}
+        refused = [
+            f"lookup_keys.{name}: Extra inputs are not permitted (got {value})"
+            for name, value in sent.items()
+            if value and name in self.lacks
+        ]
+        if refused:
+            raise ClientError(ErrorCode.BAD_REQUEST, "; ".join(refused))
+        return super().lookup_keys(keys, wait_stored_s=wait_stored_s, answer_at_once=answer_at_once)
 
 
 def test_an_older_sidecar_is_asked_without_the_wait_from_then_on() -> None:
-    client = _OlderSidecar([None, None])
+    client = _OlderSidecar([None, None], ("wait_stored_s", "answer_at_once"))
     lookups = Lookups(lambda: client, 1.0, wait_stored_s=2.0)  # type: ignore[arg-type,return-value]
     assert lookups.lookup(list(range(12))) == (8, 0)  # answered, not an outage
     assert lookups.wait_stored_s == 0.0
     assert lookups.lookup(list(range(12))) == (8, 0)
     assert client.waits == [0.0, 0.0]
+
+
+def test_a_sidecar_without_answers_at_once_is_waited_on_there_from_then_on() -> None:
+    """The blocking wait kept for a sidecar that predates `answer_at_once`: asked with the
+    wait alone (it holds the reply), its outcomes counted as its replies say."""
+    client = _OlderSidecar(["hit", "timed_out"], ("answer_at_once",))
+    lookups = Lookups(lambda: client, 1.0, wait_stored_s=2.0)  # type: ignore[arg-type,return-value]
+    with lookups.asking("r"):
+        assert lookups.lookup(list(range(12))) == (8, 8)
+        assert lookups.lookup(list(range(12))) == (8, 0)
+    assert not lookups.answer_at_once
+    assert (client.waits, client.at_once) == ([2.0, 2.0], [False, False])
+    assert lookups.store_waits == {"hit": 1, "timed_out": 1}
+    assert lookups.waiting == {}
 
 
 def test_an_older_sidecar_refusing_persisted_is_asked_at_l2_from_then_on() -> None:

@@ -23,6 +23,7 @@ from hicache.service.ops_lookup import LookupOps
 from hicache.service.server import EngineServer
 from hicache.service.sessions import Session
 from hicache.service.state import ServerState
+from hicache.service.store_waits import StoreWaits
 from hicache.transfer import CpuCopyBackend
 from tests.service.conftest import write_config
 
@@ -30,11 +31,13 @@ PAGE = 16
 
 
 class FakeCache:
-    """The index holds 2 pages of any prompt; L3 holds 2 more, found only by discovery."""
+    """The index holds 2 pages of any prompt; L3 holds 2 more, found only by discovery; no
+    store in flight (the planner has nothing pending)."""
 
     def __init__(self, l3_may_extend: bool):
         self.l3_may_extend = l3_may_extend
         self.discovered: list[list[int]] = []
+        self.planner = SimpleNamespace(pending={})
 
     def lookup(self, tokens: Sequence[int]) -> Hit:
         return Hit(PAGE, 2, 4 if self.discovered else 2)
@@ -53,6 +56,7 @@ def lookup_ops(cache: FakeCache, metrics: ServiceMetrics) -> LookupOps:
         readable=lambda session, op: namespace,
         deployment=SimpleNamespace(model=SimpleNamespace(page_size_tokens=PAGE)),
         metrics=metrics,
+        store_waits=StoreWaits(),
     )
     return LookupOps(cast(ServerState, state))
 
@@ -64,7 +68,12 @@ def test_a_lookup_l3_cannot_extend_is_answered_inline() -> None:
     reply = lookup_ops(cache, metrics).lookup(
         cast(Session, None), p.Tokens(tokens=list(range(6 * PAGE)))
     )
-    assert reply == {"page_size_tokens": PAGE, "tokens_l2": 2 * PAGE, "tokens_total": 2 * PAGE}
+    assert reply == {
+        "page_size_tokens": PAGE,
+        "tokens_l2": 2 * PAGE,
+        "tokens_total": 2 * PAGE,
+        "store_writing": False,
+    }
     assert cache.discovered == []
     assert metrics.hit_tokens == {"l2": 2 * PAGE, "l3": 0, "miss": 4 * PAGE}
 
@@ -79,7 +88,12 @@ def test_a_lookup_l3_may_extend_is_a_later_that_asks_l3_first() -> None:
     assert cache.discovered == []  # nothing asked of L3 and nothing counted before the await
     assert metrics.hit_tokens == {"l2": 0, "l3": 0, "miss": 0}
     reply = asyncio.run(cast(Any, later.run()))
-    assert reply == {"page_size_tokens": PAGE, "tokens_l2": 2 * PAGE, "tokens_total": 4 * PAGE}
+    assert reply == {
+        "page_size_tokens": PAGE,
+        "tokens_l2": 2 * PAGE,
+        "tokens_total": 4 * PAGE,
+        "store_writing": False,
+    }
     assert cache.discovered == [tokens]
     assert metrics.hit_tokens == {"l2": 2 * PAGE, "l3": 2 * PAGE, "miss": 2 * PAGE}
 

@@ -32,8 +32,9 @@ Extra config keys (`kv_connector_extra_config`):
                     as JSON after each step that moved pages; at tensor_parallel_size > 1
                     each rank to PATH with .rank<r> before its suffix; the scheduler half
                     its lookups' waits for stores in flight to PATH with .scheduler
-    store_wait_s    how long a lookup waits for pages another engine's store in flight is
-                    writing (0 to 60; default: 2 for kv_consumer, else 0; `vllm/roles.py`)
+    store_wait_s    how long a request waits for pages another engine's store in flight is
+                    writing (0 to 60; default: 2 for kv_consumer, else 0; `vllm/roles.py`):
+                    vLLM asks again at later steps meanwhile (`vllm/lookups.py`)
     persisted_within_s  kv_producer: each store answered once L3 holds its pages, at most
                     this long (0: at L2); for a decode instance on another host
 
@@ -276,6 +277,10 @@ class HicacheConnector(KVConnectorBase_V1, SupportsHMA):
             hit = self.book.matched(
                 request.request_id, list(request.all_token_ids), num_computed_tokens
             )
+        if hit is None:
+            # a store in flight writes the next page (a kv_consumer's wait, `vllm/lookups.py`):
+            # vLLM skips the request this step and asks again; its thread is never held
+            return None, False
         return hit, self.async_loads and hit > 0
 
     def update_state_after_alloc(

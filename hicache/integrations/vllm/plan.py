@@ -2,9 +2,11 @@
 pages each engine step stores, and the per-step metadata the worker half executes.
 
 Lifecycle (all in vLLM's EngineCore process, on its scheduler thread):
-    book = StepBook(page_size_tokens, lookup, stores=True)  # lookup(tokens) -> (in L2, in all);
+    book = StepBook(page_size_tokens, lookup, stores=True)  # lookup(tokens) -> (in L2, in all),
+                                                   # or None: ask again later (a store writing);
                                                    # stores=False: kv_consumer, loads only
-    book.matched(req_id, tokens, local_tokens)     # get_num_new_matched_tokens: side-effect free
+    book.matched(req_id, tokens, local_tokens)     # get_num_new_matched_tokens: side-effect free;
+                                                   # None: vLLM asks again at a later step
     book.allocated(req_id, tokens, local, n_ext, block_ids)   # update_state_after_alloc
     meta = book.step(scheduled)                    # build_connector_meta: loads, then stores
     book.finished(req_id)                          # request_finished_all_groups
@@ -89,7 +91,7 @@ class StepBook:
     def __init__(
         self,
         page_size_tokens: int,
-        lookup: Callable[[Sequence[int]], tuple[int, int]],
+        lookup: Callable[[Sequence[int]], tuple[int, int] | None],
         *,
         async_loads: bool = False,
         stores: bool = True,
@@ -113,14 +115,18 @@ class StepBook:
         self.lookups = 0
         self.hit_tokens = 0
 
-    def matched(self, req_id: str, tokens: Sequence[int], local_tokens: int) -> int:
-        """Tokens beyond vLLM's own (page-aligned) hit that hicache can load. The last token
-        is always computed (its logits are the first output), so at most len - 1 tokens are
-        asked about, rounded down to whole pages by the lookup."""
+    def matched(self, req_id: str, tokens: Sequence[int], local_tokens: int) -> int | None:
+        """Tokens beyond vLLM's own (page-aligned) hit that hicache can load; None: not
+        known yet (a store in flight is writing the next page), ask again later. The last
+        token is always computed (its logits are the first output), so at most len - 1
+        tokens are asked about, rounded down to whole pages by the lookup."""
         if len(tokens) <= self.page:
             return 0
+        answer = self._lookup(tokens[: len(tokens) - 1])
+        if answer is None:
+            return None
         self.lookups += 1
-        in_l2, hit = self._lookup(tokens[: len(tokens) - 1])
+        in_l2, hit = answer
         hit -= hit % self.page
         self._l2_tokens[req_id] = in_l2
         self._held_pages[req_id] = hit // self.page

@@ -12,8 +12,9 @@
     kv_consumer  the decode instance: loads, never stores (its pages are the producer's; a
                  decode step's new pages are its own). Its lookups wait, up to
                  `store_wait_s` (default `CONSUMER_STORE_WAIT_S`), for pages a producer's
-                 store in flight is writing (`service/store_waits.py`), so a decode request
-                 that overtakes its prefill's store loads instead of recomputing
+                 store in flight is writing, vLLM asking again at later steps meanwhile
+                 (`vllm/lookups.py`), so a decode request that overtakes its prefill's store
+                 loads instead of recomputing
 
 Two hosts: the decode instance's sidecar sees the prefill's pages only in L3; a producer with
 `persisted_within_s` has the store that completes a prompt answered once L3 holds its pages
@@ -21,7 +22,8 @@ Two hosts: the decode instance's sidecar sees the prefill's pages only in L3; a 
 (`check_persisted`: producers only); earlier chunks' stores are answered at L2.
 
 Each client's reply timeout outlasts only the waits its own requests carry
-(`reply_timeout_s`): the scheduler's lookups their `store_wait_s`, the worker's stores
+(`reply_timeout_s`): the scheduler's lookups their `store_wait_s` (held only by a sidecar
+that predates `answer_at_once`), the worker's stores
 `persisted_within_s` and its loads `load_timeout_s`.
 
 vLLM checks the value when it builds `KVTransferConfig`; the connector checks it again (a
