@@ -139,6 +139,14 @@ async def test_a_store_attached_later_is_not_checked_for_outages_before_it(
         cache.embedded.close()
 
 
+async def three_prompts_then_an_empty_restart(cache: TieredCache, faulty: FaultyBackend) -> None:
+    """A, B and C stored (9 pages, 6 of them still in L2), then an outage that lost them all."""
+    for i, prompt in enumerate((A, B, C)):
+        await cache.store(prompt, {"full": [3 * i, 3 * i + 1, 3 * i + 2]})
+    await cache.drain()
+    await outage_that_lost_everything(cache, faulty)
+
+
 @pytest.mark.asyncio
 async def test_a_store_that_takes_reads_before_writes_gets_the_pages_on_a_later_round(
     tmp_path: Path,
@@ -150,10 +158,7 @@ async def test_a_store_that_takes_reads_before_writes_gets_the_pages_on_a_later_
     cache.resync.retry_after_s = 0.05
     try:
         async with cache.running():
-            for i, prompt in enumerate((A, B, C)):
-                await cache.store(prompt, {"full": [3 * i, 3 * i + 1, 3 * i + 2]})
-            await cache.drain()
-            await outage_that_lost_everything(cache, faulty)
+            await three_prompts_then_an_empty_restart(cache, faulty)
             faulty.drop_rate = 1.0  # every put "not stored"
             failed_before = cache.persist.stats().failed_pages
             cache.lookup(A)
@@ -178,10 +183,7 @@ async def test_pages_a_store_never_takes_are_offered_a_bounded_number_of_times(
     cache.resync.retry_after_s = 0.01
     try:
         async with cache.running():
-            for i, prompt in enumerate((A, B, C)):
-                await cache.store(prompt, {"full": [3 * i, 3 * i + 1, 3 * i + 2]})
-            await cache.drain()
-            await outage_that_lost_everything(cache, faulty)
+            await three_prompts_then_an_empty_restart(cache, faulty)
             faulty.drop_rate = 1.0  # L3 full for good
             cache.lookup(A)
             await cache.drain()  # ends: the rounds are bounded
