@@ -24,7 +24,9 @@ from tests.conftest import REPO, shared_model
 
 EXIT_WITHIN_S = 30.0  # importing torch takes a few seconds; a stuck process never exits
 
-PRELUDE = """
+PRELUDE = f"""
+import faulthandler
+faulthandler.dump_traceback_later({EXIT_WITHIN_S - 5})  # a stuck child shows where it is
 import asyncio, sys, threading, time
 import torch
 from hicache.model import LayerMap, load_layout

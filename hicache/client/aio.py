@@ -83,9 +83,13 @@ class AsyncClient(ClientBase):
         request_id, data = self._request(op, args)
         self._writer.write(data)
         await self._writer.drain()
-        header = await asyncio.wait_for(self._reader.readexactly(p.HEADER.size), self.timeout_s)
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for returns the result and drops
+        # a cancel that lands in the step the reply arrives, and the cancelled task lives on
+        async with asyncio.timeout(self.timeout_s):
+            header = await self._reader.readexactly(p.HEADER.size)
         (size,) = p.HEADER.unpack(header)
-        payload = await asyncio.wait_for(self._reader.readexactly(size), self.timeout_s)
+        async with asyncio.timeout(self.timeout_s):
+            payload = await self._reader.readexactly(size)
         return self._check_epoch(op, self._result(request_id, p.unpack(payload)))
 
     async def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
@@ -133,7 +137,7 @@ class AsyncClient(ClientBase):
             await asyncio.sleep(interval)
             try:
                 await self.call("heartbeat", self._heartbeat_args())
-            except (ClientError, ConnectionError, OSError, TimeoutError):
+            except Exception:  # the next call reconnects or reports (a cancel still ends it)
                 continue
 
     async def register_pools(self, pools: SharedPools) -> None:
@@ -239,6 +243,8 @@ class AsyncClient(ClientBase):
         self._closed = True
         if self._beat is not None:
             self._beat.cancel()
+            if self._beat is not asyncio.current_task():
+                await asyncio.gather(self._beat, return_exceptions=True)  # ended on return
         self._drop()
         if self.pools is not None:
             self.pools.close()

@@ -73,7 +73,9 @@ class GuardedCalls:
             self.stats.skipped_open += 1
             return None, "open"
         try:
-            result = await asyncio.wait_for(coro_factory(), self.timeout(nbytes))
+            # not wait_for: on Python 3.11 it drops a cancel landing as the call ends
+            async with asyncio.timeout(self.timeout(nbytes)):
+                result = await coro_factory()
         except TimeoutError:
             self.failed(f"{what}:timeout")
             return None, "timeout"

@@ -219,7 +219,8 @@ class Run:
             if not self._parked:
                 self._changed.clear()
                 try:
-                    await asyncio.wait_for(self._changed.wait(), self.hang_after_s)
+                    async with asyncio.timeout(self.hang_after_s):  # wait_for drops cancels
+                        await self._changed.wait()
                 except TimeoutError:
                     where = ", ".join(sorted(self._names[t] for t in live))
                     raise Hang(
