@@ -26,7 +26,6 @@ nothing; the loop is never polled on a timer."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -64,9 +63,11 @@ async def until_first(waits: Iterable[Awaitable[Any]], timeout_s: float) -> None
     finally:
         for task in tasks:
             task.cancel()
+        if tasks:  # wait, not `await task`: a cancel of this caller is never swallowed
+            await asyncio.wait(tasks)
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+            if not task.cancelled():
+                task.result()  # a wait that failed raises here
 
 
 async def until_persisted(
