@@ -18,7 +18,7 @@ from hicache.client.base import (
     store_args,
     unreachable,
 )
-from hicache.client.handle import ClientError, LoadHandle, Lookup, NoReplyError
+from hicache.client.handle import ClientError, Epoch, LoadHandle, Lookup, NoReplyError
 from hicache.client.keys import PromptKeys
 from hicache.memory import DevicePool
 from hicache.model import LayerMap
@@ -53,6 +53,9 @@ class AsyncClient(ClientBase):
         self._lock = asyncio.Lock()
         self._beat: asyncio.Task[None] | None = None
         self._closed = False
+        # the session a call cancelled while its request was out ran in: its op may still
+        # read or write this engine's memory until `confirmed(cancelled_in)`
+        self.cancelled_in: Epoch | None = None
 
     async def _connect(self) -> None:
         family, addr = parse_address(self.address)
@@ -64,6 +67,9 @@ class AsyncClient(ClientBase):
                     self._reader, self._writer = await asyncio.open_connection(*addr)
         except OSError as exc:  # TimeoutError among them
             raise unreachable(family, addr, exc, self.timeout_s) from exc
+        if self._closed:  # close() came while connecting: no session is opened after it
+            self._drop()
+            raise ClientError("closed", "the client is closed")
         sock = self._writer.get_extra_info("socket")
         if sock is not None:
             self._note_peer(sock)
@@ -105,11 +111,20 @@ class AsyncClient(ClientBase):
 
     async def _call_once(self, op: str, args: Mapping[str, Any]) -> dict[str, Any]:
         """`Client._call_once` on asyncio: any failure drops the connection; no reply in
-        time raises `NoReplyError` with the epoch the request may still run in."""
+        time raises `NoReplyError` with the epoch the request may still run in. A cancel
+        drops it too (its reply, or half of it, would be read as the next request's; the
+        sidecar ends the session and its ops) and records that epoch in `cancelled_in`."""
         try:
             if self._writer is None:
+                if self._closed:  # close() came while a call waited: never reconnect
+                    raise ClientError("closed", "the client is closed")
                 await self._connect()
             return await self._exchange(op, args)
+        except asyncio.CancelledError:
+            if self._writer is not None:
+                self.cancelled_in = self.now()
+                self._drop()
+            raise
         except TimeoutError as exc:
             epoch = self.now()
             self._drop()  # a late reply would be read as the next request's
@@ -240,14 +255,19 @@ class AsyncClient(ClientBase):
         return await self.call("stats")
 
     async def close(self) -> None:
+        """Ends the session: the heartbeat task is cancelled and awaited, the connection
+        and the pools closed (also when this caller is cancelled while it waits); a call in
+        flight fails, and none reconnects after this."""
         self._closed = True
-        if self._beat is not None:
-            self._beat.cancel()
-            if self._beat is not asyncio.current_task():
-                await asyncio.gather(self._beat, return_exceptions=True)  # ended on return
-        self._drop()
-        if self.pools is not None:
-            self.pools.close()
+        try:
+            if self._beat is not None:
+                self._beat.cancel()
+                if self._beat is not asyncio.current_task():
+                    await asyncio.gather(self._beat, return_exceptions=True)  # ended on return
+        finally:
+            self._drop()
+            if self.pools is not None:
+                self.pools.close()
 
 
 async def connect_async(address: str | Path, layer_map: LayerMap, **kwargs: Any) -> AsyncClient:
