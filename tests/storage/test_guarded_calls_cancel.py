@@ -16,27 +16,31 @@ from hicache.storage.guarded import StoreStats
 pytestmark = pytest.mark.asyncio
 
 
-def calls() -> GuardedCalls:
+def calls(base_timeout_s: float = 30) -> GuardedCalls:
     breaker = CircuitBreaker(failure_threshold=1, reset_after_s=60)
-    return GuardedCalls(breaker, StoreStats(), base_timeout_s=30, min_bandwidth=1e9)
+    return GuardedCalls(breaker, StoreStats(), base_timeout_s=base_timeout_s, min_bandwidth=1e9)
 
 
-async def started(task: asyncio.Task[object], backend: asyncio.Future[str]) -> None:
-    for _ in range(10):  # the task reaches its await on the backend's future
-        await asyncio.sleep(0)
-    assert not task.done()
-    assert not backend.done()
-
-
-async def test_a_cancel_landing_as_the_backend_answers_ends_the_caller() -> None:
-    guarded = calls()
+async def started_get(
+    guarded: GuardedCalls,
+) -> tuple[asyncio.Task[tuple[str | None, str | None]], asyncio.Future[str]]:
+    """A `get` through `guarded`, waiting on the backend's future (which the test resolves)."""
     backend: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
     async def get() -> str:
         return await backend
 
     task = asyncio.create_task(guarded.call_why("get", 0, get))
-    await started(task, backend)
+    for _ in range(10):  # the task reaches its await on the backend's future
+        await asyncio.sleep(0)
+    assert not task.done()
+    assert not backend.done()
+    return task, backend
+
+
+async def test_a_cancel_landing_as_the_backend_answers_ends_the_caller() -> None:
+    guarded = calls()
+    task, backend = await started_get(guarded)
     backend.set_result("bytes")  # the answer and the cancel land in one step
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -47,14 +51,7 @@ async def test_a_cancel_landing_as_the_backend_answers_ends_the_caller() -> None
 
 
 async def test_a_cancel_while_the_backend_works_ends_the_caller() -> None:
-    guarded = calls()
-    backend: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-
-    async def get() -> str:
-        return await backend
-
-    task = asyncio.create_task(guarded.call_why("get", 0, get))
-    await started(task, backend)
+    task, backend = await started_get(calls())
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -62,8 +59,7 @@ async def test_a_cancel_while_the_backend_works_ends_the_caller() -> None:
 
 
 async def test_the_timeout_still_turns_a_slow_call_into_a_miss() -> None:
-    breaker = CircuitBreaker(failure_threshold=1, reset_after_s=60)
-    guarded = GuardedCalls(breaker, StoreStats(), base_timeout_s=0.01, min_bandwidth=1e9)
+    guarded = calls(base_timeout_s=0.01)
 
     async def slow() -> str:
         await asyncio.sleep(60)
