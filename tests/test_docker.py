@@ -188,10 +188,10 @@ def test_redis_deployment_does_not_wait_for_a_mooncake_master() -> None:
     assert deployment_of(hicache).storage.kind == "redis"
 
 
-def test_mooncake_override_waits_for_the_master_only() -> None:
+def test_mooncake_override_waits_for_the_master_and_the_store_only() -> None:
     services = active(merged()["services"])
     hicache = services["hicache"]
-    assert set(hicache["depends_on"]) == {"mooncake-master"}
+    assert set(hicache["depends_on"]) == {"mooncake-master", "mooncake-store"}
     assert "redis" not in services  # left out: nothing uses it
     deployment = deployment_of(hicache)
     assert deployment.storage.kind == "mooncake"
@@ -201,6 +201,28 @@ def test_mooncake_override_waits_for_the_master_only() -> None:
     assert master["command"] == ["--port", port]
     assert port in " ".join(master["healthcheck"]["test"])
     assert "build" not in master
+
+
+def test_the_mooncake_stores_memory_is_held_outside_the_sidecar() -> None:
+    """The sidecar mounts no segment; `mooncake-store` (Mooncake's mooncake_client) holds the
+    store's memory, joins the sidecar's master, names itself by its service name (the
+    address the sidecar's transfers reach it at) and is checked where it serves health."""
+    services = active(merged()["services"])
+    deployment = deployment_of(services["hicache"])
+    assert deployment.storage.global_segment_bytes == 0
+    store = services["mooncake-store"]
+    assert store["entrypoint"] == ["mooncake_client"]
+    flags = dict(arg.removeprefix("--").split("=", 1) for arg in store["command"])
+    assert flags["master_server_address"] == deployment.storage.master_address
+    assert flags["metadata_server"] == deployment.storage.metadata_server
+    assert flags["protocol"] == deployment.storage.protocol
+    assert flags["host"] == "mooncake-store"
+    assert interpolate(flags["global_segment_size"]) == "1GB"
+    assert interpolate(flags["global_segment_size"], {"MOONCAKE_STORE_SIZE": "8GB"}) == "8GB"
+    assert flags["enable_http_server"] == "true"
+    assert f"127.0.0.1:{flags['http_port']}/health" in " ".join(store["healthcheck"]["test"])
+    assert store["depends_on"] == ["mooncake-master"]
+    assert "build" not in store
 
 
 @pytest.mark.parametrize("variant", ["redis", "mooncake"])

@@ -230,7 +230,10 @@ class MooncakeStorage(L3Guard):
     metadata_server: str = Field(default="P2PHANDSHAKE", description="or an etcd/http URL")
     key_prefix: str = Field(default="hicache:", max_length=128, description="prefix of every key")
     global_segment_bytes: ByteSize = Field(
-        default=parse_bytes("256MiB"), gt=0, description="memory this node adds to the store"
+        default=parse_bytes("256MiB"),
+        ge=0,
+        description="memory this node adds to the store; 0 adds none, so every object lives in "
+        "other clients' segments (a `mooncake_client` holding memory) and outlives this sidecar",
     )
     local_buffer_bytes: ByteSize = Field(
         default=parse_bytes("256MiB"), gt=0, description="registered buffer for transfers"

@@ -1,5 +1,6 @@
 """Real L3 servers on loopback for integration tests and benchmarks: Debian's redis-server
-(alone, or several as a Redis Cluster) and the mooncake wheel's mooncake_master, each started
+(alone, or several as a Redis Cluster), the mooncake wheel's mooncake_master and its
+mooncake_client (a process that only holds a segment of memory for the store), each started
 on free ports and stopped by pid. Bound to 127.0.0.1 unless a caller names another host (the
 cluster's and `MooncakeMaster`'s `host`, with a `command_prefix` such as
 `("ip", "netns", "exec", NS)` to run them in a test host's network namespace,
@@ -374,3 +375,42 @@ class RedisClusterServers:
             process.kill()
             process.wait(timeout=10)
             del self.processes[port]
+
+
+class MooncakeSegmentHolder(_Server):
+    """Mooncake's own `mooncake_client`: a client of `master` that mounts `segment_bytes` of
+    its memory into the store and holds it, storing and reading nothing itself. Objects that
+    writers with no segment of their own (`global_segment_bytes: 0`) put land here, so they
+    outlive those writers. Ready when its HTTP health endpoint answers healthy (it serves
+    that only once its segment is mounted)."""
+
+    binary_name = "mooncake_client"
+
+    def __init__(self, master: MooncakeMaster, *, segment_bytes: int = 256 << 20) -> None:
+        super().__init__()
+        self.master = master
+        self.segment_bytes = segment_bytes
+        self.port = free_port()
+        self.http_port = free_port()
+
+    def _command(self) -> list[str]:
+        return [
+            *self.master.command_prefix,
+            self.binary,
+            f"--master_server_address={self.master.address}",
+            "--metadata_server=P2PHANDSHAKE",
+            f"--host={self.master.host}",
+            f"--port={self.port}",
+            f"--global_segment_size={self.segment_bytes}",
+            "--protocol=tcp",
+            "--enable_http_server=true",
+            f"--http_port={self.http_port}",
+        ]
+
+    def _ready(self) -> bool:
+        try:
+            with socket.create_connection((self.master.host, self.http_port), timeout=0.2) as s:
+                s.sendall(b"GET /health HTTP/1.0\r\nHost: x\r\n\r\n")
+                return b'"healthy"' in s.recv(512)
+        except OSError:
+            return False

@@ -42,3 +42,13 @@ def MooncakeMaster() -> local_servers.MooncakeMaster:
     except FileNotFoundError:
         _unavailable("mooncake_master")
         raise
+
+
+def MooncakeSegmentHolder(
+    master: local_servers.MooncakeMaster, segment_bytes: int = 256 << 20
+) -> local_servers.MooncakeSegmentHolder:
+    try:
+        return local_servers.MooncakeSegmentHolder(master, segment_bytes=segment_bytes)
+    except FileNotFoundError:
+        _unavailable("mooncake_client")
+        raise
