@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache.assembly import engine_channel
-from hicache.config import load_deployment
 from hicache.errors import ConfigError
+from hicache.integrations.core.extra_config import positive, refuse_unknown, sidecar_address
 from hicache.model import LayerMap, load_layout, shard_layout
 
 WHERE = "unified_cache_external_linker_config.linker_extra_config"
@@ -28,41 +27,18 @@ class LinkerSettings:
     @classmethod
     def parse(cls, extra: dict[str, Any] | None) -> LinkerSettings:
         extra = dict(extra or {})
-        unknown = sorted(set(extra) - set(EXTRA_KEYS))
-        if unknown:
-            raise ConfigError(f"{WHERE}: unknown keys {unknown}; allowed: {', '.join(EXTRA_KEYS)}")
-        token = extra.get("token")
-        address = extra.get("address")
-        if address is None:
-            config = extra.get("config")
-            if config is None:
-                raise ConfigError(
-                    f"{WHERE}: give 'config' (the sidecar's deploy.yaml) or 'address' (its "
-                    "socket path or tcp://host:port)"
-                )
-            address, configured = engine_channel(load_deployment(Path(str(config))).deployment)
-            token = configured if token is None else token
+        refuse_unknown(extra, EXTRA_KEYS, WHERE)
+        address, token = sidecar_address(extra, WHERE)
         tenant = extra.get("tenant", "sglang-nhd")
         if not isinstance(tenant, str) or not tenant:
             raise ConfigError(f"{WHERE}.tenant: {tenant!r} is not a non-empty string")
         return cls(
-            str(address),
-            None if token is None else str(token),
+            address,
+            token,
             tenant,
-            _positive(extra, "load_timeout_s", 10.0),
-            _positive(extra, "retry_after_s", 1.0),
+            positive(extra, "load_timeout_s", 10.0, WHERE),
+            positive(extra, "retry_after_s", 1.0, WHERE),
         )
-
-
-def _positive(extra: dict[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = -1.0
-    if not number > 0:
-        raise ConfigError(f"{WHERE}.{key}: {value!r} is not a positive number")
-    return number
 
 
 def layer_map_of(model_path: str, tp_size: int) -> LayerMap:

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hicache.assembly import engine_channel
 from hicache.channel.protocol import MAX_STORE_WAIT_S
-from hicache.config import load_deployment
 from hicache.errors import ConfigError
+from hicache.integrations.core.extra_config import positive, refuse_unknown, sidecar_address
 
 EXTRA_KEYS = (
     "config",
@@ -27,6 +26,7 @@ EXTRA_KEYS = (
     "persisted_within_s",
 )
 LOAD_MODES = ("auto", "layerwise", "async", "whole")
+WHERE = "kv_connector_extra_config"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,31 +47,18 @@ class ConnectorSettings:
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        where = "kv_connector_extra_config"
-        unknown = sorted(set(extra) - set(EXTRA_KEYS))
-        if unknown:
-            raise ConfigError(f"{where}: unknown keys {unknown}; allowed: {', '.join(EXTRA_KEYS)}")
-        token = extra.get("token")
-        address = extra.get("address")
-        if address is None:
-            config = extra.get("config")
-            if config is None:
-                raise ConfigError(
-                    f"{where}: give 'config' (the sidecar's deploy.yaml) or 'address' (its "
-                    "socket path or tcp://host:port)"
-                )
-            address, configured = engine_channel(load_deployment(Path(config)).deployment)
-            token = configured if token is None else token
+        refuse_unknown(extra, EXTRA_KEYS, WHERE)
+        address, token = sidecar_address(extra, WHERE)
         staging = None
         if extra.get("staging_pages") is not None:
-            staging = int(_positive(extra, "staging_pages", 1))
+            staging = int(positive(extra, "staging_pages", 1, WHERE))
         return cls(
-            str(address),
-            None if token is None else str(token),
+            address,
+            token,
             extra.get("tenant"),
-            _positive(extra, "load_timeout_s", 10.0),
+            positive(extra, "load_timeout_s", 10.0, WHERE),
             staging,
-            _positive(extra, "retry_after_s", 1.0),
+            positive(extra, "retry_after_s", 1.0, WHERE),
             _choice(extra, "load_mode", LOAD_MODES),
             None if extra.get("stats_path") is None else Path(str(extra["stats_path"])),
             _store_wait(extra, "store_wait_s"),
@@ -86,17 +73,6 @@ def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
             f"kv_connector_extra_config.{key}: {value!r} is not one of {', '.join(allowed)}"
         )
     return str(value)
-
-
-def _positive(extra: dict[str, Any], key: str, default: float) -> float:
-    value = extra.get(key, default)
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        number = -1.0
-    if not number > 0:
-        raise ConfigError(f"kv_connector_extra_config.{key}: {value!r} is not a positive number")
-    return number
 
 
 def _store_wait(extra: dict[str, Any], key: str) -> float | None:
