@@ -10,7 +10,13 @@ row of hicache's page geometry for a full-attention group (`row_bytes`: P*H*D*it
     page_first         [2, size, L, H, D]       the page's L*R bytes at p*L*R, token-major
     page_head          [2, pages, H, P, L, D]   the page's L*R bytes at p*L*R, head-major
 
-(R = P*H*D*itemsize; V at the same offsets in the second half.) layer_first and
+(R = P*H*D*itemsize; V at the same offsets in the second half.) SGLang's
+`MLATokenToKVPoolHost` (DeepSeek-V2/V3, Kimi K2, ...: one latent of kv_lora_rank + rope dims
+per token and layer, no V) keeps `kv_buffer` as one such half with H = 1 and D the latent's
+width, in layer_first, page_first and page_first_direct, and maps to the group's one `kv`
+tensor (an MLA group of hicache's layout). The latent is the same on every TP rank: the
+sidecar keys an MLA group as rank 0 on every rank (`cache.keyers`), so one page serves every
+rank, as SGLang's own backends share MLA pages across ranks. layer_first and
 page_first_direct hold the same bytes in each row, so engines of either layout share pages;
 page_first and page_head are registered as L rows of R bytes cut from the page's K (V) region:
 byte-exact for engines of the same layout, other bytes for another, so each of those layouts
@@ -22,8 +28,9 @@ SGLang's host pages as its device pages, and page p for the sidecar is SGLang's 
 A hybrid model's other groups go in the same manifest, over the same memfd: its state group
 (SGLang's Mamba side pool, `side_pools`) and its sliding-window group (SGLang's SWA side pool:
 another host KV pool of the sliding layers, mapped as the KV pool is, `kv_rows`). Not mapped
-(refused with the reason): MLA host pools, and a layout with no or several full-attention
-groups.
+(refused with the reason): MLA pools SGLang splits natively (DSA / NSA buffers), packed FP8
+rows, MTP draft layers, page_head / page_unified layouts for MLA, and a layout with no or
+several full-attention groups.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from hicache.memory import GroupGeometry
 
 ROW_LAYOUTS = ("layer_first", "page_first_direct")  # each page's per-layer rows are hicache's
 CUT_LAYOUTS = ("page_first", "page_head")  # each page's K (V) region cut into L rows
+MLA_LAYOUTS = ("layer_first", "page_first_direct", "page_first")  # MLATokenToKVPoolHost's
 TENANT = "sglang"
 
 
@@ -62,6 +70,7 @@ class HostKv:
     head_dim: int
     dtype: str  # torch's name without the prefix, e.g. "bfloat16"
     itemsize: int
+    latent: bool = False  # an MLA pool: one tensor (the latent, `heads` 1), no V half
 
     @property
     def pages(self) -> int:
@@ -71,13 +80,20 @@ class HostKv:
     def row_bytes(self) -> int:
         return self.page_size * self.heads * self.head_dim * self.itemsize
 
+    @property
+    def tensors(self) -> tuple[str, ...]:
+        """hicache's tensors this pool's halves hold, in order."""
+        return ("kv",) if self.latent else ("k", "v")
+
     @classmethod
     def of(cls, host_pool: Any) -> HostKv:
         kind = type(host_pool).__name__
+        if kind == "MLATokenToKVPoolHost":
+            return cls.of_latent(host_pool)
         if kind != "MHATokenToKVPoolHost":
             raise HostPoolError(
                 f"SGLang's host KV pool is a {kind}; hicache maps MHATokenToKVPoolHost (MHA/GQA "
-                "models) only (MLA host pools are not mapped yet)"
+                "models) and MLATokenToKVPoolHost (MLA models)"
             )
         layout = str(host_pool.layout)
         if layout not in ROW_LAYOUTS + CUT_LAYOUTS:
@@ -95,6 +111,43 @@ class HostKv:
             head_dim=int(host_pool.head_dim),
             dtype=str(dtype).removeprefix("torch."),
             itemsize=int(dtype.itemsize),
+        )
+
+    @classmethod
+    def of_latent(cls, host_pool: Any) -> HostKv:
+        """An `MLATokenToKVPoolHost` of one latent buffer; its variants refused by name."""
+        layout = str(host_pool.layout)
+        if layout not in MLA_LAYOUTS:
+            raise HostPoolError(
+                f"--hicache-mem-layout {layout} with an MLA model: hicache maps "
+                + ", ".join(MLA_LAYOUTS)
+            )
+        target, layers = int(host_pool.target_layer_num), int(host_pool.layer_num)
+        unmapped = []
+        if getattr(host_pool, "_native_buffers", None) is not None:
+            unmapped.append("its MLA buffers split natively (DSA / NSA)")
+        if getattr(host_pool, "dsa_kv_cache_store_fp8", False):
+            unmapped.append("packed FP8 rows")
+        if layers != target:
+            unmapped.append(f"{layers - target} MTP draft layers")
+        if getattr(host_pool, "kv_buffer", None) is None:
+            unmapped.append("no host buffer (allocator-only)")
+        if unmapped:
+            raise HostPoolError(
+                f"SGLang's MLA host pool holds {', '.join(unmapped)}; hicache maps one latent "
+                "buffer of the target model's layers"
+            )
+        dtype = host_pool.dtype
+        return cls(
+            layout=layout,
+            layers=layers,
+            page_size=int(host_pool.page_size),
+            size=int(host_pool.size),
+            heads=1,
+            head_dim=int(host_pool.kv_cache_dim),
+            dtype=str(dtype).removeprefix("torch."),
+            itemsize=int(dtype.itemsize),
+            latent=True,
         )
 
 
@@ -124,8 +177,9 @@ def check_kv(host: HostKv, name: str, geometry: GroupGeometry, page_size_tokens:
     if geometry.num_layers != host.layers:
         wrong.append(f"layers: SGLang {host.layers}, sidecar {geometry.num_layers}")
     names = [tensor for tensor, _ in geometry.tensors]
-    if names != ["k", "v"]:
-        wrong.append(f"tensors: SGLang K and V, sidecar {names}")
+    if names != list(host.tensors):
+        what = "the MLA latent ('kv')" if host.latent else "K and V"
+        wrong.append(f"tensors: SGLang {what}, sidecar {names}")
     else:
         shapes = dict(geometry.tensors)
         given = getattr(torch, host.dtype, None)
@@ -154,8 +208,8 @@ def check_kv(host: HostKv, name: str, geometry: GroupGeometry, page_size_tokens:
 def kv_rows(
     region: SharedRegions, kv_buffer: Any, host: HostKv
 ) -> tuple[list[list[int]], list[list[int]]]:
-    """An SGLang KV host buffer's per-layer K and V row offsets and page strides over
-    `region` (shared in place), in the module doc's layouts."""
+    """An SGLang KV host buffer's per-layer K and V (an MLA pool's latent) row offsets and
+    page strides over `region` (shared in place), in the module doc's layouts."""
     base = region.offset_of(kv_buffer.data_ptr())
     row = host.row_bytes
     half = host.layers * host.size * host.heads * host.head_dim * host.itemsize
@@ -165,8 +219,8 @@ def kv_rows(
             k, stride = base + layer * (half // host.layers), row
         else:  # one page's L rows (or its L*R region) after another
             k, stride = base + layer * row, host.layers * row
-        offsets.append([k, k + half])
-        strides.append([stride, stride])
+        offsets.append([k] if host.latent else [k, k + half])
+        strides.append([stride] * len(host.tensors))
     return offsets, strides
 
 

@@ -87,7 +87,8 @@ def _positive(extra: dict[str, Any], key: str, default: float) -> float:
 
 def check_ranks(config: Any) -> None:
     """Parallelism hicache's namespaces follow (SGLang's `HiCacheStorageConfig`): tensor
-    parallel (and DP replicas) only."""
+    parallel (and DP replicas) only. An MLA model's ranks all hold the same latent: the
+    sidecar keys its MLA group as rank 0 on every rank (`cache.keyers`), so they share."""
     split = {
         "pp_size": config.pp_size,
         "attn_cp_size": config.attn_cp_size,
@@ -98,9 +99,4 @@ def check_ranks(config: Any) -> None:
         raise ConfigError(
             f"SGLang runs with {wrong}; hicache's storage backend serves tensor parallelism "
             "only (pipeline, attention context and decode context parallel sizes must be 1)"
-        )
-    if config.is_mla_model:
-        raise ConfigError(
-            "SGLang's model is MLA (KV replicated across TP ranks): hicache's storage backend "
-            "maps MHA/GQA host pools only so far"
         )

@@ -18,8 +18,10 @@ layout. They go to the sidecar as ids under the session's namespace (`KeySpec.of
 namespace's root — model, dtype, geometry, page size, TP rank and size, tenant — hashed with
 the id): engines of one model, rank and page byte layout (`host_pools.tenant_of`) share pages,
 nothing else does. TP ranks each hold their own heads (SGLang's MHA pools are per rank), so
-each rank attaches as its own rank; DP replicas share. PP, attention CP and DCP > 1 are
-refused (hicache's layouts are not split that way).
+each rank attaches as its own rank; DP replicas share. An MLA model's latent is the same on
+every rank (`MLATokenToKVPoolHost`, `host_pools`): the sidecar keys its MLA group as rank 0
+on every rank, so every rank reads what rank 0 (SGLang's only MLA writer) stored. PP,
+attention CP and DCP > 1 are refused (hicache's layouts are not split that way).
 
 Contract with SGLang's controller (three threads call at once: prefetch, prefetch IO, backup):
 every data-path method returns per-key booleans (or a leading count), True only for a leading

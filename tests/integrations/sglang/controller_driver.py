@@ -6,8 +6,9 @@ starts it). What SGLang's scheduler would do around them is done here step by st
 
 Lifecycle: starting (imports: 15-25 s) -> ready (`{"ready": s}` on stdout) -> serving (one
 JSON command a line on stdin, one JSON reply a line on stdout) -> stopped (EOF). Commands:
-    {"op": "start", "name", "layout", "extra": {extra config}}  a controller (device pool of
-        DEVICE_PAGES pages, host pool, controller) -> {"attached", "refused", "side_pools"}
+    {"op": "start", "name", "layout", "extra": {extra config}, "model": "mha" | "mla"}  a
+        controller (device pool of DEVICE_PAGES pages — MHA: K and V of H heads; MLA: one
+        latent of MLA_LATENT — host pool, controller) -> {"attached", "refused", "side_pools"}
     {"op": "fill", "name", "seed", "pages"}   seeded KV into device pages, L1 -> L2 (write),
         L2 -> L3 (write_storage) -> {"l1_l2_ok", "backed_up_tokens"}; then L1 and L2 cleared
     {"op": "fetch", "name", "seed", "pages"}  L3 -> L2 (prefetch: hit query, host slots,
@@ -30,8 +31,11 @@ import traceback
 from typing import Any
 
 L, P, H, D = 4, 16, 2, 64  # layers, page size, KV heads, head dim (the tests' model config)
+MLA_RANK, MLA_ROPE = 64, 32  # the MLA model's kv_lora_rank and qk_rope_head_dim
+MLA_LATENT = MLA_RANK + MLA_ROPE
 DEVICE_PAGES = 32
 HOST_RATIO = 2.0  # the host pool: twice the device pool
+TP_ENV = "SGLANG_DRIVER_TP_RANK_SIZE"  # "rank/size" this driver plays (default 0/1)
 
 
 def tokens_of(seed: int, pages: int) -> list[int]:
@@ -47,13 +51,16 @@ class Harness:
         dist.init_process_group("gloo", rank=0, world_size=1)
         from sglang.srt.runtime_context import get_parallel
 
+        # this process as one TP rank of several (`Controllers(..., tp=(rank, size))`): what
+        # SGLang's storage config and the backend see; the process group stays this process
+        rank, size = (int(n) for n in os.environ.get(TP_ENV, "0/1").split("/"))
         get_parallel().override_permanently(
-            tp_rank=0,
-            tp_size=1,
+            tp_rank=rank,
+            tp_size=size,
             pp_rank=0,
             pp_size=1,
-            attn_tp_rank=0,
-            attn_tp_size=1,
+            attn_tp_rank=rank,
+            attn_tp_size=size,
             attn_cp_rank=0,
             attn_cp_size=1,
             attn_dcp_rank=0,
@@ -65,40 +72,16 @@ class Harness:
         self.torch, self.dist = torch, dist
         self.controllers: dict[str, dict[str, Any]] = {}
 
-    def start(self, name: str, layout: str, extra: dict[str, Any]) -> dict[str, Any]:
+    def start(
+        self, name: str, layout: str, extra: dict[str, Any], model: str = "mha"
+    ) -> dict[str, Any]:
         torch = self.torch
         from sglang.srt.managers.cache_controller import HiCacheController
         from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
-        dev = MHATokenToKVPool(
-            size=P * DEVICE_PAGES,
-            page_size=P,
-            dtype=torch.bfloat16,
-            head_num=H,
-            head_dim=D,
-            layer_num=L,
-            device="cpu",
-            enable_memory_saver=False,
-            start_layer=0,
-            end_layer=L,
-        )
+        dev, host = self._mla_pools(layout) if model == "mla" else self._mha_pools(layout)
         alloc = PagedTokenToKVPoolAllocator(
             P * DEVICE_PAGES, P, torch.bfloat16, "cpu", dev, need_sort=False
-        )
-        host = MHATokenToKVPoolHost(
-            dev.get_device_pool_infos()[0].buffer_info,
-            HOST_RATIO,
-            0,
-            P,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=dev.size,
-            start_layer=dev.start_layer,
-            end_layer=dev.end_layer,
-            write_back_staging=dev.hicache_write_back_staging,
         )
         config = {
             "backend_name": "hicache",
@@ -128,6 +111,7 @@ class Harness:
             "ctl": ctl,
             "backend": inner,
             "layout": layout,
+            "model": model,
         }
         return {
             "attached": inner.attached is not None,
@@ -136,53 +120,133 @@ class Harness:
             "backend": type(inner).__name__,
         }
 
-    def _ref(self, seed: int, pages: int) -> tuple[list[Any], list[Any]]:
+    def _mla_pools(self, layout: str) -> tuple[Any, Any]:
+        """SGLang's MLA device pool and its host mirror, as SGLang's pool assembler builds
+        them (`hybrid_pool_assembler`: the host pool from the device pool's buffer info)."""
+        from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
+
+        dev = MLATokenToKVPool(
+            size=P * DEVICE_PAGES,
+            page_size=P,
+            dtype=self.torch.bfloat16,
+            kv_lora_rank=MLA_RANK,
+            qk_rope_head_dim=MLA_ROPE,
+            layer_num=L,
+            device="cpu",
+            enable_memory_saver=False,
+            start_layer=0,
+            end_layer=L,
+        )
+        host = MLATokenToKVPoolHost(
+            dev.get_device_pool_infos()[0].buffer_info,
+            HOST_RATIO,
+            0,
+            P,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=dev.size,
+            start_layer=dev.start_layer,
+            end_layer=dev.end_layer,
+            target_layer_num=dev.layer_num,
+            override_kv_cache_dim=dev.kv_cache_dim,
+        )
+        return dev, host
+
+    def _mha_pools(self, layout: str) -> tuple[Any, Any]:
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+        torch = self.torch
+        dev = MHATokenToKVPool(
+            size=P * DEVICE_PAGES,
+            page_size=P,
+            dtype=torch.bfloat16,
+            head_num=H,
+            head_dim=D,
+            layer_num=L,
+            device="cpu",
+            enable_memory_saver=False,
+            start_layer=0,
+            end_layer=L,
+        )
+        host = MHATokenToKVPoolHost(
+            dev.get_device_pool_infos()[0].buffer_info,
+            HOST_RATIO,
+            0,
+            P,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=dev.size,
+            start_layer=dev.start_layer,
+            end_layer=dev.end_layer,
+            write_back_staging=dev.hicache_write_back_staging,
+        )
+        return dev, host
+
+    @staticmethod
+    def _parts(c: dict[str, Any]) -> int:
+        """Tensors a token has per layer: K and V (MHA), the latent (MLA)."""
+        return 1 if c["model"] == "mla" else 2
+
+    @staticmethod
+    def _dev(c: dict[str, Any], part: int, layer: int) -> Any:
+        dev = c["dev"]
+        if c["model"] == "mla":
+            return dev.kv_buffer[layer]
+        return (dev.k_buffer, dev.v_buffer)[part][layer]
+
+    def _ref(self, c: dict[str, Any], seed: int, pages: int) -> list[list[Any]]:
+        """The seed's tensors, [part][layer] (`_parts`), each of `pages` pages of tokens."""
         torch = self.torch
         gen = torch.Generator().manual_seed(seed)
-        shape = (pages * P, H, D)
-        ks = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(L)]
-        vs = [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(L)]
-        return ks, vs
+        shape = (pages * P, 1, MLA_LATENT) if c["model"] == "mla" else (pages * P, H, D)
+        return [
+            [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(L)]
+            for _ in range(self._parts(c))
+        ]
 
-    def _host_rows(self, c: dict[str, Any], idx: Any, layer: int, kv: int) -> Any:
-        buf, layout = c["host"].kv_buffer[kv], c["layout"]
+    def _host_rows(self, c: dict[str, Any], idx: Any, layer: int, part: int) -> Any:
+        host, layout = c["host"], c["layout"]
+        buf = host.kv_buffer if c["model"] == "mla" else host.kv_buffer[part]
         if layout == "page_first_direct":
             return self.torch.stack([buf[int(t) // P, layer, int(t) % P] for t in idx])
         if layout == "layer_first":
             return buf[layer][idx]
         return buf[idx, layer]  # page_first
 
-    def _host_ok(self, c: dict[str, Any], idx: Any, ks: list[Any], vs: list[Any]) -> bool:
-        eq = self.torch.equal
+    def _host_ok(self, c: dict[str, Any], idx: Any, ref: list[list[Any]]) -> bool:
         return all(
-            eq(self._host_rows(c, idx, layer, 0), ks[layer][: len(idx)])
-            and eq(self._host_rows(c, idx, layer, 1), vs[layer][: len(idx)])
+            self.torch.equal(self._host_rows(c, idx, layer, part), ref[part][layer][: len(idx)])
+            for part in range(self._parts(c))
             for layer in range(L)
         )
 
     def _clear(self, c: dict[str, Any], host_idx: Any, dev_idx: Any) -> None:
         c["host"].free(host_idx)
         c["host"].kv_buffer.zero_()
-        for layer in range(L):
-            c["dev"].k_buffer[layer][dev_idx] = 0
-            c["dev"].v_buffer[layer][dev_idx] = 0
+        for part in range(self._parts(c)):
+            for layer in range(L):
+                self._dev(c, part, layer)[dev_idx] = 0
         c["alloc"].free(dev_idx)
 
     def fill(self, name: str, seed: int, pages: int) -> dict[str, Any]:
         from sglang.srt.mem_cache.utils import get_storage_hash_str
 
         c = self.controllers[name]
-        dev, ctl = c["dev"], c["ctl"]
-        ks, vs = self._ref(seed, pages)
+        ctl = c["ctl"]
+        ref = self._ref(c, seed, pages)
         dev_idx = c["alloc"].alloc(P * pages)
-        for layer in range(L):
-            dev.k_buffer[layer][dev_idx] = ks[layer]
-            dev.v_buffer[layer][dev_idx] = vs[layer]
+        for part in range(self._parts(c)):
+            for layer in range(L):
+                self._dev(c, part, layer)[dev_idx] = ref[part][layer]
         host_idx = ctl.write(device_indices=dev_idx, node_id=seed)
         ctl.start_writing()
         ack = ctl.ack_write_queue.pop(0)
         ack.finish_event.synchronize()
-        l1_l2_ok = self._host_ok(c, host_idx, ks, vs)
+        l1_l2_ok = self._host_ok(c, host_idx, ref)
         tokens = tokens_of(seed, pages)
         hashes = get_storage_hash_str(tokens, None, page_size=P)
         ctl.write_storage(host_idx, tokens, hash_value=hashes)
@@ -192,8 +256,8 @@ class Harness:
 
     def fetch(self, name: str, seed: int, pages: int) -> dict[str, Any]:
         c = self.controllers[name]
-        ctl, dev = c["ctl"], c["dev"]
-        ks, vs = self._ref(seed, pages)
+        ctl = c["ctl"]
+        ref = self._ref(c, seed, pages)
         ctl.prefetch(f"req-{seed}-{time.monotonic_ns()}", tokens_of(seed, pages), last_hash=None)
         hit = ctl.prefetch_hit_queue.get(timeout=120)
         hit_pages = int(hit.storage_hit_count) // P
@@ -212,15 +276,14 @@ class Harness:
             c["host"].free(host_idx)
             return {"hit_pages": hit_pages, "fetched_tokens": 0, "match": None}
         got = host_idx[:fetched]
-        host_ok = self._host_ok(c, got, ks, vs)
+        host_ok = self._host_ok(c, got, ref)
         dev_idx = ctl.load(host_indices=got, node_id=seed + 100000)
         ctl.start_loading()
         ack = ctl.ack_load_queue.pop(0)
         ack.finish_event.synchronize()
-        eq = self.torch.equal
         dev_ok = all(
-            eq(dev.k_buffer[layer][dev_idx], ks[layer][:fetched])
-            and eq(dev.v_buffer[layer][dev_idx], vs[layer][:fetched])
+            self.torch.equal(self._dev(c, part, layer)[dev_idx], ref[part][layer][:fetched])
+            for part in range(self._parts(c))
             for layer in range(L)
         )
         self._clear(c, host_idx, dev_idx)

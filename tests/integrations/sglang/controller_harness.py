@@ -32,18 +32,49 @@ CONFIG = {
     "max_position_embeddings": 4096,
     "torch_dtype": "bfloat16",
 }
+# the driver's MLA pools (`model="mla"`): DeepSeek-V3's family, 4 layers, a latent of
+# kv_lora_rank 64 + qk_rope_head_dim 32 (hicache derives it from these fields, as for V3)
+MLA_CONFIG = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "moe_intermediate_size": 128,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 64,
+    "q_lora_rank": None,
+    "qk_rope_head_dim": 32,
+    "qk_nope_head_dim": 64,
+    "v_head_dim": 64,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "first_k_dense_replace": 1,
+    "vocab_size": 50000,
+    "max_position_embeddings": 4096,
+    "torch_dtype": "bfloat16",
+}
 PAGE = 16
 
 
-def write_deployment(directory: Path, *, extra_lines: tuple[str, ...] = ()) -> Path:
-    """A sidecar for the controller's model: L2 of 64 MiB, a file L3 beside it."""
+def write_deployment(
+    directory: Path,
+    *,
+    extra_lines: tuple[str, ...] = (),
+    config: dict[str, Any] = CONFIG,
+    tp_size: int = 1,
+) -> Path:
+    """A sidecar for the controller's model (`config`: MLA_CONFIG for `model="mla"`): L2 of
+    64 MiB, a file L3 beside it."""
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(CONFIG))
+    (directory / "config.json").write_text(json.dumps(config))
     lines = [
         "model:",
         f"  config_path: {directory / 'config.json'}",
         "  dtype: bfloat16",
         f"  page_size_tokens: {PAGE}",
+        f"  tp_size: {tp_size}",
         "device:",
         "  kind: cpu",
         "  pool_capacity_bytes: 16MiB",
@@ -68,17 +99,22 @@ def write_deployment(directory: Path, *, extra_lines: tuple[str, ...] = ()) -> P
 class Controllers(DriverProcess):
     """One SGLang process of controllers (see `controller_driver`'s commands)."""
 
-    def __init__(self, work: Path, name: str):
+    def __init__(self, work: Path, name: str, *, tp: tuple[int, int] = (0, 1)):
+        """`tp`: the (rank, size) of tensor parallelism the process plays."""
         super().__init__(
             "tests.integrations.sglang.controller_driver",
             [],
             work,
             name,
-            env={"MASTER_PORT": str(free_port())},
+            env={"MASTER_PORT": str(free_port()), "SGLANG_DRIVER_TP_RANK_SIZE": f"{tp[0]}/{tp[1]}"},
         )
 
-    def start(self, name: str, layout: str, extra: dict[str, Any]) -> dict[str, Any]:
-        return self.request({"op": "start", "name": name, "layout": layout, "extra": extra})
+    def start(
+        self, name: str, layout: str, extra: dict[str, Any], model: str = "mha"
+    ) -> dict[str, Any]:
+        return self.request(
+            {"op": "start", "name": name, "layout": layout, "extra": extra, "model": model}
+        )
 
     def fill(self, name: str, seed: int, pages: int) -> dict[str, Any]:
         return self.request({"op": "fill", "name": name, "seed": seed, "pages": pages})

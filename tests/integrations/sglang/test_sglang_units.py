@@ -40,18 +40,22 @@ MODEL = {
 }
 
 
-@pytest.fixture
-def deploy(tmp_path: Path) -> Path:
+def write_deploy(tmp_path: Path, model: dict[str, Any], name: str) -> Path:
     data = {
-        "model": MODEL,
+        "model": model,
         "device": {"kind": "cpu"},
         "host": {"capacity_bytes": "4MiB"},
         "storage": {"kind": "file", "path": str(tmp_path / "l3")},
         "service": {"socket_path": str(tmp_path / "k.sock"), "http_port": None},
     }
-    path = tmp_path / "deploy.yaml"
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@pytest.fixture
+def deploy(tmp_path: Path) -> Path:
+    return write_deploy(tmp_path, MODEL, "deploy.yaml")
 
 
 def geometries(deploy: Path) -> dict[str, Any]:
@@ -151,14 +155,16 @@ def test_host_pools_that_do_not_fit_are_refused_naming_each_difference(deploy: P
     assert kv_group(fits, geometries(deploy), 16) == "full"
 
 
-def test_only_mha_host_pools_in_the_copyable_layouts_are_mapped() -> None:
-    class MLATokenToKVPoolHost:
+def test_only_mha_and_mla_host_pools_in_the_copyable_layouts_are_mapped() -> None:
+    class NSATokenToKVPoolHost:
         pass
 
     with pytest.raises(
-        HostPoolError, match=r"is a MLATokenToKVPoolHost; hicache maps MHATokenToKVPoolHost"
+        HostPoolError,
+        match=r"is a NSATokenToKVPoolHost; hicache maps MHATokenToKVPoolHost \(MHA/GQA models\) "
+        r"and MLATokenToKVPoolHost \(MLA models\)$",
     ):
-        HostKv.of(MLATokenToKVPoolHost())
+        HostKv.of(NSATokenToKVPoolHost())
     odd = MHATokenToKVPoolHost("page_unified", torch.zeros(1))
     with pytest.raises(
         HostPoolError,
@@ -294,3 +300,139 @@ def test_the_demo_help_names_both_engines(capsys: pytest.CaptureFixture[str]) ->
     text = " ".join(capsys.readouterr().out.split())
     assert "vLLM through its KV connector (hicache.integrations.vllm)" in text
     assert "SGLang through its HiCache storage backend (hicache.integrations.sglang)" in text
+
+
+# ---- MLA: SGLang's MLATokenToKVPoolHost, one latent per token and layer --------------------
+
+LATENT = 96  # kv_lora_rank 64 + qk_rope_head_dim 32
+MLA_MODEL = {
+    "model_type": "tiny-mla",
+    "page_size_tokens": P,
+    "layers": [{"kind": "full", "kv_format": "mla", "head_dim": LATENT}] * L,
+}
+
+
+@pytest.fixture
+def mla_deploy(tmp_path: Path) -> Path:
+    return write_deploy(tmp_path, MLA_MODEL, "mla.yaml")
+
+
+class MLATokenToKVPoolHost:  # what the mapping reads of SGLang's class of this name
+    def __init__(self, layout: str, kv_buffer: torch.Tensor | None, **over: Any):
+        self.layout, self.kv_buffer = layout, kv_buffer
+        self.layer_num = self.target_layer_num = L
+        self.page_size, self.size, self.kv_cache_dim, self.dtype = (
+            P,
+            PAGES * P,
+            LATENT,
+            torch.bfloat16,
+        )
+        self._native_buffers, self.dsa_kv_cache_store_fp8 = None, False
+        vars(self).update(over)
+
+
+def mla_buffer(layout: str) -> torch.Tensor:
+    """An MLA host buffer as SGLang's `init_kv_buffer` shapes it, in `layout`."""
+    shape = {
+        "layer_first": (L, PAGES * P, 1, LATENT),
+        "page_first_direct": (PAGES, L, P, 1, LATENT),
+        "page_first": (PAGES * P, L, 1, LATENT),
+    }[layout]
+    count = 1
+    for n in shape:
+        count *= n
+    memory = mmap.mmap(-1, -(-count * 2 // mmap.PAGESIZE) * mmap.PAGESIZE)
+    buffer = torch.frombuffer(memory, dtype=torch.bfloat16, count=count).view(shape)
+    buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(11))
+    return buffer
+
+
+def mla_row(buffer: torch.Tensor, layout: str, layer: int, page: int) -> bytes:
+    """Host page `page` of `layer` as SGLang's own indexing of its MLA pool reads it."""
+    if layout == "layer_first":
+        rows = buffer[layer, page * P : (page + 1) * P]
+    elif layout == "page_first_direct":
+        rows = buffer[page, layer]
+    else:  # page_first: the page's L*R bytes token-major, cut into L rows of R bytes
+        region = buffer[page * P : (page + 1) * P].contiguous().view(torch.uint8).view(-1)
+        size = region.numel() // L
+        return bytes(region[layer * size : (layer + 1) * size].tolist())
+    return bytes(rows.contiguous().view(torch.uint8).view(-1).tolist())
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first_direct", "page_first"])
+def test_the_sidecar_sees_sglang_mla_host_pages_as_its_latent_rows(
+    mla_deploy: Path, layout: str
+) -> None:
+    buffer = mla_buffer(layout)
+    host = HostKv.of(MLATokenToKVPoolHost(layout, buffer))
+    assert (host.latent, host.tensors, host.heads, host.head_dim) == (True, ("kv",), 1, LATENT)
+    geoms = geometries(mla_deploy)
+    group = kv_group(host, geoms, P)
+    assert geoms[group].group.replicated  # one page serves every TP rank (cache.keyers)
+    region = share_in_place([buffer.untyped_storage()], "the test's MLA host pool")
+    try:
+        pools = host_pool_manifest(region, buffer, host, group, geoms[group])
+        views = pools.device_pools()[group].tensors
+        for layer in range(L):
+            assert list(views[layer]) == ["kv"]
+            rows = views[layer]["kv"]
+            assert tuple(rows.shape) == (PAGES, P * LATENT * 2)
+            for page in range(PAGES):
+                assert bytes(rows[page].tolist()) == mla_row(buffer, layout, layer, page)
+        pools.close()
+    finally:
+        region.close()
+
+
+def test_mla_host_pools_that_do_not_fit_are_refused_naming_each_difference(
+    deploy: Path, mla_deploy: Path
+) -> None:
+    buffer = mla_buffer("layer_first")
+    with pytest.raises(
+        HostPoolError,
+        match=r"^SGLang's host pool does not match the sidecar's group 'full': tensors: SGLang "
+        r"the MLA latent \('kv'\), sidecar \['k', 'v'\]$",
+    ):
+        kv_group(HostKv.of(MLATokenToKVPoolHost("layer_first", buffer)), geometries(deploy), P)
+    narrow = HostKv.of(MLATokenToKVPoolHost("layer_first", buffer, kv_cache_dim=64))
+    with pytest.raises(
+        HostPoolError,
+        match=r"kv page row: SGLang 16 x 1 heads x 64 x bfloat16 \(2048 bytes\), sidecar 16 x 1 "
+        r"heads x 96 x bfloat16 \(3072 bytes\)$",
+    ):
+        kv_group(narrow, geometries(mla_deploy), P)
+    with pytest.raises(
+        HostPoolError,
+        match=r"^SGLang's host pool does not match the sidecar's group 'full': tensors: SGLang K and V, sidecar \['kv'\]$",
+    ):
+        kv_group(
+            HostKv.of(MHATokenToKVPoolHost("layer_first", sglang_buffer("layer_first"))),
+            geometries(mla_deploy),
+            P,
+        )
+
+
+@pytest.mark.parametrize(
+    ("over", "why"),
+    [
+        (
+            {"layout": "page_unified"},
+            r"--hicache-mem-layout page_unified with an MLA model: hicache maps layer_first, page_first_direct, page_first$",
+        ),
+        (
+            {"_native_buffers": object()},
+            r"holds its MLA buffers split natively \(DSA / NSA\); hicache maps one latent buffer",
+        ),
+        ({"dsa_kv_cache_store_fp8": True}, r"holds packed FP8 rows; hicache maps"),
+        ({"layer_num": L + 1}, r"holds 1 MTP draft layers; hicache maps"),
+        ({"kv_buffer": None}, r"holds no host buffer \(allocator-only\); hicache maps"),
+    ],
+)
+def test_mla_host_pool_variants_hicache_does_not_map_are_refused_by_name(
+    over: dict[str, Any], why: str
+) -> None:
+    fields = {"layout": "layer_first", "kv_buffer": torch.zeros(1)} | over
+    pool = MLATokenToKVPoolHost(fields.pop("layout"), fields.pop("kv_buffer"), **fields)
+    with pytest.raises(HostPoolError, match=why):
+        HostKv.of(pool)
