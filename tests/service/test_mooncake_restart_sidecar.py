@@ -36,7 +36,7 @@ from tests.conftest import REPO, shared_model
 if __name__ != "__main__":  # the test (an engine process needs neither)
     from hicache.client.process import SidecarProcess
     from hicache.testing.local_servers import MooncakeMaster as MooncakeMasterType
-    from tests.storage.servers import MooncakeMaster
+    from tests.storage.servers import MooncakeMaster, started
 
     try:
         import mooncake.store  # noqa: F401
@@ -192,12 +192,8 @@ def window(events: list[dict[str, Any]], since: float, until: float) -> dict[str
 
 @pytest.fixture
 def master() -> Iterator[MooncakeMasterType]:
-    srv = MooncakeMaster()
-    srv.start()
-    try:
+    with started(MooncakeMaster()) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _l3(sidecar: SidecarProcess) -> dict[str, Any]:

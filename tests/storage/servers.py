@@ -4,7 +4,10 @@ in CI (where .ci/run installs it)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol, TypeVar
 
 import pytest
 
@@ -52,3 +55,21 @@ def MooncakeSegmentHolder(
     except FileNotFoundError:
         _unavailable("mooncake_client")
         raise
+
+
+class _Startable(Protocol):
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+S = TypeVar("S", bound=_Startable)
+
+
+@contextmanager
+def started(server: S) -> Iterator[S]:
+    """`server` started for the block, stopped after it (a fixture's whole life)."""
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

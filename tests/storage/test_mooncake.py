@@ -16,7 +16,7 @@ import pytest_asyncio
 
 from hicache.storage import BreakerState, CircuitBreaker, GuardedStore
 from hicache.testing.local_servers import MooncakeMaster as MooncakeMasterType
-from tests.storage.servers import MooncakeMaster
+from tests.storage.servers import MooncakeMaster, started
 
 try:
     import mooncake.store  # noqa: F401
@@ -30,12 +30,8 @@ except ImportError:  # pragma: no cover - depends on the platform's wheel
 
 @pytest.fixture
 def master() -> Iterator[MooncakeMasterType]:
-    srv = MooncakeMaster()
-    srv.start()
-    try:
+    with started(MooncakeMaster()) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 @pytest_asyncio.fixture

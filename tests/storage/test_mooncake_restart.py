@@ -24,7 +24,7 @@ from hicache.storage import BreakerState, GuardedStore
 from hicache.testing.local_servers import MooncakeMaster as MooncakeMasterType
 from tests.conftest import shared_model
 from tests.storage.prompt_engine import Engine, dense_cache
-from tests.storage.servers import MooncakeMaster
+from tests.storage.servers import MooncakeMaster, started
 
 try:
     import mooncake.store  # noqa: F401
@@ -44,12 +44,8 @@ DOWN_S = 3.0  # the master stays down this long, engines still sending
 
 @pytest.fixture
 def master() -> Iterator[MooncakeMasterType]:
-    srv = MooncakeMaster()
-    srv.start()
-    try:
+    with started(MooncakeMaster()) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def _cache(store: GuardedStore) -> TieredCache:

@@ -24,7 +24,8 @@ import pytest_asyncio
 
 from hicache.storage import BreakerState, GuardedStore
 from hicache.testing.local_servers import MooncakeMaster as MooncakeMasterType
-from tests.storage.servers import MooncakeMaster, MooncakeSegmentHolder
+from hicache.testing.local_servers import MooncakeSegmentHolder as MooncakeSegmentHolderType
+from tests.storage.servers import MooncakeMaster, MooncakeSegmentHolder, started
 
 try:
     import mooncake.store  # noqa: F401
@@ -43,12 +44,14 @@ ITEMS = [(bytes([i]) * 16, os.urandom(PAGE_BYTES)) for i in range(24)]
 
 @pytest.fixture
 def master() -> Iterator[MooncakeMasterType]:
-    srv = MooncakeMaster()
-    srv.start()
-    try:
+    with started(MooncakeMaster()) as srv:
         yield srv
-    finally:
-        srv.stop()
+
+
+@pytest.fixture
+def holder(master: MooncakeMasterType) -> Iterator[MooncakeSegmentHolderType]:
+    with started(MooncakeSegmentHolder(master, segment_bytes=64 << 20)) as srv:
+        yield srv
 
 
 @pytest_asyncio.fixture
@@ -87,42 +90,36 @@ async def read_back(store: GuardedStore) -> list[bytes | None]:
 
 
 async def test_a_writer_with_no_segment_leaves_its_objects_in_the_holder(
-    master: MooncakeMasterType, open_backends: list[MooncakeBackend]
+    master: MooncakeMasterType,
+    holder: MooncakeSegmentHolderType,
+    open_backends: list[MooncakeBackend],
 ) -> None:
-    holder = MooncakeSegmentHolder(master, segment_bytes=64 << 20)
-    holder.start()
-    try:
-        writer = await client(master, open_backends, 0)
-        assert await writer.put(ITEMS) == [True] * len(ITEMS)
-        await close(writer)  # the sidecar restarting
-        reader = await client(master, open_backends, 0)
-        assert await read_back(reader) == [d for _, d in ITEMS]
-        assert reader.stats.corrupt_dropped == 0
-    finally:
-        holder.stop()
+    writer = await client(master, open_backends, 0)
+    assert await writer.put(ITEMS) == [True] * len(ITEMS)
+    await close(writer)  # the sidecar restarting
+    reader = await client(master, open_backends, 0)
+    assert await read_back(reader) == [d for _, d in ITEMS]
+    assert reader.stats.corrupt_dropped == 0
 
 
 async def test_a_writer_with_its_own_segment_takes_its_objects_along(
-    master: MooncakeMasterType, open_backends: list[MooncakeBackend]
+    master: MooncakeMasterType,
+    holder: MooncakeSegmentHolderType,
+    open_backends: list[MooncakeBackend],
 ) -> None:
-    holder = MooncakeSegmentHolder(master, segment_bytes=64 << 20)
-    holder.start()
-    try:
-        writer = await client(master, open_backends, 64 << 20)
-        assert await writer.put(ITEMS) == [True] * len(ITEMS)
-        assert await read_back(writer) == [d for _, d in ITEMS]
-        await close(writer)
-        reader = await client(master, open_backends, 0)
-        got = await read_back(reader)
-        # the master spread them over every segment with room, the writer's among them: the
-        # ones in the writer's went with it (11-18 of 24 survived in three tries here)
-        assert None in got
-        assert [v for v in got if v is not None] == [
-            d for v, (_, d) in zip(got, ITEMS, strict=True) if v
-        ]
-        assert reader.stats.corrupt_dropped == 0
-    finally:
-        holder.stop()
+    writer = await client(master, open_backends, 64 << 20)
+    assert await writer.put(ITEMS) == [True] * len(ITEMS)
+    assert await read_back(writer) == [d for _, d in ITEMS]
+    await close(writer)
+    reader = await client(master, open_backends, 0)
+    got = await read_back(reader)
+    # the master spread them over every segment with room, the writer's among them: the
+    # ones in the writer's went with it (11-18 of 24 survived in three tries here)
+    assert None in got
+    assert [v for v in got if v is not None] == [
+        d for v, (_, d) in zip(got, ITEMS, strict=True) if v
+    ]
+    assert reader.stats.corrupt_dropped == 0
 
 
 async def test_no_segment_anywhere_refuses_the_put_without_an_error(
@@ -135,14 +132,12 @@ async def test_no_segment_anywhere_refuses_the_put_without_an_error(
 
 
 async def test_the_holder_gone_gives_misses_never_wrong_bytes(
-    master: MooncakeMasterType, open_backends: list[MooncakeBackend]
+    master: MooncakeMasterType,
+    holder: MooncakeSegmentHolderType,
+    open_backends: list[MooncakeBackend],
 ) -> None:
-    holder = MooncakeSegmentHolder(master, segment_bytes=64 << 20)
-    holder.start()
-    try:
-        writer = await client(master, open_backends, 0)
-        assert await writer.put(ITEMS) == [True] * len(ITEMS)
-    finally:
-        holder.stop()
+    writer = await client(master, open_backends, 0)
+    assert await writer.put(ITEMS) == [True] * len(ITEMS)
+    holder.stop()
     got = await read_back(writer)
     assert all(v is None for v in got), [v is None for v in got]

@@ -42,6 +42,24 @@ def tokens_of(seed: int, pages: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 50000 + 3 for i in range(pages * P)]
 
 
+def host_pool(cls: Any, dev: Any, layout: str, **extra: Any) -> Any:
+    """SGLang's host pool `cls` mirroring device pool `dev` (from its buffer info, as SGLang's
+    pool assembler builds it), HOST_RATIO times its size, unpinned, in `layout`."""
+    return cls(
+        dev.get_device_pool_infos()[0].buffer_info,
+        HOST_RATIO,
+        0,
+        P,
+        layout,
+        pin_memory=False,
+        device="cpu",
+        device_capacity_tokens=dev.size,
+        start_layer=dev.start_layer,
+        end_layer=dev.end_layer,
+        **extra,
+    )
+
+
 class Harness:
     def __init__(self) -> None:
         import torch
@@ -138,17 +156,10 @@ class Harness:
             start_layer=0,
             end_layer=L,
         )
-        host = MLATokenToKVPoolHost(
-            dev.get_device_pool_infos()[0].buffer_info,
-            HOST_RATIO,
-            0,
-            P,
+        host = host_pool(
+            MLATokenToKVPoolHost,
+            dev,
             layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=dev.size,
-            start_layer=dev.start_layer,
-            end_layer=dev.end_layer,
             target_layer_num=dev.layer_num,
             override_kv_cache_dim=dev.kv_cache_dim,
         )
@@ -171,18 +182,8 @@ class Harness:
             start_layer=0,
             end_layer=L,
         )
-        host = MHATokenToKVPoolHost(
-            dev.get_device_pool_infos()[0].buffer_info,
-            HOST_RATIO,
-            0,
-            P,
-            layout,
-            pin_memory=False,
-            device="cpu",
-            device_capacity_tokens=dev.size,
-            start_layer=dev.start_layer,
-            end_layer=dev.end_layer,
-            write_back_staging=dev.hicache_write_back_staging,
+        host = host_pool(
+            MHATokenToKVPoolHost, dev, layout, write_back_staging=dev.hicache_write_back_staging
         )
         return dev, host
 

@@ -72,20 +72,25 @@ class MHATokenToKVPoolHost:  # what the mapping reads of SGLang's class of this 
         self.head_num, self.head_dim, self.dtype = H, D, torch.bfloat16
 
 
-def sglang_buffer(layout: str) -> torch.Tensor:
-    """A host KV buffer as SGLang allocates it (an anonymous shared mmap) in `layout`."""
-    shape = {
-        "layer_first": (2, L, PAGES * P, H, D),
-        "page_first_direct": (2, PAGES, L, P, H, D),
-        "page_first": (2, PAGES * P, L, H, D),
-    }[layout]
+def mapped_buffer(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Random bfloat16 bytes of `shape` in an anonymous mmap, as SGLang allocates host pools."""
     count = 1
     for n in shape:
         count *= n
     memory = mmap.mmap(-1, -(-count * 2 // mmap.PAGESIZE) * mmap.PAGESIZE)
     buffer = torch.frombuffer(memory, dtype=torch.bfloat16, count=count).view(shape)
-    buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(7))
+    buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(seed))
     return buffer
+
+
+def sglang_buffer(layout: str) -> torch.Tensor:
+    """A host KV buffer as SGLang allocates it in `layout`."""
+    shape = {
+        "layer_first": (2, L, PAGES * P, H, D),
+        "page_first_direct": (2, PAGES, L, P, H, D),
+        "page_first": (2, PAGES * P, L, H, D),
+    }[layout]
+    return mapped_buffer(shape, 7)
 
 
 def sglang_row(buffer: torch.Tensor, layout: str, kv: int, layer: int, page: int) -> bytes:
@@ -338,13 +343,7 @@ def mla_buffer(layout: str) -> torch.Tensor:
         "page_first_direct": (PAGES, L, P, 1, LATENT),
         "page_first": (PAGES * P, L, 1, LATENT),
     }[layout]
-    count = 1
-    for n in shape:
-        count *= n
-    memory = mmap.mmap(-1, -(-count * 2 // mmap.PAGESIZE) * mmap.PAGESIZE)
-    buffer = torch.frombuffer(memory, dtype=torch.bfloat16, count=count).view(shape)
-    buffer.view(torch.uint8).random_(0, 256, generator=torch.Generator().manual_seed(11))
-    return buffer
+    return mapped_buffer(shape, 11)
 
 
 def mla_row(buffer: torch.Tensor, layout: str, layer: int, page: int) -> bytes:
