@@ -69,9 +69,7 @@ class ConnectorSettings:
 def _choice(extra: dict[str, Any], key: str, allowed: tuple[str, ...]) -> str:
     value = extra.get(key, allowed[0])
     if value not in allowed:
-        raise ConfigError(
-            f"kv_connector_extra_config.{key}: {value!r} is not one of {', '.join(allowed)}"
-        )
+        raise ConfigError(f"{WHERE}.{key}: {value!r} is not one of {', '.join(allowed)}")
     return str(value)
 
 
@@ -87,7 +85,6 @@ def _store_wait(extra: dict[str, Any], key: str) -> float | None:
         number = -1.0
     if isinstance(value, bool) or not 0 <= number <= MAX_STORE_WAIT_S:
         raise ConfigError(
-            f"kv_connector_extra_config.{key}: {value!r}; seconds from 0 (never wait) to "
-            f"{MAX_STORE_WAIT_S:g}"
+            f"{WHERE}.{key}: {value!r}; seconds from 0 (never wait) to {MAX_STORE_WAIT_S:g}"
         )
     return number
