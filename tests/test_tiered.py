@@ -351,3 +351,31 @@ async def test_write_back_on_another_rank_never_holds_replicated_pages_for_l3(
     finally:
         rank0.embedded.close()
         rank1.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_rank_0_writes_replicated_pages_through_and_rank_1_never_trusts_an_old_absent(
+    tmp_path: Path,
+) -> None:
+    """The order SGLang's MLA ranks run in: rank 1 asks L3 for a prompt first (a miss, its
+    "absent" remembered), then rank 0 stores it under write-back. Rank 0 writes the
+    replicated group through all the same (the other ranks read it from L3 only), and rank
+    1's next lookup asks L3 again instead of trusting the "absent" it was told moments ago."""
+    rank0, _ = build_rank(tmp_path, 0, host_pages=8, write_policy="write_back")
+    rank1, _ = build_rank(tmp_path, 1, host_pages=8, write_policy="write_back")
+    group = rank1.embedded.layer_map.groups[0].name
+    tokens = list(range(500, 500 + 4 * PAGE))
+    try:
+        async with rank0.running(), rank1.running():
+            assert await rank1.discover(tokens) == 0  # L3 lacks it: "absent", remembered
+            assert rank1.discovery.absent.fresh(group, rank1.index.keys(tokens)[group][0])
+            stored = await rank0.store(tokens, {group: [0, 1, 2, 3]})
+            assert stored.pages_queued == 4  # offered to L3 although the policy is write-back
+            await rank0.drain()
+            assert rank1.needs_discovery(tokens, rank1.lookup(tokens))
+            assert await rank1.discover(tokens) == 4
+            assert rank1.discovery.absent.asked_again == 4
+            assert rank1.lookup(tokens).pages_total == 4
+    finally:
+        rank0.embedded.close()
+        rank1.embedded.close()

@@ -7,8 +7,10 @@ lookup path and without I/O, whether asking L3 could extend a hit; `run` asks (o
 (`AbsentKeys`), so the same cold prompt looked up at every scheduling step costs one round
 trip, not one per step — except for a lookup that waits for another engine's pages
 (`trust_absent=False`: a decode instance, whose prefill on another host may have persisted
-them since; counted in `AbsentKeys.asked_again`). Lifecycle: one per `TieredCache`, living
-as long as its index.
+them since; counted in `AbsentKeys.asked_again`), and except for the groups another rank
+writes (`distrusted`: a replicated group on a tensor-parallel rank other than 0, whose rank 0
+may persist a page the moment after L3 said it lacked it). Lifecycle: one per `TieredCache`,
+living as long as its index.
 When L3 is swapped (`TieredCache.attach_l3`), `forget` drops the "absent" answers (they
 were the old store's), and an answer that comes back afterwards is dropped too: the index
 speaks of the attached store only.
@@ -28,10 +30,14 @@ class Discovery:
         index: PrefixIndex,
         absent: AbsentKeys,
         current: Callable[[], GuardedStore | None],
+        distrusted: frozenset[str] = frozenset(),
     ):
         self.index = index
         self.absent = absent
         self.current = current  # the store attached now (None: none)
+        # groups another party writes to L3 (a replicated group on a TP rank other than 0:
+        # rank 0 writes it): L3's "absent" for them is never trusted, as trust_absent=False
+        self.distrusted = distrusted
 
     def _unknown(
         self, keys: Mapping[str, Sequence[PageKey]], start: int = 0
@@ -49,6 +55,9 @@ class Discovery:
         old = self.absent
         self.absent = AbsentKeys(old.ttl_s, old.max_keys)
         self.absent.skipped = old.skipped
+
+    def _trusts(self, group: str, trust_absent: bool) -> bool:
+        return trust_absent and group not in self.distrusted
 
     def needed(self, token_ids: Sequence[int], hit: Hit) -> bool:
         """Could L3 extend this hit with pages the index does not know?"""
@@ -74,7 +83,7 @@ class Discovery:
             whole = rules[group].needs_whole_prefix
             for offset, key in enumerate(keys[group][start:end]):
                 if self.index.record(group, key) is None:
-                    if not trust_absent or not self.absent.fresh(group, key):
+                    if not self._trusts(group, trust_absent) or not self.absent.fresh(group, key):
                         return True
                     if whole:
                         end = start + offset
@@ -93,7 +102,7 @@ class Discovery:
         keys it said moments ago it lacks)."""
         unknown: list[tuple[str, PageKey]] = []
         for group, key, fresh in self._unknown(keys):
-            if fresh and not trust_absent:
+            if fresh and not self._trusts(group, trust_absent):
                 self.absent.asked_again += 1
                 unknown.append((group, key))
             elif fresh:  # L3 said so moments ago

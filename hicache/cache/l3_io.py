@@ -17,9 +17,10 @@ marked in L3, an "absent" answer drops nothing, its timing is not the new store'
 bytes a read verified are the page's whichever store sent them, so they are indexed in L2.
 
 Tensor parallelism: the groups every rank holds alike (`CacheGroup.replicated`: MLA latents)
-are written by rank 0 only, as SGLang's HiCache backs up MLA from rank 0 alone; the other
-ranks' writes of them are skipped (`replica_skipped_pages`) and they read rank 0's objects,
-which their keys name (`page_keyers`).
+are written by rank 0 only, as SGLang's HiCache backs up MLA from rank 0 alone, and written
+through whatever the write policy (`Stores.shared_groups`); the other ranks' writes of them
+are skipped (`replica_skipped_pages`) and they read rank 0's objects, which their keys name
+(`page_keyers`).
 """
 
 from __future__ import annotations

@@ -80,15 +80,17 @@ class Loads:
         attachment: int,
         num_tokens: int,
         groups: Collection[str] | None = None,
+        l3_wait_s: float | None = None,
     ) -> tuple[OpHandle | None, Hit]:
         """`TieredCache.load` / `load_keys` past their checks, fence and discovery: the prompt
         of `num_tokens` tokens given by every cached group's page keys; the hit and the
-        copies of `groups` alone (None: every group)."""
+        copies of `groups` alone (None: every group). `l3_wait_s`: how long to wait for the
+        L3-only pages instead of the prefetch policy's wait (None: the policy's)."""
         size = self.index.page_size_tokens
         hit = self.index.lookup_keys(keys, skip_pages=skip_pages, groups=groups)
         failed: dict[str, tuple[int, ...]] = {}
         if hit.pages_total > hit.pages_l2 and self._l3() is not None:
-            await self._prefetch(keys, skip_pages, hit, num_tokens, groups)
+            await self._prefetch(keys, skip_pages, hit, num_tokens, groups, l3_wait_s)
             failed = {
                 group: lost
                 for group, rows in hit.needed.items()
@@ -140,10 +142,11 @@ class Loads:
         hit: Hit,
         tokens: int,
         groups: Collection[str] | None = None,
+        l3_wait_s: float | None = None,
     ) -> None:
-        """Bring the hit's L3-only pages into L2 within the prefetch policy's wait; the
-        fetch goes on in the background past it (owned by the running cache), so the next
-        request for the prefix finds it in L2."""
+        """Bring the hit's L3-only pages into L2 within the prefetch policy's wait (or
+        `l3_wait_s`, the caller's); the fetch goes on in the background past it (owned by
+        the running cache), so the next request for the prefix finds it in L2."""
         l3_bytes = sum(
             self.host_tier.pool(group).geometry.page_bytes
             * sum(1 for _, r in rows if r.l2_page is None)
@@ -151,7 +154,11 @@ class Loads:
         )
         # the reads in flight go first (L3 serves them meanwhile), then this one
         queued = self.io.reading_bytes + l3_bytes
-        wait = self._prefetch_policy().wait_s(tokens, queued, self.io.read_rate.bytes_per_s())
+        wait = (
+            self._prefetch_policy().wait_s(tokens, queued, self.io.read_rate.bytes_per_s())
+            if l3_wait_s is None
+            else l3_wait_s
+        )
         task = self._spawn(lambda: self._fetch(keys, skip_pages, hit, groups), "fetch")
         if wait != 0.0:
             await asyncio.wait({task}, timeout=wait)

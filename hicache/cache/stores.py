@@ -6,9 +6,11 @@
 A store is rounds of plan / backup / commit. Each round persists first the write-back
 victims its room costs (the persist queue gives them up), then plans the wanted pages the
 index lacks and no other store holds (`Planner.plan_store`), backs them up on the scheduler
-after `fence`, and commits them (offering them to L3 per the write policy) or aborts the plan
-— exactly once, and never while a copy may still write its pages: a caller that stops
-waiting has the plan aborted when its backup ends. Pages another store is backing up
+after `fence`, and commits them (offering them to L3 per the write policy; rank 0's
+replicated groups at TP > 1 always, `shared_groups`) or aborts the plan (answered with the
+prefix before its first page, `truncated_to_tokens`) — exactly once, and never while a copy
+may still write its pages: a caller that stops waiting has the plan aborted when its backup
+ends. Pages another store is backing up
 meanwhile (another engine's, of the same prefix) are waited for until that store has ended
 (the planner's `store_ended` hook wakes the waiters, `plan_ended` here; orphaned plans are
 swept every `_SETTLE_POLL_S`; a lookup waiting for a store in flight waits the same way,
@@ -43,7 +45,9 @@ class StoreResult:
     pages_evicted: int
     bytes_backed_up: int = 0  # L1 -> L2
     backup_seconds: float = 0.0
-    truncated_to_tokens: int | None = None  # L2 held only this prefix of the prompt
+    # L2 holds only this prefix of the prompt's pages (L2 full, or the backup failed); None:
+    # every page asked for is stored
+    truncated_to_tokens: int | None = None
 
 
 class Stores:
@@ -57,6 +61,7 @@ class Stores:
         write_policy: Callable[[], WritePolicy],
         l3: Callable[[], GuardedStore | None],
         replica_groups: frozenset[str],
+        shared_groups: frozenset[str] = frozenset(),
     ):
         self.index = index
         self.planner = planner
@@ -66,6 +71,9 @@ class Stores:
         self._write_policy = write_policy  # the cache's, now
         self._l3 = l3  # the store attached now (None: none)
         self.replica_groups = replica_groups  # rank 0 writes those to L3
+        # rank 0's replicated groups at TP > 1: written through whatever the policy (every
+        # other rank reads them from L3 only)
+        self.shared_groups = shared_groups
         self._store_ended = asyncio.Event()
 
     async def store(
@@ -126,11 +134,16 @@ class Stores:
         result = await self._backup(plan, fence, attachment)
         if not result.ok:
             self.planner.abort_store(plan)
-            return StoreResult(0, 0, evicted, truncated_to_tokens=truncated), {}
+            # none of the plan landed: what L2 holds of the prompt ends at its first page (an
+            # answer without a cut reads "every page stored", and engines publish it so)
+            first = min(min(g.positions) for g in plan.groups.values())
+            if plan.truncated_to_pages is not None:
+                first = min(first, plan.truncated_to_pages)
+            return StoreResult(0, 0, evicted, truncated_to_tokens=first * size), {}
         records = self.planner.commit_store(plan)
         policy = self._write_policy()
         to_l3 = {
-            g: [r for r in rs if policy.on_store(r)]
+            g: [r for r in rs if policy.on_store(r) or (g in self.shared_groups and not r.in_l3)]
             for g, rs in records.items()
             if g not in self.replica_groups  # rank 0 writes those
         }

@@ -86,14 +86,18 @@ class TieredCache:
     ):
         self.embedded = embedded
         self.tp_rank = tp_rank
-        # groups every rank holds alike: rank 0 writes them to L3, the other ranks read them
-        replica_groups = frozenset(
+        # groups every rank holds alike: rank 0 writes them to L3 (whatever the write policy:
+        # the other ranks read them there only), the other ranks read them
+        replicated = frozenset(
             g.name
             for g in embedded.layer_map.groups
-            if g.replicated and tp_rank != 0 and embedded.layer_map.layout.tp_size > 1
+            if g.replicated and embedded.layer_map.layout.tp_size > 1
         )
+        replica_groups = replicated if tp_rank != 0 else frozenset()
+        shared_groups = replicated if tp_rank == 0 else frozenset()
         self.index = index
-        self.discovery = Discovery(index, absent, lambda: self.l3)
+        # another rank writes replica groups: an "absent" L3 said may be stale any moment
+        self.discovery = Discovery(index, absent, lambda: self.l3, distrusted=replica_groups)
         self.settings: CacheSettings | None = None  # what `build` was given
         self.write_policy = write_policy
         self.prefetch_policy = prefetch_policy
@@ -131,6 +135,7 @@ class TieredCache:
             lambda: self.write_policy,
             lambda: self.l3,
             replica_groups,
+            shared_groups,
         )
         self.planner.store_ended = self.stores.plan_ended
         self.loads = Loads(
@@ -479,10 +484,12 @@ class TieredCache:
         fence: Fence | None = None,
         attachment: int = DEFAULT_ATTACHMENT,
         groups: Collection[str] | None = None,
+        l3_wait_s: float | None = None,
     ) -> Coroutine[Any, Any, tuple[OpHandle | None, Hit]]:
         """`load` of a prompt given by every cached group's page keys (see `store_keys`);
         `groups`: the hit and the copies of those groups alone, device pages named for them
-        only (None: every group); the default fence is taken when this is called, as
+        only (None: every group); `l3_wait_s`: how long to wait for L3-only pages (None: the
+        prefetch policy's wait); the default fence is taken when this is called, as
         `load`'s."""
         if fence is None:
             fence = self.embedded.backend.producer_fence()  # the caller's thread and stream
@@ -496,6 +503,7 @@ class TieredCache:
             attachment,
             pages * self.index.page_size_tokens,
             groups,
+            l3_wait_s,
         )
 
     async def _load_keys(
@@ -508,6 +516,7 @@ class TieredCache:
         attachment: int,
         num_tokens: int,
         groups: Collection[str] | None = None,
+        l3_wait_s: float | None = None,
     ) -> tuple[OpHandle | None, Hit]:
         """`load` and `load_keys` past their fence: a prompt of `num_tokens` tokens given by
         every cached group's page keys (moving `groups` alone: None, all)."""
@@ -528,6 +537,7 @@ class TieredCache:
             attachment=attachment,
             num_tokens=num_tokens,
             groups=groups,
+            l3_wait_s=l3_wait_s,
         )
 
     async def prefetch(self, token_ids: Sequence[int]) -> int:

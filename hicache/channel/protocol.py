@@ -265,6 +265,8 @@ class KeyedStore(Msg):
         dict[Name, Annotated[list[Snapshot], Field(max_length=MAX_TOKENS)]], Field(max_length=64)
     ] = {}
     fence: Fence = None
+    # as `StoreRequest`'s: SGLang's MLA writer (rank 0), whose other ranks read L3
+    persisted_within_s: float = Field(default=0.0, ge=0.0, le=MAX_STORE_WAIT_S)
 
 
 class KeyedLoad(Msg):
@@ -276,6 +278,9 @@ class KeyedLoad(Msg):
     fence: Fence = None
     # the hit and copies of these groups alone, device pages for them only; None: all
     groups: Annotated[list[Name], Field(min_length=1, max_length=64)] | None = None
+    # how long the load waits for its L3-only pages to reach L2 (a caller on a thread of its
+    # own that would rather wait than miss: SGLang's prefetch IO); None: the prefetch policy
+    l3_wait_s: float | None = Field(default=None, ge=0.0, le=MAX_STORE_WAIT_S)
 
 
 class Release(Msg):

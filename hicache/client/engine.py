@@ -349,15 +349,21 @@ class Client(ClientBase):
         snapshots: Mapping[str, Mapping[int, int]] | None = None,
         *,
         stream: Any = None,
+        persisted_within_s: float = 0.0,
     ) -> dict[str, Any]:
         """`store` of a prompt given by page keys (`key_spec().of_ids(...)`: pages the engine
         names itself) instead of tokens: token groups a device page per key (None: not
         stored), state groups `{num_tokens: slot}` as `store`'s (the state after the keys
         covering num_tokens, filed under the last of them). CUDA pools: ordered after
-        `stream`'s work as `store` is (a fence sent with the request)."""
+        `stream`'s work as `store` is (a fence sent with the request).
+        `persisted_within_s` > 0: answered once L3 holds the pages stored, or after that
+        long (the reply's `persisted` says which), as `store`'s; the call's reply timeout
+        must exceed it."""
         args = self._key_args(keys)
         event, handle = self._engine_fence(stream, "store_keys")  # this thread, first
         extra: dict[str, Any] = {} if handle is None else {"fence": handle}
+        if persisted_within_s > 0:  # only then: an older sidecar is asked as before
+            extra["persisted_within_s"] = float(persisted_within_s)
         if snapshots:
             extra["snapshots"] = {
                 group: [[int(n), int(slot)] for n, slot in sorted(given.items())]
@@ -380,15 +386,20 @@ class Client(ClientBase):
         *,
         stream: Any = None,
         groups: Sequence[str] | None = None,
+        l3_wait_s: float | None = None,
     ) -> LoadHandle | None:
         """`load` of a prompt given by page keys (see `store_keys`); `groups`: the hit and
         copies of those groups alone, `device_pages` naming only them. CUDA pools: the copies
-        run after `stream`'s work, as `load`'s do."""
+        run after `stream`'s work, as `load`'s do. `l3_wait_s`: how long the sidecar waits
+        for the hit's L3-only pages before it copies (None: its prefetch policy's wait);
+        the call's reply timeout must exceed it."""
         args = self._key_args(keys)
         event, handle = self._engine_fence(stream, "load_keys")  # this thread, first
         extra: dict[str, Any] = {} if handle is None else {"fence": handle}
         if groups is not None:
             extra["groups"] = list(groups)
+        if l3_wait_s is not None:  # only then: an older sidecar is asked as before
+            extra["l3_wait_s"] = float(l3_wait_s)
         try:
             reply = self.call(
                 "load_keys",

@@ -12,7 +12,8 @@ when it ends). Every page a store or load names is checked against the session's
 pools first (`_check_pages`). A store's and a load's reply names its session (`session`,
 the epoch), whose end settles every copy it started. A store with `persisted_within_s`
 answers once L3 holds its pages, or at that bound (`persisted`: whether it does;
-`cache/writing.py`), for a decode instance on another host; its wait ends at once, False,
+`cache/writing.py`), for a decode instance on another host (or, by keys, for SGLang's MLA
+ranks other than 0, which read rank 0's latents from L3); its wait ends at once, False,
 when its engine's connection is gone (`Session.gone`) or the drain begins."""
 
 from __future__ import annotations
@@ -67,21 +68,35 @@ class DataOps:
         del fence  # an opened IPC event goes before the reply: the engine may then free its own
         reply = self._stored(session, result)
         if args.persisted_within_s > 0:  # the pages in L3, for a decode host reading L3
-            cache = namespace.cache
-            reply["persisted"] = await until_persisted(
-                cache.index,
-                cache.persist,
-                {
-                    group: keys  # token groups this rank writes (state snapshots: boundaries)
-                    for group, keys in cache.index.keys(args.tokens).items()
-                    if cache.index.rules[group].kind.is_token_cache
-                    and group not in cache.stores.replica_groups
-                },
-                args.persisted_within_s,
-                # no one reads the reply once the engine is gone; the drain answers it now
-                stops=(session.gone, self.state.store_waits.stopping),
+            keys = namespace.cache.index.keys(args.tokens)
+            reply["persisted"] = await self._persisted(
+                session, namespace, keys, args.persisted_within_s
             )
         return reply
+
+    async def _persisted(
+        self,
+        session: Session,
+        namespace: Namespace,
+        keys: Mapping[str, Sequence[PageKey]],
+        within_s: float,
+    ) -> bool:
+        """`until_persisted` for a store's pages of the token groups this rank writes (state
+        snapshots: boundaries; a replicated group on a rank other than 0: rank 0's)."""
+        cache = namespace.cache
+        return await until_persisted(
+            cache.index,
+            cache.persist,
+            {
+                group: group_keys
+                for group, group_keys in keys.items()
+                if cache.index.rules[group].kind.is_token_cache
+                and group not in cache.stores.replica_groups
+            },
+            within_s,
+            # no one reads the reply once the engine is gone; the drain answers it now
+            stops=(session.gone, self.state.store_waits.stopping),
+        )
 
     async def store_keys(self, session: Session, args: p.KeyedStore) -> dict[str, Any]:
         """`store` of a prompt given by the engine's own page keys (state groups' snapshots
@@ -97,7 +112,15 @@ class DataOps:
             keys, args.device_pages, snapshots=snapshots, fence=fence, attachment=session.id
         )
         del fence
-        return self._stored(session, result)
+        reply = self._stored(session, result)
+        if args.persisted_within_s > 0:  # the pages in L3: SGLang's MLA writer (rank 0)
+            cut = result.truncated_to_tokens  # L2 held this prefix: the pages stored
+            pages = None if cut is None else cut // namespace.cache.index.page_size_tokens
+            stored = {group: group_keys[:pages] for group, group_keys in keys.items()}
+            reply["persisted"] = await self._persisted(
+                session, namespace, stored, args.persisted_within_s
+            )
+        return reply
 
     def _stored(self, session: Session, result: StoreResult) -> dict[str, Any]:
         self.state.metrics.evictions.inc(result.pages_evicted)
@@ -145,6 +168,7 @@ class DataOps:
                 fence=fence,
                 attachment=session.id,
                 groups=groups,
+                l3_wait_s=args.l3_wait_s,
             )
 
         return await self._load(session, namespace, "load_keys", args.fence, start)

@@ -265,3 +265,53 @@ async def test_reads_in_flight_count_toward_a_new_loads_deadline(tmp_path: Path)
             assert_consistent(cache)
     finally:
         cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_a_keyed_load_with_its_own_l3_wait_waits_it_out_instead_of_the_policy(
+    tmp_path: Path,
+) -> None:
+    """`load_keys(l3_wait_s=...)` (SGLang's prefetch IO thread: rather wait than miss): the
+    policy's fixed 2 ms would miss a read of SLOW_READ_S; the caller's wait of 30 s serves
+    it. A read that never returns costs such a load its wait, not more."""
+    cache, faulty = build(
+        tmp_path, "qwen2_7b.json", host_pages=16, prefetch_policy="timeout",
+        prefetch_timeout_s=0.002,
+    )  # fmt: skip
+    try:
+        async with cache.running():
+            tokens = list(range(4 * PAGE))
+            await only_in_l3(cache, tokens, 0)
+            keys = cache.index.keys(tokens)
+            faulty.latency_s = SLOW_READ_S
+            handle, hit = await cache.load_keys(keys, {"full": [8, 9, 10, 11]}, l3_wait_s=30.0)
+            assert (hit.tokens_total, hit.failed) == (4 * PAGE, {})
+            assert handle is not None
+            assert (await handle.done()).ok
+            await cache.drain()
+            cache.clear_l2()
+            handle, hit = await cache.load_keys(keys, {"full": [8, 9, 10, 11]})  # the policy's
+            assert (handle, hit.failed) == (None, {"full": (0, 1, 2, 3)})
+            await cache.drain()
+            assert_consistent(cache)
+    finally:
+        cache.embedded.close()
+
+    gated, _ = build(tmp_path / "gated-cache", "qwen2_7b.json", host_pages=16)
+    gates = Gates(tmp_path / "gated")
+    gated.attach_l3(GuardedStore(gates, base_timeout_s=60.0))
+    try:
+        async with gated.running():
+            tokens = list(range(4 * PAGE))
+            await only_in_l3(gated, tokens, 0)
+            gates.read_gate.clear()
+            handle, hit = await gated.load_keys(
+                gated.index.keys(tokens), {"full": [8, 9, 10, 11]}, l3_wait_s=0.05
+            )
+            assert (handle, hit.failed) == (None, {"full": (0, 1, 2, 3)})
+            await parked(gates)  # the read still waits: the load did not
+            gates.read_gate.set()
+            await gated.drain()
+            assert_consistent(gated)
+    finally:
+        gated.embedded.close()

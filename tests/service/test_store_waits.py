@@ -240,7 +240,10 @@ def test_store_that_fails_ends_the_wait_as_a_miss(config: Path) -> None:
         held.release(fail=True)
         reply = await waiting
         assert (reply["tokens_total"], reply["store_wait"]) == (0, "missed")
-        assert (await store)["pages_stored"] == 0  # the failed copy stored nothing
+        stored = await store
+        assert stored["pages_stored"] == 0  # the failed copy stored nothing
+        # and says so: L2 holds none of the prompt (not "all of it, already there")
+        assert stored["truncated_to_tokens"] == 0
         assert counted(world)["missed"] == 1
         assert writing(world, prefill) == 0
         await settled(world)
@@ -316,6 +319,13 @@ def test_wait_bound_refused_past_the_protocol_limit() -> None:
         p.KeyLookup.model_validate({"keys": {}, "wait_stored_s": p.MAX_STORE_WAIT_S + 1})
     with pytest.raises(ValidationError, match="wait_stored_s"):
         p.KeyLookup.model_validate({"keys": {}, "wait_stored_s": -1.0})
+    keyed = {"keys": {}, "device_pages": {}}
+    for field in ("persisted_within_s", "l3_wait_s"):  # a keyed store's and load's waits
+        with pytest.raises(ValidationError, match=field):
+            (p.KeyedStore if field.startswith("persisted") else p.KeyedLoad).model_validate(
+                keyed | {field: p.MAX_STORE_WAIT_S + 1}
+            )
+    assert p.KeyedLoad.model_validate(keyed).l3_wait_s is None  # the prefetch policy's
 
 
 def test_a_store_asked_to_persist_answers_once_l3_holds_its_pages(config: Path) -> None:
@@ -340,6 +350,42 @@ def test_a_store_asked_to_persist_answers_once_l3_holds_its_pages(config: Path) 
         assert "persisted" not in plain
 
     run(config, body)
+
+
+def test_a_keyed_store_asked_to_persist_waits_for_the_pages_it_stored(tmp_path: Path) -> None:
+    """`store_keys` with `persisted_within_s` (SGLang's MLA writer, rank 0, whose other ranks
+    read its latents from L3): answered once L3 holds the pages it stored. An L2 of 3 pages
+    holds 3 of a 5-page prompt (`truncated_to_tokens`): the wait is for those 3, and True."""
+    data = {
+        "model": {"config_path": str(shared_model("qwen2_7b.json")), "page_size_tokens": PAGE},
+        "device": {"kind": "cpu"},
+        "host": {"capacity_bytes": "3MiB"},  # 3 pages of 0.875 MiB
+        "storage": {"kind": "none"},
+        "service": {"socket_path": str(tmp_path / "e.sock"), "drain_timeout_s": 30},
+    }
+    path = tmp_path / "small_l2.yaml"
+    path.write_text(yaml.safe_dump(data))
+
+    async def body(world: SidecarWorld) -> None:
+        writer = await world.engine("rank0").start()
+        tokens = [11 * 7919 + t for t in range(5 * PAGE)]
+        reply = await writer.call(
+            "store_keys",
+            keys=key_args(world, writer, tokens),
+            device_pages={g: [0, 1, 2, 3, 4] for g in writer._pages(tokens, 0)},
+            persisted_within_s=30.0,
+        )
+        assert (reply["pages_stored"], reply["truncated_to_tokens"]) == (3, 3 * PAGE)
+        assert reply["persisted"] is True
+        assert await world.l3_missing(writer.key, [tokens[: 3 * PAGE]]) == 0
+        plain = await writer.call(
+            "store_keys",
+            keys=key_args(world, writer, tokens[:PAGE]),
+            device_pages={g: [0] for g in writer._pages(tokens, 0)},
+        )
+        assert "persisted" not in plain  # not asked: answered at L2, as before
+
+    run(path, body)
 
 
 def test_a_store_whose_pages_are_not_owed_to_l3_answers_not_persisted(tmp_path: Path) -> None:

@@ -13,7 +13,15 @@ from hicache.config import LoadedConfig, load_deployment
 from hicache.errors import ConfigError
 
 WHERE = "--hicache-storage-backend-extra-config"
-OWN_KEYS = ("config", "token", "tenant", "timeout_s", "load_timeout_s", "retry_after_s")
+OWN_KEYS = (
+    "config",
+    "token",
+    "tenant",
+    "timeout_s",
+    "load_timeout_s",
+    "retry_after_s",
+    "persisted_within_s",
+)
 # what SGLang itself reads from the same JSON (the ones it pops before the backend sees them
 # too, should a release leave them in)
 SGLANG_KEYS = (
@@ -40,6 +48,15 @@ class BackendSettings:
     # one load's copies; past it the load is cancelled and waited for as long again
     load_timeout_s: float
     retry_after_s: float  # a sidecar that is down is tried again after this
+    # an MLA model at TP > 1: rank 0's store is answered once L3 holds its latents (the other
+    # ranks read them there), at most this long; less than timeout_s
+    persisted_within_s: float
+
+    @property
+    def l3_wait_s(self) -> float:
+        """How long the sidecar waits for a load's L3-only pages (SGLang's prefetch IO
+        thread calls: it would rather wait than miss): half of one request's timeout_s."""
+        return self.timeout_s / 2
 
     @classmethod
     def parse(cls, extra: dict[str, Any]) -> BackendSettings:
@@ -67,14 +84,23 @@ class BackendSettings:
         tenant = extra.get("tenant")
         if tenant is not None and not isinstance(tenant, str):
             raise ConfigError(f"{WHERE}: tenant is {tenant!r}; give a string")
+        timeout_s = _positive(extra, "timeout_s", 5.0)
+        persisted_within_s = _positive(extra, "persisted_within_s", min(3.0, timeout_s / 2))
+        if persisted_within_s >= timeout_s:
+            raise ConfigError(
+                f"{WHERE}: persisted_within_s is {persisted_within_s!r} and timeout_s "
+                f"{timeout_s!r}; persisted_within_s must be less than timeout_s (a store that "
+                "waits for L3 is one request to the sidecar)"
+            )
         return cls(
             config_path=Path(config),
             loaded=load_deployment(Path(config)),
             token=token,
             tenant=tenant,
-            timeout_s=_positive(extra, "timeout_s", 5.0),
+            timeout_s=timeout_s,
             load_timeout_s=_positive(extra, "load_timeout_s", 10.0),
             retry_after_s=_positive(extra, "retry_after_s", 1.0),
+            persisted_within_s=persisted_within_s,
         )
 
 

@@ -20,14 +20,19 @@ the id): engines of one model, rank and page byte layout (`host_pools.tenant_of`
 nothing else does. TP ranks each hold their own heads (SGLang's MHA pools are per rank), so
 each rank attaches as its own rank; DP replicas share. An MLA model's latent is the same on
 every rank (`MLATokenToKVPoolHost`, `host_pools`): the sidecar keys its MLA group as rank 0
-on every rank, so every rank reads what rank 0 (SGLang's only MLA writer) stored. PP,
+on every rank, so every rank reads what rank 0 (SGLang's only MLA writer) stored — from L3,
+its one copy every rank reaches: rank 0's store is answered once L3 holds it (at most
+`persisted_within_s`; not by then: answered not stored), as SGLang's other ranks query it
+right after, and they never trust an earlier "absent" of L3 for that group. PP,
 attention CP and DCP > 1 are refused (hicache's layouts are not split that way).
 
 Contract with SGLang's controller (three threads call at once: prefetch, prefetch IO, backup):
 every data-path method returns per-key booleans (or a leading count), True only for a leading
 run the sidecar vouches for (`batch_exists` never over-reports: it is the sidecar's L2 + L3
 hit of those keys), never raises (`core.sidecar_link`), and is bounded by `timeout_s` per
-request and `load_timeout_s` per load (past it the load is cancelled and waited for as long
+request and `load_timeout_s` per load (the sidecar waits for its L3-only pages up to half of
+`timeout_s`, not its prefetch policy's wait: SGLang's prefetch IO thread would rather wait
+than miss; past `load_timeout_s` the load is cancelled and waited for as long
 again, and answers False only once it ended or its session was detached: SGLang reuses those
 host slots at once, `storage_v2._end_load`). A set is idempotent (pages the sidecar holds count as
 stored) and atomic per page (the sidecar indexes a page only once its copy landed). Sidecar
@@ -116,6 +121,13 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         check_ranks(storage_config)
         self.tp_rank = int(storage_config.tp_rank)
         self.tp_size = int(storage_config.tp_size)
+        # SGLang's only writer of a rank-replicated (MLA) cache at TP > 1: its ranks read
+        # what it stores from L3, so its stores are answered once L3 holds them
+        self.writes_for_ranks = (
+            bool(getattr(storage_config, "is_mla_model", False))
+            and self.tp_size > 1
+            and self.tp_rank == 0
+        )
         self.stats = BackendStats()
         self.attached: Attached | None = None
         # the data path's gate: set once SGLang registered every host pool (it starts its
@@ -319,7 +331,10 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
 
         def load(client: Client) -> int:
             handle = client.load_keys(
-                self._keys(client, keys), {attached.group: pages}, groups=[attached.group]
+                self._keys(client, keys),
+                {attached.group: pages},
+                groups=[attached.group],
+                l3_wait_s=self.settings.l3_wait_s,  # SGLang's prefetch IO: rather wait than miss
             )
             if handle is None:
                 return 0
@@ -346,10 +361,20 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
             return [False] * len(keys)
         started = time.perf_counter()
 
+        wait = self.settings.persisted_within_s if self.writes_for_ranks else 0.0
+
         def store(client: Client) -> int:
             pages_of = attached.pages_of(attached.group, [*pages])
-            reply = client.store_keys(self._keys(client, keys), pages_of)
+            reply = client.store_keys(self._keys(client, keys), pages_of, persisted_within_s=wait)
             cut = reply.get("truncated_to_tokens")
+            if wait and not reply.get("persisted"):
+                self.link.note(
+                    "persisted",
+                    f"hicache {self.link.name}: the MLA latents stored did not reach L3 within "
+                    f"{wait} s (no L3, or a slow one); SGLang's other ranks read them from L3 "
+                    "only, so the backup is answered not stored",
+                )
+                return 0
             return len(keys) if cut is None else int(cut) // attached.host.page_size
 
         stored = int(self.link.use("batch_set_v1", store, 0))

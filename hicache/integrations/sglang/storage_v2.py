@@ -265,7 +265,12 @@ class SidePoolOps:
         _, group, slot = found
 
         def load(client: Client) -> bool:
-            handle = client.load_keys(self._keys(client, [key]), {group: [slot]}, groups=[group])
+            handle = client.load_keys(
+                self._keys(client, [key]),
+                {group: [slot]},
+                groups=[group],
+                l3_wait_s=self.settings.l3_wait_s,
+            )
             if handle is None:
                 return False
             return self._end_load(client, handle, "batch_get_v2") == "done"
@@ -312,7 +317,12 @@ class SidePoolOps:
             if not window_fits(client.geometries[group], len(keys), size):
                 self._window_too_wide(len(keys))  # its leading pages would not be written
                 return False
-            handle = client.load_keys(self._keys(client, keys), {group: pages}, groups=[group])
+            handle = client.load_keys(
+                self._keys(client, keys),
+                {group: pages},
+                groups=[group],
+                l3_wait_s=self.settings.l3_wait_s,
+            )
             if handle is None:
                 return False
             ended = self._end_load(client, handle, "batch_get_v2")  # its pins go

@@ -6,7 +6,8 @@ Two SGLang processes play TP ranks 0 and 1 of one engine. What is judged: rank 0
 device -> host -> hicache -> (host and device cleared) -> hicache -> host -> device byte-exact
 in both CPU host layouts; rank 1's prefetch hits what rank 0 stored and gets the same bytes
 (an MLA latent is the same on every rank: SGLang backs it up from rank 0 only, and the sidecar
-keys an MLA group as rank 0 on every rank, `cache.keyers`); a prompt never stored is a miss.
+keys an MLA group as rank 0 on every rank, `cache.keyers`) right after rank 0's backup was
+acknowledged, even after rank 1 was told "absent" for it; a prompt never stored is a miss.
 
 SGLang comes from `.venv-sglang` (`python3 dev.py setup --sglang-kernel DIR`) or
 `$SGLANG_TEST_PYTHON`; without it this module skips (fails under `_HICACHE_REQUIRE_SGLANG`).
@@ -74,7 +75,12 @@ def test_mla_latents_go_device_host_hicache_and_back_byte_exact(ranks: Ranks, la
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_tp_rank_hits_the_latents_rank_0_stored(ranks: Ranks, layout: str) -> None:
+    """In SGLang's order: every rank queries a new prompt (a miss: rank 1's sidecar
+    namespace remembers L3's "absent"), rank 0 computes and backs it up (answered once L3
+    holds the latents: `persisted_within_s`), the next request's query on rank 1 hits.
+    Acknowledged at L2 with L3 behind, rank 1 missed under load (CI, stop 41)."""
     seed = 30 + LAYOUTS.index(layout)
+    assert ranks.rank1.fetch(layout, seed, PAGES)["hit_pages"] == 0
     assert ranks.rank0.fill(layout, seed, PAGES)["backed_up_tokens"] == PAGES * PAGE
     got = ranks.rank1.fetch(layout, seed, PAGES)
     assert got == {"hit_pages": PAGES, "fetched_tokens": PAGES * PAGE, "match": True}

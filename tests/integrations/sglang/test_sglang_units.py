@@ -207,6 +207,18 @@ def test_settings_are_checked_key_by_key(deploy: Path) -> None:
         BackendSettings.parse({"interface_v1": 1})
     with pytest.raises(ConfigError, match=r"load_timeout_s is -1; give a number of seconds > 0"):
         BackendSettings.parse(base | {"load_timeout_s": -1})
+    # an MLA writer's wait for L3: within one request to the sidecar
+    assert settings.persisted_within_s == 2.5
+    assert BackendSettings.parse(base | {"timeout_s": 10}).persisted_within_s == 3.0
+    assert BackendSettings.parse(base | {"timeout_s": 1}).persisted_within_s == 0.5
+    with pytest.raises(
+        ConfigError,
+        match=r"persisted_within_s is 5.0 and timeout_s 5.0; persisted_within_s must be less "
+        r"than timeout_s",
+    ):
+        BackendSettings.parse(base | {"persisted_within_s": 5})
+    with pytest.raises(ConfigError, match=r"persisted_within_s is 0; give a number of seconds"):
+        BackendSettings.parse(base | {"persisted_within_s": 0})
 
 
 def test_sharing_in_place_refuses_a_file_mapping(tmp_path: Path) -> None:
