@@ -58,6 +58,8 @@ class Totals:
     tokens_l3: int = 0
     tokens_computed: int = 0
     loads: int = 0
+    # pages of a load's hit L2 lacked at its prefetch deadline: late (the fetch goes on in the
+    # background, the engine recomputes them meanwhile) or gone from L3
     load_failed_pages: int = 0
     bytes_loaded: int = 0
     pages_verified: int = 0

@@ -104,7 +104,7 @@ def render(f: dict[str, Any], prefill_rate: float) -> str:
             f"{f['prefill_saved_s']:.2f} s of recompute at {prefill_rate:,.0f} tokens/s",
         ),
         ("L1 evictions", f"{f['l1_evictions']}"),
-        ("pages L3 could not supply", f"{f['load_failed_pages']}"),
+        ("L3 pages late, or missing", f"{f['load_failed_pages']}"),
         ("bytes verified", f"{f['bytes_verified']}, mismatches: {f['mismatches']}"),
     ]
     width = max(len(k) for k, _ in rows)
