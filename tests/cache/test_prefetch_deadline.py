@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
+from hicache.cache import TieredCache
 from hicache.cache.read_rate import ReadRate
 from hicache.config.schema import CacheSection
+from hicache.index import Hit
 from hicache.index.policies import AUTO_START_BYTES_PER_S, PREFETCH_POLICIES, Timeout
+from hicache.scheduler import OpHandle
 from hicache.storage import FileBackend, GuardedStore
 from hicache.testing.faulty_storage import FaultyBackend
 from tests.cache.test_core import assert_consistent
@@ -152,27 +157,27 @@ async def test_a_slow_l3_read_is_served_by_the_auto_deadline_not_the_fixed_one(
         cache.embedded.close()
 
 
-@pytest.mark.asyncio
-async def test_a_hanging_l3_costs_a_load_at_most_the_cap(tmp_path: Path) -> None:
-    """A read that never returns: the auto deadline is capped, so the load returns — the
-    read still parked at its gate — with those pages failed; the read's pages are freed
-    once it ends."""
-    cache, _ = build(
-        tmp_path,
-        "qwen2_7b.json",
-        host_pages=16,
-        prefetch_policy="timeout",
-        prefetch_timeout_max_s=0.05,
-    )
+def gated(tmp_path: Path, **build_args: Any) -> tuple[TieredCache, Gates]:
+    """A cache whose L3 reads wait at a gate the test opens (`Gates`)."""
+    cache, _ = build(tmp_path, "qwen2_7b.json", host_pages=16, **build_args)
     gates = Gates(tmp_path / "gated")
     cache.attach_l3(GuardedStore(gates, base_timeout_s=60.0))
+    return cache, gates
+
+
+async def a_hanging_read_is_left_behind(
+    cache: TieredCache,
+    gates: Gates,
+    load: Callable[[list[int]], Awaitable[tuple[OpHandle | None, Hit]]],
+) -> None:
+    """A prompt only in L3 whose read is held at the gate: `load(tokens)` returns every page
+    failed while the read still waits; the read's pages are freed once it ends."""
     try:
         async with cache.running():
             tokens = list(range(4 * PAGE))
             await only_in_l3(cache, tokens, 0)
-            cache.io.read_rate.observe(1, 10.0)  # measured: a crawl; the cap decides
             gates.read_gate.clear()
-            handle, hit = await cache.load(tokens, {"full": [8, 9, 10, 11]})
+            handle, hit = await load(tokens)
             assert (handle, hit.failed) == (None, {"full": (0, 1, 2, 3)})
             await parked(gates)  # the read still waits: the load did not
             gates.read_gate.set()
@@ -180,6 +185,20 @@ async def test_a_hanging_l3_costs_a_load_at_most_the_cap(tmp_path: Path) -> None
             assert_consistent(cache)
     finally:
         cache.embedded.close()
+
+
+@pytest.mark.asyncio
+async def test_a_hanging_l3_costs_a_load_at_most_the_cap(tmp_path: Path) -> None:
+    """A read that never returns: the auto deadline is capped, so the load returns — the
+    read still parked at its gate — with those pages failed; the read's pages are freed
+    once it ends."""
+    cache, gates = gated(tmp_path, prefetch_policy="timeout", prefetch_timeout_max_s=0.05)
+
+    def load(tokens: list[int]) -> Awaitable[tuple[OpHandle | None, Hit]]:
+        cache.io.read_rate.observe(1, 10.0)  # measured: a crawl; the cap decides
+        return cache.load(tokens, {"full": [8, 9, 10, 11]})
+
+    await a_hanging_read_is_left_behind(cache, gates, load)
 
 
 @pytest.mark.asyncio
@@ -297,21 +316,10 @@ async def test_a_keyed_load_with_its_own_l3_wait_waits_it_out_instead_of_the_pol
     finally:
         cache.embedded.close()
 
-    gated, _ = build(tmp_path / "gated-cache", "qwen2_7b.json", host_pages=16)
-    gates = Gates(tmp_path / "gated")
-    gated.attach_l3(GuardedStore(gates, base_timeout_s=60.0))
-    try:
-        async with gated.running():
-            tokens = list(range(4 * PAGE))
-            await only_in_l3(gated, tokens, 0)
-            gates.read_gate.clear()
-            handle, hit = await gated.load_keys(
-                gated.index.keys(tokens), {"full": [8, 9, 10, 11]}, l3_wait_s=0.05
-            )
-            assert (handle, hit.failed) == (None, {"full": (0, 1, 2, 3)})
-            await parked(gates)  # the read still waits: the load did not
-            gates.read_gate.set()
-            await gated.drain()
-            assert_consistent(gated)
-    finally:
-        gated.embedded.close()
+    hanging, gates = gated(tmp_path / "gated-cache")
+
+    def load_keys(tokens: list[int]) -> Awaitable[tuple[OpHandle | None, Hit]]:
+        keys = hanging.index.keys(tokens)
+        return hanging.load_keys(keys, {"full": [8, 9, 10, 11]}, l3_wait_s=0.05)
+
+    await a_hanging_read_is_left_behind(hanging, gates, load_keys)

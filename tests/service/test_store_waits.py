@@ -34,18 +34,26 @@ def prompt(i: int) -> list[int]:
     return [i * 7919 + t for t in range(PAGES * PAGE + 5)]
 
 
-@pytest.fixture
-def config(tmp_path: Path) -> Path:
+def write_config(
+    tmp_path: Path, name: str, host_bytes: str = "12MiB", **sections: dict[str, Any]
+) -> Path:
+    """The tests' deployment (Qwen2-7B, CPU pools, the world's L3), with `sections` added."""
     data = {
         "model": {"config_path": str(shared_model("qwen2_7b.json")), "page_size_tokens": PAGE},
         "device": {"kind": "cpu"},
-        "host": {"capacity_bytes": "12MiB"},
+        "host": {"capacity_bytes": host_bytes},
         "storage": {"kind": "none"},
         "service": {"socket_path": str(tmp_path / "e.sock"), "drain_timeout_s": 30},
+        **sections,
     }
-    path = tmp_path / "deploy.yaml"
+    path = tmp_path / name
     path.write_text(yaml.safe_dump(data))
     return path
+
+
+@pytest.fixture
+def config(tmp_path: Path) -> Path:
+    return write_config(tmp_path, "deploy.yaml")
 
 
 class HeldBackups:
@@ -356,15 +364,7 @@ def test_a_keyed_store_asked_to_persist_waits_for_the_pages_it_stored(tmp_path: 
     """`store_keys` with `persisted_within_s` (SGLang's MLA writer, rank 0, whose other ranks
     read its latents from L3): answered once L3 holds the pages it stored. An L2 of 3 pages
     holds 3 of a 5-page prompt (`truncated_to_tokens`): the wait is for those 3, and True."""
-    data = {
-        "model": {"config_path": str(shared_model("qwen2_7b.json")), "page_size_tokens": PAGE},
-        "device": {"kind": "cpu"},
-        "host": {"capacity_bytes": "3MiB"},  # 3 pages of 0.875 MiB
-        "storage": {"kind": "none"},
-        "service": {"socket_path": str(tmp_path / "e.sock"), "drain_timeout_s": 30},
-    }
-    path = tmp_path / "small_l2.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = write_config(tmp_path, "small_l2.yaml", host_bytes="3MiB")  # 3 pages of 0.875 MiB
 
     async def body(world: SidecarWorld) -> None:
         writer = await world.engine("rank0").start()
@@ -391,16 +391,7 @@ def test_a_keyed_store_asked_to_persist_waits_for_the_pages_it_stored(tmp_path: 
 def test_a_store_whose_pages_are_not_owed_to_l3_answers_not_persisted(tmp_path: Path) -> None:
     """write_back offers nothing to L3 at a store: nothing is owed, so the reply says so at
     once rather than waiting out the bound."""
-    data = {
-        "model": {"config_path": str(shared_model("qwen2_7b.json")), "page_size_tokens": PAGE},
-        "device": {"kind": "cpu"},
-        "host": {"capacity_bytes": "12MiB"},
-        "storage": {"kind": "none"},
-        "cache": {"write_policy": "write_back"},
-        "service": {"socket_path": str(tmp_path / "e.sock"), "drain_timeout_s": 30},
-    }
-    path = tmp_path / "write_back.yaml"
-    path.write_text(yaml.safe_dump(data))
+    path = write_config(tmp_path, "write_back.yaml", cache={"write_policy": "write_back"})
 
     async def body(world: SidecarWorld) -> None:
         prefill = await world.engine("prefill").start()
