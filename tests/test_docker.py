@@ -279,6 +279,32 @@ def test_the_published_port_is_the_configs() -> None:
     assert [p.split(":")[-1] for p in hicache["ports"]] == [str(port)]
 
 
+@pytest.mark.parametrize("variant", ["redis", "mooncake"])
+def test_a_stop_or_restart_leaves_the_sidecar_its_whole_drain(variant: str) -> None:
+    """`stop` / `restart` send SIGTERM, then SIGKILL after the service's grace period
+    (Compose's default: 10 s). The sidecar's drain takes up to `service.drain_timeout_s`
+    (the flush of what L3 is owed included) and the process then exits: the grace must
+    exceed the drain with room to spare, or a busy restart cuts the flush off."""
+    services = compose(BASE)["services"] if variant == "redis" else merged()["services"]
+    hicache = services["hicache"]
+    grace = re.fullmatch(r"(\d+)s", str(hicache.get("stop_grace_period", "10s")))
+    assert grace is not None, hicache.get("stop_grace_period")
+    drain_s = deployment_of(hicache).service.drain_timeout_s
+    assert int(grace.group(1)) >= 2 * drain_s, (hicache.get("stop_grace_period"), drain_s)
+
+
+def test_the_documented_container_line_leaves_the_sidecar_its_whole_drain() -> None:
+    """The README's `podman run -d` (the image's own config: the default drain) likewise:
+    `podman stop` / `docker stop` wait 10 s by default."""
+    from hicache.config.service_schema import ServiceSection
+    from tests.test_containers import readme_block
+
+    (line,) = [c for c in readme_block("containers") if c.startswith("podman run -d ")]
+    timeout = re.search(r"--stop-timeout (\d+) ", line)
+    assert timeout is not None, line
+    assert int(timeout.group(1)) >= 2 * ServiceSection().drain_timeout_s
+
+
 def test_healthchecks_name_no_port_of_hicache() -> None:
     hicache = compose(BASE)["services"]["hicache"]
     test = hicache["healthcheck"]["test"]
