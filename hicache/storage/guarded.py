@@ -196,7 +196,8 @@ class GuardedStore:
         a zero-copy backend sends from directly), grown to the largest batch, then reused — no
         fresh allocation, so no first-touch page faults, on the put path. Puts are serialized
         so the arena is never shared by two batches in flight; after a failed or timed-out
-        call (whose thread may still read it) the arena is abandoned for a fresh one."""
+        call, or a caller cancelled mid-batch (a thread may still read it either way), the
+        arena is abandoned for a fresh one."""
         if self.backend.vectored_put:
             return await self._put_vectored(items)
         async with self._arena_lock:
@@ -215,16 +216,24 @@ class GuardedStore:
             failed = False
             in_flight: tuple[asyncio.Future[list[bool] | None], int] | None = None
             offset = 0
-            for chunk in chunks(items, sizes, self.chunk_bytes):
-                # on a worker thread, so the loop starts the previous chunk's send meanwhile
-                encoded = await asyncio.to_thread(encode_chunk, chunk, arena, offset)
-                offset += sum(size for _, size in chunk)
+            try:
+                for chunk in chunks(items, sizes, self.chunk_bytes):
+                    # on a worker thread, so the loop starts the previous chunk's send meanwhile
+                    encoded = await asyncio.to_thread(encode_chunk, chunk, arena, offset)
+                    offset += sum(size for _, size in chunk)
+                    if in_flight is not None:
+                        failed |= await collect(in_flight, result)
+                    chunk_nbytes = sum(size for _, size in chunk)
+                    send = self.calls.call("put", chunk_nbytes, self._sender(encoded))
+                    in_flight = (asyncio.ensure_future(send), len(chunk))
                 if in_flight is not None:
                     failed |= await collect(in_flight, result)
-                send = self.calls.call("put", sum(size for _, size in chunk), self._sender(encoded))
-                in_flight = (asyncio.ensure_future(send), len(chunk))
-            if in_flight is not None:
-                failed |= await collect(in_flight, result)
+            except BaseException:
+                # cancelled mid-batch (the persist worker stopped, L3 detached): a send or an
+                # encode may still run on its thread over the arena, so the next batch must
+                # not write into it
+                self._arena = None
+                raise
             if failed:
                 self._arena = None  # a timed-out call's thread may still read it
             stored = result

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import queue
 import threading
 import time
 from collections.abc import Sequence
@@ -19,7 +20,7 @@ from hicache.storage import (
     FileBackend,
     GuardedStore,
 )
-from hicache.storage.backend import Buffer
+from hicache.storage.backend import Buffer, StorageBackend
 from hicache.storage.object_format import HEADER_BYTES, decode, encode
 from hicache.testing.faulty_storage import FaultyBackend
 
@@ -225,44 +226,69 @@ def test_file_backend_never_blocks_the_loop(tmp_path: Path) -> None:
     assert asyncio.run(main()) > 1  # the loop kept running while files were written
 
 
+class StuckBackend(StorageBackend):
+    """Each put's thread (its call's slot, in call order) reports to `started`, reads the
+    bytes only once `gate` is set (after the caller gave up) into `seen[slot]`, then sets
+    `read[slot]`."""
+
+    name = "stuck"
+
+    def __init__(self) -> None:
+        self.started: queue.Queue[None] = queue.Queue()  # one item per put that reached it
+        self.gate = threading.Event()
+        self.seen: list[list[bytes]] = []
+        self.read: list[threading.Event] = []
+
+    async def put_many(self, items):  # type: ignore[no-untyped-def]
+        slot = len(self.seen)
+        self.seen.append([])
+        self.read.append(threading.Event())
+
+        def hold(views: list[Buffer]) -> list[bool]:
+            self.started.put(None)
+            self.gate.wait(5)  # still reading the arena after the caller gave up
+            self.seen[slot] = [bytes(v) for v in views]
+            self.read[slot].set()
+            return [True] * len(views)
+
+        views = [memoryview(d) for _, d in items]
+        return await asyncio.to_thread(hold, views)
+
+    async def get_many(self, keys):  # type: ignore[no-untyped-def]
+        return [None] * len(keys)
+
+    async def exists_many(self, keys):  # type: ignore[no-untyped-def]
+        return [False] * len(keys)
+
+    async def delete_many(self, keys):  # type: ignore[no-untyped-def]
+        return None
+
+
 @pytest.mark.asyncio
-async def test_arena_survives_a_timed_out_put_still_running(tmp_path: Path) -> None:
-    from hicache.storage.backend import StorageBackend
-
-    gate = threading.Event()
-    read = threading.Event()  # the thread has read the arena (after the caller gave up)
-
-    class StuckBackend(StorageBackend):
-        name = "stuck"
-
-        def __init__(self) -> None:
-            self.seen: list[bytes] = []
-
-        async def put_many(self, items):  # type: ignore[no-untyped-def]
-            def hold(views: list[Buffer]) -> list[bool]:
-                gate.wait(5)  # still reading the arena after the caller gave up
-                self.seen.extend(bytes(v) for v in views)
-                read.set()
-                return [True] * len(views)
-
-            views = [memoryview(d) for _, d in items]
-            return await asyncio.to_thread(hold, views)
-
-        async def get_many(self, keys):  # type: ignore[no-untyped-def]
-            return [None] * len(keys)
-
-        async def exists_many(self, keys):  # type: ignore[no-untyped-def]
-            return [False] * len(keys)
-
-        async def delete_many(self, keys):  # type: ignore[no-untyped-def]
-            return None
-
+@pytest.mark.parametrize("gives_up", ["timeout", "cancelled"])
+async def test_arena_survives_a_put_still_running_after_its_caller_gave_up(
+    gives_up: str,
+) -> None:
+    """A put whose caller gave up — its call timed out, or the caller was cancelled (the
+    persist worker stopped, L3 detached) — while the backend's thread still reads the arena:
+    the next put encodes elsewhere, so the first object's bytes stay intact."""
     backend = StuckBackend()
-    store = GuardedStore(backend, base_timeout_s=0.05, min_bandwidth_bytes_per_s=1e12)
-    assert await store.put([(b"a" * 16, b"first")]) == [False]  # timed out, never raised
-    gate.set()
-    assert await asyncio.to_thread(read.wait, 60)  # the deadline bounds a hang only
-    assert decode(b"a" * 16, backend.seen[0]).tobytes() == b"first"  # its bytes stayed intact
+    timeout_s = 0.05 if gives_up == "timeout" else 60.0  # cancelled: the caller leaves first
+    store = GuardedStore(backend, base_timeout_s=timeout_s, min_bandwidth_bytes_per_s=1e12)
+    first = asyncio.create_task(store.put([(b"a" * 16, b"first")]))
+    await asyncio.to_thread(backend.started.get, True, 60)  # its thread holds the arena
+    if gives_up == "timeout":
+        assert await first == [False]  # timed out, never raised
+    else:
+        first.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await first
+    second = asyncio.create_task(store.put([(b"b" * 16, b"other")]))
+    await asyncio.to_thread(backend.started.get, True, 60)  # encoded, before the first reads
+    backend.gate.set()
+    assert await asyncio.to_thread(backend.read[0].wait, 60)  # the deadline bounds a hang only
+    await second
+    assert decode(b"a" * 16, backend.seen[0][0]).tobytes() == b"first"  # its bytes stayed intact
 
 
 def test_an_object_from_parts_is_the_object_of_their_concatenation() -> None:
