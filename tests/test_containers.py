@@ -239,7 +239,9 @@ def test_every_readme_container_line_is_one_that_ci_runs() -> None:
     }
     assert len(ids) == 1, f"{IMAGE} is not the README's hicache:cpu"
     assert install == "install -d -o $ENGINE_UID -g $ENGINE_GID -m 0700 $ENGINE_SOCKET_DIR"
-    assert run.startswith("podman run -d --name hicache --pid=host --user $ENGINE_UID:$ENGINE_GID ")
+    assert run.startswith(
+        "podman run -d --name hicache --stop-timeout 30 --pid=host --user $ENGINE_UID:$ENGINE_GID "
+    )  # 30 s from SIGTERM to SIGKILL: the drain's whole budget and more (tests/test_docker.py)
     assert health == "podman healthcheck run hicache"  # what wait_healthy runs
     assert demo == "podman run --rm hicache:cpu demo"
     assert [u.split(" up -d")[0] for u in ups] == [
