@@ -37,7 +37,14 @@ from pydantic import BaseModel, SecretStr, ValidationError
 from hicache.config.errors import format_validation_error
 from hicache.config.schema import Deployment
 from hicache.errors import ConfigError
-from hicache.model import LayerMap, ModelLayout, load_layout, model_identity, shard_layout
+from hicache.model import (
+    LayerMap,
+    ModelLayout,
+    load_layout,
+    model_identity,
+    shard_layout,
+    with_index_format,
+)
 from hicache.model.explicit import ExplicitLayout
 
 ENV_PREFIX = "HICACHE_"
@@ -58,15 +65,18 @@ class LoadedConfig:
         return f"{var} (environment variable)" if var is not None else str(self.path)
 
     def global_layout(self) -> ModelLayout:
-        """The whole model's layout (config.json's head counts), before tensor parallelism."""
+        """The whole model's layout (config.json's head counts, indexer keys stored as
+        `model.index_format` says), before tensor parallelism."""
         model = self.deployment.model
         try:
             if model.config_path is not None:
-                return load_layout(model.config_path)
-            explicit = ExplicitLayout(model_type=model.model_type, layers=model.layers or [])
-            return explicit.to_layout(f"{self.path}: model.layers")
+                layout = load_layout(model.config_path)
+            else:
+                explicit = ExplicitLayout(model_type=model.model_type, layers=model.layers or [])
+                layout = explicit.to_layout(f"{self.path}: model.layers")
         except ValueError as exc:
             raise ConfigError(f"{self.path}: model: {exc}") from exc
+        return with_index_format(layout, model.index_format, self.source_of("model.index_format"))
 
     def layout(self) -> ModelLayout:
         """What one tensor-parallel rank caches: the global layout split by `model.tp_size`

@@ -82,6 +82,12 @@ class ModelSection(Section):
         description="dtype of the SSM / recurrent state, every state tensor but conv (vLLM "
         "mamba_ssm_cache_dtype, SGLang mamba_ssm_dtype); default: state_dtype",
     )
+    index_format: Literal["kv_dtype", "fp8_scaled"] = Field(
+        default="kv_dtype",
+        description="how a sparse-attention layer's indexer keys are stored (DeepSeek-V3.2, "
+        "GLM-5): kv_dtype as transformers keeps them; fp8_scaled (fp8 keys, a float32 scale per "
+        "128 dims) as SGLang and vLLM keep them",
+    )
     page_size_tokens: int = Field(
         default=16, ge=1, le=4096, description="tokens per page; match the engine's page size"
     )

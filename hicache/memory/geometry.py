@@ -113,7 +113,11 @@ class GroupGeometry:
     def of(cls, group: CacheGroup, dtypes: CacheDtypes, page_size_tokens: int) -> GroupGeometry:
         """The geometry of a group whose tensors take their dtypes from `dtypes`."""
         token_cache = group.kind.is_token_cache
-        per_tensor = {name: dtypes.for_tensor(token_cache, name) for name, _ in _tensors_of(group)}
+        own = group.spec.index.dtypes() if group.spec.index is not None else {}
+        per_tensor = {
+            name: torch_dtype(own[name]) if name in own else dtypes.for_tensor(token_cache, name)
+            for name, _ in _tensors_of(group)
+        }
         main = (
             dtypes.kv
             if token_cache

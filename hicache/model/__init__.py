@@ -1,7 +1,8 @@
 """Model layouts: which cache each layer owns, the cache groups, and the layer map with its
 guards. No torch here. Entry points: `load_layout(path)`, `shard_layout(layout, tp_size)`
 (one tensor-parallel rank's share), `LayerMap(layout, start, end)`, and
-`model_identity(path, layout)` for the model name page keys are seeded with.
+`model_identity(path, layout)` for the model name page keys are seeded with, and
+`with_index_format(layout, ...)` (how a sparse layer's indexer keys are stored).
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from hicache.errors import LayoutError
 from hicache.model.explicit import ExplicitLayout
 from hicache.model.hf_config import layout_from_hf_config, load_hf_layout
 from hicache.model.identity import model_identity
+from hicache.model.index_format import INDEX_FORMATS, with_index_format
 from hicache.model.layer_map import LayerMap, LayerSlot
 from hicache.model.layout import CacheGroup, ModelLayout
 from hicache.model.specs import CacheKind, CacheSpec, IndexSpec, KvFormat, LayerSpec, StateShard
 from hicache.model.tensor_parallel import kv_heads_per_rank, shard_layout
 
 __all__ = [
+    "INDEX_FORMATS",
     "CacheGroup",
     "CacheKind",
     "CacheSpec",
@@ -36,6 +39,7 @@ __all__ = [
     "load_layout",
     "model_identity",
     "shard_layout",
+    "with_index_format",
 ]
 
 

@@ -37,6 +37,12 @@ class CacheEntry(BaseModel):
     chunk_tokens: int | None = Field(default=None, ge=1)
     index_head_dim: int | None = Field(default=None, ge=1)
     index_has_v: bool = False
+    index_fp8_block: int | None = Field(
+        default=None,
+        ge=1,
+        description="index keys in float8_e4m3fn with one float32 scale per this many dims "
+        "(DeepSeek Sparse Attention: 128); unset: in the KV dtype",
+    )
     state_shapes: dict[str, list[int]] | None = None
 
     @model_validator(mode="after")
@@ -55,6 +61,10 @@ class CacheEntry(BaseModel):
             raise ValueError("chunk_tokens is required for, and only for, kind chunked")
         if self.index_head_dim is not None and kind is not CacheKind.SPARSE:
             raise ValueError("index_head_dim is only for kind sparse")
+        if self.index_fp8_block is not None and self.index_head_dim is None:
+            raise ValueError("index_fp8_block needs index_head_dim")
+        if self.index_head_dim is not None:
+            IndexSpec(self.index_head_dim, self.index_has_v, self.index_fp8_block)  # its checks
         for name, shape in (self.state_shapes or {}).items():
             if not shape or any(d < 1 for d in shape):
                 raise ValueError(f"state_shapes.{name} is {shape}; dims must be >= 1")
@@ -69,7 +79,7 @@ class CacheEntry(BaseModel):
         assert not isinstance(v_dim, str)
         index = None
         if self.index_head_dim is not None:
-            index = IndexSpec(self.index_head_dim, self.index_has_v)
+            index = IndexSpec(self.index_head_dim, self.index_has_v, self.index_fp8_block)
         return CacheSpec(
             kind=self.kind,
             kv_format=self.kv_format,

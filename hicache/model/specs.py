@@ -43,6 +43,9 @@ _DESCRIPTIONS = {
 }
 
 
+INDEX_SCALE = "index_k_scale"  # an fp8 index's per-block float32 scales (`IndexSpec.fp8_block`)
+
+
 class KvFormat(StrEnum):
     MHA = "mha"  # separate K and V per KV head
     MLA = "mla"  # one compressed latent per token (kv_lora_rank + rope dims)
@@ -54,6 +57,41 @@ class IndexSpec:
 
     head_dim: int
     has_v: bool = False  # index K only (DeepSeek-V3.2 style) or index K+V
+    # keys kept as float8_e4m3fn with one float32 scale per `fp8_block` dims, whatever the
+    # KV's dtype (DeepSeek Sparse Attention's indexer: 128, in the model's own code, SGLang's
+    # DSA pool and vLLM's indexer cache alike); None: index K (and V) in the KV's dtype
+    fp8_block: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.fp8_block is not None and (
+            self.has_v or self.fp8_block < 1 or self.head_dim % self.fp8_block
+        ):
+            raise ValueError(
+                f"index fp8_block {self.fp8_block} with index head_dim {self.head_dim}"
+                f"{' and index V' if self.has_v else ''}: an fp8 index is keys only, in blocks "
+                "that divide its head_dim"
+            )
+
+    def __repr__(self) -> str:
+        # page keys hash a spec's repr: an index in the KV's dtype keys as before fp8_block
+        extra = "" if self.fp8_block is None else f", fp8_block={self.fp8_block}"
+        return f"IndexSpec(head_dim={self.head_dim}, has_v={self.has_v}{extra})"
+
+    def tensors(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The index's per-token tensors, as (name, shape of one token)."""
+        if self.fp8_block is not None:
+            return (
+                ("index_k", (1, self.head_dim)),
+                (INDEX_SCALE, (1, self.head_dim // self.fp8_block)),
+            )
+        out: tuple[tuple[str, tuple[int, ...]], ...] = (("index_k", (1, self.head_dim)),)
+        return out + ((("index_v", (1, self.head_dim)),) if self.has_v else ())
+
+    def dtypes(self) -> dict[str, str]:
+        """The index tensors whose dtype is their own, not the KV's."""
+        if self.fp8_block is None:
+            return {}
+        return {"index_k": "float8_e4m3fn", INDEX_SCALE: "float32"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +147,7 @@ class CacheSpec:
             if self.v_head_dim is not None:
                 out.append(("v", (self.num_kv_heads, self.v_head_dim)))
         if self.index is not None:
-            out.append(("index_k", (1, self.index.head_dim)))
-            if self.index.has_v:
-                out.append(("index_v", (1, self.index.head_dim)))
+            out.extend(self.index.tensors())
         return tuple(out)
 
     def describe(self) -> str:
@@ -139,7 +175,10 @@ class CacheSpec:
         if self.chunk_tokens is not None:
             out["chunk_tokens"] = self.chunk_tokens
         if self.index is not None:
-            out["index"] = {"head_dim": self.index.head_dim, "has_v": self.index.has_v}
+            index: dict[str, object] = {"head_dim": self.index.head_dim, "has_v": self.index.has_v}
+            if self.index.fp8_block is not None:
+                index["fp8_block"] = self.index.fp8_block
+            out["index"] = index
         if self.state_shapes:
             out["state_shapes"] = {name: list(shape) for name, shape in self.state_shapes}
         return out

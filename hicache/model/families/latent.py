@@ -3,8 +3,12 @@ DeepSeek-V3.2 and GLM-5 (`glm_moe_dsa`).
 
 MLA caches one latent per token: `kv_lora_rank + qk_rope_head_dim` wide (576 for V3).
 DeepSeek Sparse Attention keeps the MLA latent plus an indexer key per token
-(`index_head_dim`, 128), and no indexer value. MTP layers (`num_nextn_predict_layers`) are
-not decoder layers of the main model and are not in the layout. LongCat-Flash runs two MLA
+(`index_head_dim`, 128), and no indexer value, in the KV's dtype as transformers caches it.
+DeepSeek's inference code, SGLang's DSA pool and vLLM's indexer cache keep that key as
+float8_e4m3fn with one float32 scale per 128 dims instead (`model.index_format: fp8_scaled`,
+`hicache.model.index_format`): how the key is stored is the engine's choice, not the
+config's. MTP layers (`num_nextn_predict_layers`) are not decoder layers of the main model and
+are not in the layout. LongCat-Flash runs two MLA
 attention sub-layers per decoder block; each has its own cache and its own layer id
 (block * 2 + i), as transformers numbers them.
 """
