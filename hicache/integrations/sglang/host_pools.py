@@ -28,9 +28,10 @@ SGLang's host pages as its device pages, and page p for the sidecar is SGLang's 
 A hybrid model's other groups go in the same manifest, over the same memfd: its state group
 (SGLang's Mamba side pool, `side_pools`) and its sliding-window group (SGLang's SWA side pool:
 another host KV pool of the sliding layers, mapped as the KV pool is, `kv_rows`). Not mapped
-(refused with the reason): MLA pools SGLang splits natively (DSA / NSA buffers), packed FP8
-rows, MTP draft layers, page_head / page_unified layouts for MLA, and a layout with no or
-several full-attention groups.
+(refused with the reason): MLA pools SGLang splits natively (NPU's DSA / NSA buffers), packed
+FP8 rows, MTP draft layers, page_head / page_unified layouts for MLA, and a layout with no or
+several full-attention groups. A DSA model's indexer keys are its own side pool's
+(`index_pools`): their rows join the latent's in the same group.
 """
 
 from __future__ import annotations
@@ -125,7 +126,7 @@ class HostKv:
         target, layers = int(host_pool.target_layer_num), int(host_pool.layer_num)
         unmapped = []
         if getattr(host_pool, "_native_buffers", None) is not None:
-            unmapped.append("its MLA buffers split natively (DSA / NSA)")
+            unmapped.append("its MLA buffers split natively (NPU's DSA / NSA)")
         if getattr(host_pool, "dsa_kv_cache_store_fp8", False):
             unmapped.append("packed FP8 rows")
         if layers != target:
@@ -176,7 +177,8 @@ def check_kv(host: HostKv, name: str, geometry: GroupGeometry, page_size_tokens:
         wrong.append(f"page size: SGLang {host.page_size}, sidecar {page_size_tokens}")
     if geometry.num_layers != host.layers:
         wrong.append(f"layers: SGLang {host.layers}, sidecar {geometry.num_layers}")
-    names = [tensor for tensor, _ in geometry.tensors]
+    # a sparse group's index rows are SGLang's indexer pool's (`index_pools`), not the KV's
+    names = [tensor for tensor, _ in geometry.tensors if not tensor.startswith("index_")]
     if names != list(host.tensors):
         what = "the MLA latent ('kv')" if host.latent else "K and V"
         wrong.append(f"tensors: SGLang {what}, sidecar {names}")
@@ -231,12 +233,17 @@ def host_pool_manifest(
     group: str,
     geometry: GroupGeometry,
     side: Mapping[str, SideRows] | None = None,
+    more_rows: tuple[list[list[int]], list[list[int]]] | None = None,
 ) -> SharedPools:
     """SGLang's host KV buffer (shared in place as `region`) as a `SharedPools` of the group's
-    page rows, and each side pool's group (`side`: its geometry, slots, per-layer offsets and
-    strides over the same region); it holds a dup of the region's descriptor (the client
+    page rows (with `more_rows`, per layer, after the KV's: a DSA model's index rows,
+    `index_pools`), and each side pool's group (`side`: its geometry, slots, per-layer offsets
+    and strides over the same region); it holds a dup of the region's descriptor (the client
     closes it with itself)."""
     offsets, strides = kv_rows(region, kv_buffer, host)
+    if more_rows is not None:
+        offsets = [row + more for row, more in zip(offsets, more_rows[0], strict=True)]
+        strides = [row + more for row, more in zip(strides, more_rows[1], strict=True)]
     geometries, pages = {group: geometry}, {group: host.pages}
     all_offsets, all_strides = {group: offsets}, {group: strides}
     for name, rows in (side or {}).items():

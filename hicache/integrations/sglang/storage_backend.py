@@ -92,6 +92,13 @@ from hicache.integrations.sglang.host_pools import (
     kv_rows,
     tenant_of,
 )
+from hicache.integrations.sglang.index_pools import (
+    HostIndex,
+    IndexPoolError,
+    check_index,
+    index_rows,
+    needs_index,
+)
 from hicache.integrations.sglang.settings import BackendSettings, check_ranks
 from hicache.integrations.sglang.side_pools import (
     HostState,
@@ -134,6 +141,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         # storage threads before that, `on_host_pools_registered`), cleared by close()
         self.ready = False
         self.refused: str | None = None  # why SGLang's pools could not be mapped
+        self.recent = threading.local()  # per controller thread: its last KV load
         self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang, not mapped: why
         self._lock = threading.Lock()
         self.link = SidecarLink(
@@ -171,7 +179,7 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         name = pool_name(host_pool_name)
         if name == "kv":
             return  # the anchor pool, registered by register_mem_pool_host
-        maps = {"mamba": self._map_state, "swa": self._map_window}
+        maps = {"mamba": self._map_state, "swa": self._map_window, "indexer": self._map_index}
         with self._lock:
             attached = self.attached
             why = "SGLang's KV host pool is not attached"
@@ -224,12 +232,32 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
         self._share(attached, [host_pool.kv_buffer.untyped_storage()])
         attached.swa, attached.swa_buffer, attached.swa_group = host, host_pool.kv_buffer, group
 
+    def _map_index(self, attached: Attached, host_pool: Any) -> None:
+        """A DSA model's indexer host pool checked against the index rows of the KV pool's
+        group, then shared in place with the pools mapped before it."""
+        geometries = self._geometries()
+        if not needs_index(geometries, attached.group):
+            raise IndexPoolError(
+                f"the sidecar's group {attached.group!r} keeps no indexer keys: give a DSA model "
+                "(deepseek_v32, glm_moe_dsa) its own config.json, with model.index_format: "
+                "fp8_scaled"
+            )
+        index = HostIndex.of(host_pool, attached.host)
+        check_index(index, attached.group, geometries[attached.group])
+        attached.index = index
+        try:
+            self._share(attached, [])  # `storages()` and `reaches()` name its buffer now
+        except HicacheError:
+            attached.index = None
+            raise
+
     @staticmethod
     def _share(attached: Attached, more: list[Any]) -> None:
         """Every host buffer mapped so far and `more` under one new sealed memfd (the sidecar
         registers one memfd for every group); the old one closed."""
+        reach = attached.reaches() + [(s.data_ptr(), s.data_ptr() + s.nbytes()) for s in more]
         region = share_in_place(
-            attached.storages() + more, "SGLang's host pools", "hicache-engine-host"
+            attached.storages() + more, "SGLang's host pools", "hicache-engine-host", reach
         )
         old, attached.region = attached.region, region
         old.close()
@@ -244,13 +272,24 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
                 f"the sidecar's layout has groups {missing} no SGLang host pool hicache maps "
                 f"was registered for ({self.side_pools or 'none registered'})"
             )
-            log.error("hicache: SGLang's host pools are not attached: %s", self.refused)
-            with self._lock:
-                self.attached = None
-            attached.region.close()
+            self._unattach(attached)
+            return
+        if attached.index is None and needs_index(self._geometries(), attached.group):
+            self.refused = (
+                f"the sidecar's group {attached.group!r} keeps a DSA model's indexer keys and "
+                "no SGLang DSA indexer host pool hicache maps was registered "
+                f"({self.side_pools or 'none registered'})"
+            )
+            self._unattach(attached)
             return
         self.ready = True  # the data path may run from now on
         self.link.client()  # attach now; a sidecar that is down is tried again later
+
+    def _unattach(self, attached: Attached) -> None:
+        log.error("hicache: SGLang's host pools are not attached: %s", self.refused)
+        with self._lock:
+            self.attached = None
+        attached.region.close()
 
     def _geometries(self) -> dict[str, GroupGeometry]:
         """The sidecar's page geometries, derived as the client derives them (the
@@ -288,9 +327,18 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
             side[attached.swa_group] = SideRows(
                 client.geometries[attached.swa_group], attached.swa.pages, offsets, strides
             )
+        more = None
+        if attached.index is not None:
+            more = index_rows(attached.region, attached.index, geometry)
         client.register_pools(
             host_pool_manifest(
-                attached.region, attached.manifest, attached.host, attached.group, geometry, side
+                attached.region,
+                attached.manifest,
+                attached.host,
+                attached.group,
+                geometry,
+                side,
+                more,
             )
         )
 
@@ -342,7 +390,8 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
             return handle.tokens // attached.host.page_size if state == "done" else 0
 
         loaded = int(self.link.use("batch_get_v1", load, 0))
-        self.stats.moved("prefetch", loaded, loaded * 2 * self._page_bytes(), started)
+        self.remember_load(keys, pages, loaded)  # a DSA model's indexer asks next (storage_v2)
+        self.stats.moved("prefetch", loaded, loaded * self._page_bytes(), started)
         return [i < loaded for i in range(len(keys))]
 
     def batch_set_v1(
@@ -378,12 +427,18 @@ class HicacheStorage(SidePoolOps, HiCacheStorage):  # type: ignore[misc]
             return len(keys) if cut is None else int(cut) // attached.host.page_size
 
         stored = int(self.link.use("batch_set_v1", store, 0))
-        self.stats.moved("backup", stored, stored * 2 * self._page_bytes(), started)
+        self.stats.moved("backup", stored, stored * self._page_bytes(), started)
         return [i < stored for i in range(len(keys))]
 
     def _page_bytes(self) -> int:
+        """One page's bytes in SGLang's host pools: K and V (or the latent, with a DSA
+        model's index keys and scales) of every layer."""
         attached = self.live()
-        return 0 if attached is None else attached.host.row_bytes * attached.host.layers
+        if attached is None:
+            return 0
+        host, index = attached.host, attached.index
+        kv = host.row_bytes * host.layers * len(host.tensors)
+        return kv + (0 if index is None else index.page_bytes * index.layers)
 
     # ---- the legacy interface: never called with interface_v1 (settings require it) ------
 

@@ -8,9 +8,11 @@ whole into SGLang's SWA host slots (a window short of a page is a miss, and so i
 wider than the sidecar's sliding group keeps: its leading pages would never be written,
 `side_pools.window_fits`). `batch_exists_v2` asks the sidecar which pages each group holds
 and answers SGLang's hit policies and `restorable_prefix_pages` from them (`hit_policies`; a
-window too wide for the sidecar: no length). A side pool that is not mapped (DSA
-indexer, DeepSeek-V4 pools, ...) or a transfer that does not fit (a Mamba transfer of several
-keys, slots that do not match the keys) answers no hit / not stored: SGLang recomputes. Like
+window too wide for the sidecar: no length); a DSA model's indexer keys by `batch_*_v2` right
+beside the KV's v1 call, as rows of the KV group's own pages (`index_pools`: the v1 call moved
+them, `_beside_kv`). A side pool that is not mapped (DeepSeek-V4 pools, ...) or a transfer
+that does not fit (a Mamba transfer of several keys, slots that do not match the keys) answers
+no hit / not stored: SGLang recomputes. Like
 the v1 calls, these never raise (`SidecarLink.use`), are bounded by the backend's timeouts,
 and a repeated set stores nothing new (the sidecar holds those pages: True).
 """
@@ -18,6 +20,7 @@ and a repeated set stores nothing new (the sidecar holds those pages: True).
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,6 +36,7 @@ from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
 from hicache.integrations.sglang.host_pools import HostKv, host_pages
+from hicache.integrations.sglang.index_pools import HostIndex
 from hicache.integrations.sglang.settings import BackendSettings
 from hicache.integrations.sglang.side_pools import HostState, host_slots, window_fits
 
@@ -63,6 +67,7 @@ class Attached:
         self.swa: HostKv | None = None
         self.swa_buffer: Any = None
         self.swa_group: str | None = None
+        self.index: HostIndex | None = None  # a DSA model's indexer pool: rows of `group`
         # pools SGLang registered again after the attach: no longer the memory mapped here
         self.replaced: set[str] = set()
 
@@ -73,6 +78,8 @@ class Attached:
             out["mamba"] = self.state_group
         if self.swa_group is not None:
             out["swa"] = self.swa_group
+        if self.index is not None:
+            out["indexer"] = self.group  # its keys are rows of the KV's own pages
         return out
 
     def served(self) -> dict[str, str]:
@@ -93,6 +100,16 @@ class Attached:
             out += [b.buffer.untyped_storage() for b in self.state.buffers]
         if self.swa_buffer is not None:
             out.append(self.swa_buffer.untyped_storage())
+        if self.index is not None:
+            out.append(self.index.buffer.untyped_storage())
+        return out
+
+    def reaches(self) -> list[tuple[int, int]]:
+        """Per storage of `storages()` the addresses shared: the whole allocation, but for a
+        DSA indexer buffer, the rows of the KV pool's pages (`HostIndex.reach`)."""
+        out = [(int(s.data_ptr()), int(s.data_ptr()) + int(s.nbytes())) for s in self.storages()]
+        if self.index is not None:
+            out[-1] = self.index.reach(self.host.pages)
         return out
 
 
@@ -103,6 +120,7 @@ class SidePoolOps:
     ready: bool
     link: SidecarLink
     settings: BackendSettings
+    recent: threading.local  # per controller thread: its last KV load (`_beside_kv`)
 
     def live(self) -> Attached | None:
         """The attach the data path may use: None until SGLang registered every host pool
@@ -137,7 +155,8 @@ class SidePoolOps:
             return PoolTransferResult(0, {}, [])
 
         def ask(client: Client) -> PoolTransferResult:
-            served = client.served_keys(self._keys(client, keys), list(groups.values()))
+            asked = list(dict.fromkeys(groups.values()))  # the indexer's group is the KV's
+            served = client.served_keys(self._keys(client, keys), asked)
             kv_pages = served[attached.group].run  # a whole-prefix group: its run
             held = {name: set(served[group].lengths(kv_pages)) for name, group in groups.items()}
             for wide in self._wide_windows(client, asks):
@@ -227,9 +246,33 @@ class SidePoolOps:
                 out[name] = [bool(state_op(keys[0], t.host_indices))]
             elif name == "swa" and keys:  # the window's pages, at the span's trailing keys
                 out[name] = [bool(window_op(keys, t.host_indices))] * len(keys)
+            elif name == "indexer" and t.host_indices is not None:  # the KV's pages' rows
+                out[name] = self._beside_kv(v1, keys, t.host_indices, extra_info)
             else:
                 out[name] = [False] * len(keys)
         return out
+
+    def remember_load(self, keys: Sequence[str], pages: Sequence[int], loaded: int) -> None:
+        """This thread's last KV load: its keys, host pages and the leading pages it moved."""
+        self.recent.load = (tuple(keys), tuple(pages), loaded)
+
+    def _beside_kv(
+        self, v1: str, keys: list[str], host_indices: Any, extra_info: Any
+    ) -> list[bool]:
+        """A DSA model's indexer keys, moved as rows of the KV's own pages (`index_pools`).
+        SGLang sets them just before the KV's `batch_set_v1` (same keys, same host pages): the
+        store moves the whole pages, and the KV's set then finds them held. It gets them just
+        after the KV's `batch_get_v1` on the same thread: that load wrote these rows already,
+        so its answer is this one's (taken once; any other call is a load of its own)."""
+        attached = self.live()
+        if attached is None or attached.index is None or "indexer" in attached.replaced:
+            return [False] * len(keys)
+        if v1 == "batch_get_v1":
+            last, self.recent.load = getattr(self.recent, "load", None), None
+            pages = host_pages(host_indices, attached.host.page_size, len(keys))
+            if pages is not None and last is not None and last[:2] == (tuple(keys), tuple(pages)):
+                return [i < last[2] for i in range(len(keys))]
+        return list(getattr(self, v1)(keys, host_indices, extra_info))
 
     def _state_slot(self, host_indices: Any) -> tuple[Attached, str, int] | None:
         attached = self.live()

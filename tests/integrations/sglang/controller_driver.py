@@ -307,11 +307,11 @@ class Harness:
         return {"stopped": True, "attached": c["backend"].attached is not None}
 
 
-def main() -> int:
+def main(kind: type[Harness] = Harness) -> int:
     out = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)
     started = time.perf_counter()
-    harness = Harness()
+    harness = kind()
     out.write(json.dumps({"ready": time.perf_counter() - started}) + "\n")
     for line in sys.stdin:
         command = json.loads(line)

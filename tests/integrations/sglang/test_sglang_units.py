@@ -433,7 +433,8 @@ def test_mla_host_pools_that_do_not_fit_are_refused_naming_each_difference(
         ),
         (
             {"_native_buffers": object()},
-            r"holds its MLA buffers split natively \(DSA / NSA\); hicache maps one latent buffer",
+            r"holds its MLA buffers split natively \(NPU's DSA / NSA\); hicache maps one latent "
+            r"buffer",
         ),
         ({"dsa_kv_cache_store_fp8": True}, r"holds packed FP8 rows; hicache maps"),
         ({"layer_num": L + 1}, r"holds 1 MTP draft layers; hicache maps"),

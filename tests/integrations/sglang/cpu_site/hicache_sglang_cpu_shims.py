@@ -1,9 +1,10 @@
 """What SGLang 0.5.23's HiCache host pools lack on a CPU, for the tests only.
 
 1. The `direct` kvcacheio copies (`transfer_kv_direct`, `transfer_kv_per_layer_direct_pf_lf`,
-   `transfer_kv_all_layer_direct_lf_pf`): `pool_host/mha.py` (and `mla.py`, `mamba.py`) binds
-   them from the CUDA build of sgl-kernel only, so on a CPU the first transfer is a NameError. sgl-kernel's own versions
-   are host code issuing `Tensor.copy_` per contiguous run; these do the same with torch.
+   `transfer_kv_all_layer_direct_lf_pf`): `pool_host/mha.py` (and `mla.py`, `mamba.py`,
+   `dsa.py`) binds them from the CUDA build of sgl-kernel only, so on a CPU the first transfer
+   is a NameError. sgl-kernel's own versions are host code issuing `Tensor.copy_` per
+   contiguous run; these do the same with torch.
 2. `pool_host.common._cuda_host_register` (cudaHostRegister of the host pool) becomes a no-op.
 3. `HostKVCache.pin_memory` reads False (pinned scratch pages need an accelerator).
 
@@ -108,11 +109,13 @@ OPS = {
     "transfer_kv_per_layer_direct_pf_lf": transfer_kv_per_layer_direct_pf_lf,
     "transfer_kv_all_layer_direct_lf_pf": transfer_kv_all_layer_direct_lf_pf,
 }
-# the Mamba host pool copies a state slot as MLA's one-buffer page of page size 1 (`_page_first`)
+# the Mamba host pool copies a state slot as MLA's one-buffer page of page size 1
+# (`_page_first`), and the DSA indexer pool each page's keys and scales the same way
 HOST_POOL_MODULES = (
     "sglang.srt.mem_cache.pool_host.mha",
     "sglang.srt.mem_cache.pool_host.mla",
     "sglang.srt.mem_cache.pool_host.mamba",
+    "sglang.srt.mem_cache.pool_host.dsa",
 )
 
 
