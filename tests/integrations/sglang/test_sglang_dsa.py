@@ -26,7 +26,7 @@ import pytest
 from hicache.client.process import SidecarProcess
 from tests.integrations.sglang.dsa_harness import DsaControllers, write_dsa_deployment
 from tests.integrations.sglang.sglang_env import require_sglang
-from tests.integrations.vllm_harness import corrupt_l3
+from tests.integrations.vllm_harness import corrupt_l3, served_loads
 
 LAYOUTS = ("layer_first", "page_first_direct")  # SGLang's direct IO moves the indexer in these
 ALLOCATORS = {"a": "default", "b": "shm"}
@@ -74,8 +74,12 @@ def test_latents_and_index_keys_round_trip_byte_exact_and_the_other_process_hits
     seed = 10 + LAYOUTS.index(layout)
     filled = setup.a.fill(layout, seed=seed, pages=4)
     assert filled == {"l1_l2_ok": True, "backed_up_tokens": 4 * 64, "indexer_stored": 4}
+    loads = served_loads(setup.sidecar.get_json("/v1/stats"))
     mine = setup.a.fetch(layout, seed=seed, pages=4)
     assert mine == {"hit_pages": 4, "fetched_tokens": 256, "indexer_hits": None, "match": True}
+    # one load for the batch: the INDEXER's get right after the KV's is answered from what
+    # that load moved (its rows are the same pages'), not loaded twice
+    assert served_loads(setup.sidecar.get_json("/v1/stats")) == loads + 1
     # the other process (SGLang's "shm" allocator), the same layout's bytes: it hits them
     theirs = setup.b.fetch(layout, seed=seed, pages=4)
     assert theirs["match"] is True, theirs
