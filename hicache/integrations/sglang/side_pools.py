@@ -14,8 +14,8 @@ host slot s. hicache's state tensors are `conv` and one recurrent / SSM tensor: 
 maps to `conv`, the temporal buffer to the other; each buffer's per-slot shape, dtype and row
 bytes, the layer count and the count of buffers are checked against the sidecar's group
 (`model.ssm_state_dtype` must be SGLang's `--mamba-ssm-dtype`, `model.state_dtype` its conv
-dtype), every mismatch named (`SidePoolError`). Not mapped, refused with the reason: the DSA
-indexer and other side pools (their groups are not modelled here yet), several conv buffers,
+dtype), every mismatch named (`SidePoolError`). Not mapped, refused with the reason: side pools
+of other kinds (a DSA indexer's is `index_pools`'), several conv buffers,
 MTP draft layers, side-state buffers (`slot_state_buffers`), and a layout with no or several
 state groups.
 
