@@ -42,6 +42,60 @@ def tokens_of(seed: int, pages: int) -> list[int]:
     return [(seed * 7919 + i * 31) % 50000 + 3 for i in range(pages * P)]
 
 
+BACKEND = {  # SGLang's `dynamic` storage backend, pointed at hicache's
+    "backend_name": "hicache",
+    "module_path": "hicache.integrations.sglang",
+    "class_name": "HicacheStorage",
+    "interface_v1": 1,
+}
+
+
+def hicache_controller(
+    cls: Any,
+    dist: Any,
+    alloc: Any,
+    pool: Any,
+    page: int,
+    model_name: str,
+    extra: dict[str, Any],
+    **more: Any,
+) -> tuple[Any, Any]:
+    """SGLang's controller `cls` (`HiCacheController`, `HybridCacheController`) over `pool`
+    with hicache's storage backend (`BACKEND` | `extra`), write-through and direct IO as the
+    tests drive it; and the backend itself (SGLang's failure injector may wrap it)."""
+    ctl = cls(
+        alloc,
+        pool,
+        page,
+        dist.group.WORLD,
+        load_cache_event=threading.Event(),
+        write_policy="write_through",
+        io_backend="direct",
+        storage_backend="dynamic",
+        prefetch_threshold=page,
+        model_name=model_name,
+        storage_backend_extra_config=BACKEND | extra,
+        **more,
+    )
+    backend = ctl.storage_backend
+    return ctl, getattr(backend, "_backend", backend)
+
+
+def prefetch_hit(ctl: Any, hit: Any) -> tuple[Any, int]:
+    """What SGLang's scheduler does with a prefetch hit: host slots for it, the page transfer
+    queued, its acks drained -> (the host slots, the tokens it fetched)."""
+    host_idx = ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
+    hit.host_indices = host_idx
+    ctl.prefetch_buffer.put(hit)
+    fetched, done = 0, False
+    while not done:
+        ack = ctl.ack_prefetch_queue.get(timeout=120)
+        if ack.completed_tokens is not None:
+            fetched = max(fetched, int(ack.completed_tokens))
+        done = bool(ack.completed_req)
+    return host_idx, fetched
+
+
 def host_pool(cls: Any, dev: Any, layout: str, **extra: Any) -> Any:
     """SGLang's host pool `cls` mirroring device pool `dev` (from its buffer info, as SGLang's
     pool assembler builds it), HOST_RATIO times its size, unpinned, in `layout`."""
@@ -101,27 +155,15 @@ class Harness:
         alloc = PagedTokenToKVPoolAllocator(
             P * DEVICE_PAGES, P, torch.bfloat16, "cpu", dev, need_sort=False
         )
-        config = {
-            "backend_name": "hicache",
-            "module_path": "hicache.integrations.sglang",
-            "class_name": "HicacheStorage",
-            "interface_v1": 1,
-        } | extra
-        ctl = HiCacheController(
+        ctl, inner = hicache_controller(
+            HiCacheController,
+            self.dist,
             alloc,
             host,
             P,
-            self.dist.group.WORLD,
-            load_cache_event=threading.Event(),
-            write_policy="write_through",
-            io_backend="direct",
-            storage_backend="dynamic",
-            prefetch_threshold=P,
-            model_name="tiny",
-            storage_backend_extra_config=config,
+            "tiny",
+            extra,
         )
-        backend = ctl.storage_backend
-        inner = getattr(backend, "_backend", backend)  # SGLang's failure injector wraps it
         self.controllers[name] = {
             "dev": dev,
             "alloc": alloc,
@@ -264,15 +306,7 @@ class Harness:
         hit_pages = int(hit.storage_hit_count) // P
         if hit_pages == 0:
             return {"hit_pages": 0, "fetched_tokens": 0, "match": None}
-        host_idx = ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
-        hit.host_indices = host_idx
-        ctl.prefetch_buffer.put(hit)
-        fetched, done = 0, False
-        while not done:
-            ack = ctl.ack_prefetch_queue.get(timeout=120)
-            if ack.completed_tokens is not None:
-                fetched = max(fetched, int(ack.completed_tokens))
-            done = bool(ack.completed_req)
+        host_idx, fetched = prefetch_hit(ctl, hit)
         if fetched == 0:
             c["host"].free(host_idx)
             return {"hit_pages": hit_pages, "fetched_tokens": 0, "match": None}

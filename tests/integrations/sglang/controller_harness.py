@@ -64,17 +64,20 @@ def write_deployment(
     extra_lines: tuple[str, ...] = (),
     config: dict[str, Any] = CONFIG,
     tp_size: int = 1,
+    page_size: int = PAGE,
+    model_lines: tuple[str, ...] = (),
 ) -> Path:
-    """A sidecar for the controller's model (`config`: MLA_CONFIG for `model="mla"`): L2 of
-    64 MiB, a file L3 beside it."""
+    """A sidecar for the controller's model (`config`: MLA_CONFIG for `model="mla"`; more
+    `model:` keys in `model_lines`): L2 of 64 MiB, a file L3 beside it."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
     lines = [
         "model:",
         f"  config_path: {directory / 'config.json'}",
         "  dtype: bfloat16",
-        f"  page_size_tokens: {PAGE}",
+        f"  page_size_tokens: {page_size}",
         f"  tp_size: {tp_size}",
+        *model_lines,
         "device:",
         "  kind: cpu",
         "  pool_capacity_bytes: 16MiB",

@@ -22,7 +22,6 @@ command a line on stdin, one reply a line on stdout). Commands:
 
 from __future__ import annotations
 
-import threading
 import time
 from typing import Any
 
@@ -115,28 +114,16 @@ class DsaHarness(controller_driver.Harness):
                 ),
             ]
         )
-        config = {
-            "backend_name": "hicache",
-            "module_path": "hicache.integrations.sglang",
-            "class_name": "HicacheStorage",
-            "interface_v1": 1,
-        } | extra
-        ctl = HybridCacheController(
+        ctl, inner = controller_driver.hicache_controller(
+            HybridCacheController,
+            self.dist,
             alloc,
             group,
             P,
-            self.dist.group.WORLD,
-            load_cache_event=threading.Event(),
-            write_policy="write_through",
-            io_backend="direct",
-            storage_backend="dynamic",
-            prefetch_threshold=P,
-            model_name="tiny-dsa",
-            storage_backend_extra_config=config,
+            "tiny-dsa",
+            extra,
             transfer_layer_id_max=L,
         )
-        backend = ctl.storage_backend
-        inner = getattr(backend, "_backend", backend)  # SGLang's failure injector wraps it
         self.controllers[name] = {
             "dev": dev,
             "alloc": alloc,
@@ -272,15 +259,7 @@ class DsaHarness(controller_driver.Harness):
         }
         if out["hit_pages"] == 0:
             return out
-        host_idx = ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
-        hit.host_indices = host_idx
-        ctl.prefetch_buffer.put(hit)
-        fetched, done = 0, False
-        while not done:
-            ack = ctl.ack_prefetch_queue.get(timeout=120)
-            if ack.completed_tokens is not None:
-                fetched = max(fetched, int(ack.completed_tokens))
-            done = bool(ack.completed_req)
+        host_idx, fetched = controller_driver.prefetch_hit(ctl, hit)
         out["fetched_tokens"] = fetched
         if fetched == 0:
             c["group"].free(host_idx)

@@ -22,6 +22,7 @@ from typing import Any
 
 from hicache.testing.local_servers import free_port
 from tests.conftest import CONFIGS
+from tests.integrations.sglang.controller_harness import write_deployment
 from tests.integrations.sglang.dsa_driver import INDEX_DIM, RANK, ROPE, L, P
 from tests.integrations.sglang.engine_harness import DriverProcess
 
@@ -40,32 +41,12 @@ TINY = {  # DeepSeek-V3.2's own fields, scaled down to the driver's pools
 def write_dsa_deployment(directory: Path, index_format: str = "fp8_scaled") -> Path:
     """A sidecar for the tiny DeepSeek-V3.2 (L2 of 64 MiB, a file L3 beside it)."""
     config = json.loads((CONFIGS / "models" / "deepseek-v3.2-exp.json").read_text()) | TINY
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config))
-    lines = [
-        "model:",
-        f"  config_path: {directory / 'config.json'}",
-        "  dtype: bfloat16",
-        f"  index_format: {index_format}",
-        f"  page_size_tokens: {P}",
-        "device:",
-        "  kind: cpu",
-        "  pool_capacity_bytes: 16MiB",
-        "host:",
-        "  capacity_bytes: 64MiB",
-        "storage:",
-        "  kind: file",
-        "  path: l3",
-        "  capacity_bytes: 256MiB",
-        "service:",
-        "  socket_path: engine.sock",
-        "  http_host: 127.0.0.1",
-        "  http_port: 0",
-        "  heartbeat_timeout_s: 10",
-    ]
-    path = directory / "deploy.yaml"
-    path.write_text("\n".join(lines) + "\n")
-    return path
+    return write_deployment(
+        directory,
+        config=config,
+        page_size=P,
+        model_lines=(f"  index_format: {index_format}",),
+    )
 
 
 class DsaControllers(DriverProcess):

@@ -41,6 +41,8 @@ import traceback
 from types import SimpleNamespace
 from typing import Any
 
+from tests.integrations.sglang import controller_driver
+
 P, H, D = 16, 2, 64  # page size, KV heads, head dim
 FULL_LAYERS, MAMBA_LAYERS = (1, 3), (0, 2)  # full_attention_interval 2 of 4 layers
 CONV, TEMPORAL = (256, 3), (4, 32, 32)  # 2*2*32 + 4*32 channels x (kernel - 1); heads x k x v
@@ -163,28 +165,16 @@ class Harness:
                     transfer_layer_id_max=span,
                 )
             )
-        config = {
-            "backend_name": "hicache",
-            "module_path": "hicache.integrations.sglang",
-            "class_name": "HicacheStorage",
-            "interface_v1": 1,
-        } | extra
-        ctl = HybridCacheController(
+        ctl, inner = controller_driver.hicache_controller(
+            HybridCacheController,
+            self.dist,
             alloc,
             group,
             P,
-            self.dist.group.WORLD,
-            load_cache_event=threading.Event(),
-            write_policy="write_through",
-            io_backend="direct",
-            storage_backend="dynamic",
-            prefetch_threshold=P,
-            model_name="tiny-qwen3-next",
-            storage_backend_extra_config=config,
+            "tiny-qwen3-next",
+            extra,
             transfer_layer_id_max=span,
         )
-        backend = ctl.storage_backend
-        inner = getattr(backend, "_backend", backend)  # SGLang's failure injector wraps it
         self.controllers[name] = {
             "dev": dev,
             "alloc": alloc,

@@ -23,10 +23,10 @@ min(window, hit) pages). The process `hybrid_harness.HybridControllers` starts; 
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from typing import Any
 
+from tests.integrations.sglang import controller_driver
 from tests.integrations.sglang.hybrid_driver import (
     DEVICE_PAGES,
     FULL_LAYERS,
@@ -111,28 +111,16 @@ class WindowHarness(Harness):
                 ),
             ]
         )
-        config = {
-            "backend_name": "hicache",
-            "module_path": "hicache.integrations.sglang",
-            "class_name": "HicacheStorage",
-            "interface_v1": 1,
-        } | extra
-        ctl = HybridCacheController(
+        ctl, inner = controller_driver.hicache_controller(
+            HybridCacheController,
+            self.dist,
             alloc,
             group,
             P,
-            self.dist.group.WORLD,
-            load_cache_event=threading.Event(),
-            write_policy="write_through",
-            io_backend="direct",
-            storage_backend="dynamic",
-            prefetch_threshold=P,
-            model_name="tiny-gpt-oss",
-            storage_backend_extra_config=config,
+            "tiny-gpt-oss",
+            extra,
             transfer_layer_id_max=span,
         )
-        backend = ctl.storage_backend
-        inner = getattr(backend, "_backend", backend)
         self.controllers[name] = {
             "dev": dev,
             "alloc": alloc,
