@@ -27,7 +27,8 @@ fp8_scaled (the message says to set it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,3 +177,26 @@ def index_rows(
 def needs_index(geometries: Mapping[str, GroupGeometry], group: str) -> bool:
     """Whether the KV pool's group keeps index rows no KV pool holds (a DSA model's)."""
     return bool(index_tensors(geometries[group]))
+
+
+class LastKvLoads:
+    """Per controller thread, its last KV load (`batch_get_v1`): keys, host pages and the
+    leading pages it moved. SGLang asks for a DSA model's indexer keys right after, on the same
+    thread, for the same keys and pages; that load already wrote their rows, so its answer is
+    the indexer's (`storage_v2._beside_kv`). Per thread: none -> recorded (each KV load
+    replaces it) -> taken once by the next indexer call, which gets the count only when its
+    keys and pages are the recorded ones (any other call must load for itself)."""
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def record(self, keys: Sequence[str], pages: Sequence[int], loaded: int) -> None:
+        self._local.last = (tuple(keys), tuple(pages), loaded)
+
+    def take(self, keys: Sequence[str], pages: Sequence[int] | None) -> int | None:
+        """The pages this thread's last KV load moved for exactly these keys and pages, or
+        None (nothing recorded, or another batch); the record is gone either way."""
+        last, self._local.last = getattr(self._local, "last", None), None
+        if last is None or pages is None or last[:2] != (tuple(keys), tuple(pages)):
+            return None
+        return int(last[2])

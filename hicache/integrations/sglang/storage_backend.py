@@ -78,6 +78,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig, HiCacheSt
 from hicache.client import Client, PromptKeys, connect_deployment
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.host_pools import host_pages, tenant_of
+from hicache.integrations.sglang.index_pools import LastKvLoads
 from hicache.integrations.sglang.pool_attach import PoolAttach
 from hicache.integrations.sglang.settings import BackendSettings, check_ranks
 from hicache.integrations.sglang.stats import BackendStats
@@ -112,7 +113,7 @@ class HicacheStorage(SidePoolOps, PoolAttach):
         # storage threads before that, `on_host_pools_registered`), cleared by close()
         self.ready = False
         self.refused: str | None = None  # why SGLang's pools could not be mapped
-        self.recent = threading.local()  # per controller thread: its last KV load
+        self.recent = LastKvLoads()  # per controller thread: its last KV load
         self.side_pools: dict[str, str] = {}  # v2 pools named by SGLang, not mapped: why
         self._lock = threading.Lock()
         self.link = SidecarLink(
@@ -185,7 +186,7 @@ class HicacheStorage(SidePoolOps, PoolAttach):
             return handle.tokens // attached.host.page_size if state == "done" else 0
 
         loaded = int(self.link.use("batch_get_v1", load, 0))
-        self.remember_load(keys, pages, loaded)  # a DSA model's indexer asks next (storage_v2)
+        self.recent.record(keys, pages, loaded)  # a DSA model's indexer asks next (storage_v2)
         self.stats.moved("prefetch", loaded, loaded * self._page_bytes(), started)
         return [i < loaded for i in range(len(keys))]
 

@@ -20,7 +20,6 @@ and a repeated set stores nothing new (the sidecar holds those pages: True).
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,7 +35,7 @@ from hicache.integrations.core.shared_memory import SharedRegions
 from hicache.integrations.core.sidecar_link import SidecarLink
 from hicache.integrations.sglang.hit_policies import PoolAsk, restorable
 from hicache.integrations.sglang.host_pools import HostKv, host_pages
-from hicache.integrations.sglang.index_pools import HostIndex
+from hicache.integrations.sglang.index_pools import HostIndex, LastKvLoads
 from hicache.integrations.sglang.settings import BackendSettings
 from hicache.integrations.sglang.side_pools import HostState, host_slots, window_fits
 
@@ -120,7 +119,7 @@ class SidePoolOps:
     ready: bool
     link: SidecarLink
     settings: BackendSettings
-    recent: threading.local  # per controller thread: its last KV load (`_beside_kv`)
+    recent: LastKvLoads  # per controller thread: its last KV load (`_beside_kv`)
 
     def live(self) -> Attached | None:
         """The attach the data path may use: None until SGLang registered every host pool
@@ -252,10 +251,6 @@ class SidePoolOps:
                 out[name] = [False] * len(keys)
         return out
 
-    def remember_load(self, keys: Sequence[str], pages: Sequence[int], loaded: int) -> None:
-        """This thread's last KV load: its keys, host pages and the leading pages it moved."""
-        self.recent.load = (tuple(keys), tuple(pages), loaded)
-
     def _beside_kv(
         self, v1: str, keys: list[str], host_indices: Any, extra_info: Any
     ) -> list[bool]:
@@ -268,10 +263,10 @@ class SidePoolOps:
         if attached is None or attached.index is None or "indexer" in attached.replaced:
             return [False] * len(keys)
         if v1 == "batch_get_v1":
-            last, self.recent.load = getattr(self.recent, "load", None), None
             pages = host_pages(host_indices, attached.host.page_size, len(keys))
-            if pages is not None and last is not None and last[:2] == (tuple(keys), tuple(pages)):
-                return [i < last[2] for i in range(len(keys))]
+            loaded = self.recent.take(keys, pages)
+            if loaded is not None:
+                return [i < loaded for i in range(len(keys))]
         return list(getattr(self, v1)(keys, host_indices, extra_info))
 
     def _state_slot(self, host_indices: Any) -> tuple[Attached, str, int] | None:

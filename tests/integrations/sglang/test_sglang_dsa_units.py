@@ -6,6 +6,7 @@ them out, every mismatch named)."""
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from hicache.integrations.sglang.host_pools import HostKv, host_pool_manifest, k
 from hicache.integrations.sglang.index_pools import (
     HostIndex,
     IndexPoolError,
+    LastKvLoads,
     check_index,
     index_rows,
     needs_index,
@@ -179,3 +181,31 @@ def test_another_indexer_pool_class_or_a_page_of_other_bytes_is_refused(tmp_path
     assert "a layer's page: SGLang 8192 bytes of keys and scales, sidecar 8192 + 256 bytes" in str(
         err.value
     )
+
+
+def test_the_last_kv_load_answers_only_the_next_indexer_call_of_its_thread_and_batch() -> None:
+    """Every ordering of a thread's KV loads and indexer calls: answered only by the record of
+    the same thread, keys and pages, and only once."""
+    loads = LastKvLoads()
+    keys, pages = ["k1", "k2"], [3, 4]
+    assert loads.take(keys, pages) is None  # nothing recorded: the indexer loads for itself
+    loads.record(keys, pages, 2)
+    assert loads.take(keys, pages) == 2  # right after the KV load of the same batch
+    assert loads.take(keys, pages) is None  # taken once
+    loads.record(keys, pages, 1)  # a KV load that moved one page of two
+    assert loads.take(keys, pages) == 1
+    loads.record(keys, pages, 2)
+    assert loads.take(keys, [3, 5]) is None  # other host pages: loads for itself...
+    assert loads.take(keys, pages) is None  # ...and the record is gone
+    loads.record(keys, pages, 2)
+    loads.record(["k9"], [7], 0)  # the next KV load replaces it
+    assert loads.take(keys, pages) is None
+    loads.record(keys, pages, 2)
+    assert loads.take(keys, None) is None  # indices that are not whole pages
+    loads.record(keys, pages, 2)
+    seen: list[int | None] = []
+    other = threading.Thread(target=lambda: seen.append(loads.take(keys, pages)))
+    other.start()
+    other.join()
+    assert seen == [None]  # another controller thread never takes this thread's record
+    assert loads.take(keys, pages) == 2
