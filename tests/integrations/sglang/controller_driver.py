@@ -28,6 +28,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 L, P, H, D = 4, 16, 2, 64  # layers, page size, KV heads, head dim (the tests' model config)
@@ -81,19 +82,26 @@ def hicache_controller(
     return ctl, getattr(backend, "_backend", backend)
 
 
-def prefetch_hit(ctl: Any, hit: Any) -> tuple[Any, int]:
-    """What SGLang's scheduler does with a prefetch hit: host slots for it, the page transfer
-    queued, its acks drained -> (the host slots, the tokens it fetched)."""
+def prefetch_hit(
+    ctl: Any, hit: Any, side_slots: Callable[[], None] | None = None
+) -> tuple[Any, int, dict[str, int]]:
+    """What SGLang's scheduler does with a prefetch hit: host slots for it (and, by
+    `side_slots`, for its side pools), the page transfer queued, its acks drained -> (the
+    host slots, the tokens it fetched, the side pools' hits the acks reported)."""
     host_idx = ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
+    if side_slots is not None:
+        side_slots()
     hit.host_indices = host_idx
     ctl.prefetch_buffer.put(hit)
-    fetched, done = 0, False
+    fetched, done, pool_hits = 0, False, {}
     while not done:
         ack = ctl.ack_prefetch_queue.get(timeout=120)
         if ack.completed_tokens is not None:
             fetched = max(fetched, int(ack.completed_tokens))
+        if ack.pool_hits:
+            pool_hits = {str(getattr(k, "value", k)): int(v) for k, v in ack.pool_hits.items()}
         done = bool(ack.completed_req)
-    return host_idx, fetched
+    return host_idx, fetched, pool_hits
 
 
 def host_pool(cls: Any, dev: Any, layout: str, **extra: Any) -> Any:
@@ -306,7 +314,7 @@ class Harness:
         hit_pages = int(hit.storage_hit_count) // P
         if hit_pages == 0:
             return {"hit_pages": 0, "fetched_tokens": 0, "match": None}
-        host_idx, fetched = prefetch_hit(ctl, hit)
+        host_idx, fetched, _ = prefetch_hit(ctl, hit)
         if fetched == 0:
             c["host"].free(host_idx)
             return {"hit_pages": hit_pages, "fetched_tokens": 0, "match": None}

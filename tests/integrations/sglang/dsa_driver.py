@@ -259,7 +259,7 @@ class DsaHarness(controller_driver.Harness):
         }
         if out["hit_pages"] == 0:
             return out
-        host_idx, fetched = controller_driver.prefetch_hit(ctl, hit)
+        host_idx, fetched, _ = controller_driver.prefetch_hit(ctl, hit)
         out["fetched_tokens"] = fetched
         if fetched == 0:
             c["group"].free(host_idx)

@@ -320,18 +320,13 @@ class Harness:
         }
         if hit_pages == 0:
             return out
-        host_idx = ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
-        side.host_indices = c["group"].alloc(1, pool=PoolName.MAMBA)  # the state's host slot
-        hit.host_indices = host_idx
-        ctl.prefetch_buffer.put(hit)
-        fetched, done = 0, False
-        while not done:
-            ack = ctl.ack_prefetch_queue.get(timeout=120)
-            if ack.completed_tokens is not None:
-                fetched = max(fetched, int(ack.completed_tokens))
-            if ack.pool_hits:
-                out["state_fetched"] = int(ack.pool_hits.get("mamba", 0))
-            done = bool(ack.completed_req)
+
+        def state_slot() -> None:  # the state's host slot
+            side.host_indices = c["group"].alloc(1, pool=PoolName.MAMBA)
+
+        host_idx, fetched, pool_hits = controller_driver.prefetch_hit(ctl, hit, state_slot)
+        if pool_hits:
+            out["state_fetched"] = pool_hits.get("mamba", 0)
         out["fetched_tokens"] = fetched
         if fetched == 0:
             self._clear(c, host_idx, torch.empty(0, dtype=torch.int64), side.host_indices)

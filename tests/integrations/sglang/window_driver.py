@@ -240,19 +240,14 @@ class WindowHarness(Harness):
         }
         if hit_pages == 0:
             return out
-        host_idx = ctl.alloc_prefetch_host_buffers(hit, hit.storage_hit_count)
         n = min(window, hit_pages)  # the SWA staging, as the scheduler sizes it
-        side.host_indices = c["group"].alloc(n * P, pool=PoolName.SWA)
-        hit.host_indices = host_idx
-        ctl.prefetch_buffer.put(hit)
-        fetched, done = 0, False
-        while not done:
-            ack = ctl.ack_prefetch_queue.get(timeout=120)
-            if ack.completed_tokens is not None:
-                fetched = max(fetched, int(ack.completed_tokens))
-            if ack.pool_hits:
-                out["window_fetched"] = int(ack.pool_hits.get("swa", 0))
-            done = bool(ack.completed_req)
+
+        def window_slots() -> None:
+            side.host_indices = c["group"].alloc(n * P, pool=PoolName.SWA)
+
+        host_idx, fetched, pool_hits = controller_driver.prefetch_hit(ctl, hit, window_slots)
+        if pool_hits:
+            out["window_fetched"] = pool_hits.get("swa", 0)
         out["fetched_tokens"] = fetched
         empty = torch.empty(0, dtype=torch.int64)
         if fetched == 0:
