@@ -106,10 +106,13 @@ class Attached:
     def reaches(self) -> list[tuple[int, int]]:
         """Per storage of `storages()` the addresses shared: the whole allocation, but for a
         DSA indexer buffer, the rows of the KV pool's pages (`HostIndex.reach`)."""
-        out = [(int(s.data_ptr()), int(s.data_ptr()) + int(s.nbytes())) for s in self.storages()]
-        if self.index is not None:
-            out[-1] = self.index.reach(self.host.pages)
-        return out
+        index = None if self.index is None else self.index.buffer.untyped_storage().data_ptr()
+        return [
+            self.index.reach(self.host.pages)
+            if self.index is not None and s.data_ptr() == index
+            else (int(s.data_ptr()), int(s.data_ptr()) + int(s.nbytes()))
+            for s in self.storages()
+        ]
 
 
 class SidePoolOps:
